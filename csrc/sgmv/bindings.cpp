@@ -1,0 +1,184 @@
+// Torch bindings for SGMV: every input is checked here (shape, dtype, device, layout and, for
+// host-side metadata, the segment values) and the error names the offending tensor and shape.
+// Weight addresses cannot be checked: punica_x.ops.sgmv.SgmvWeights owns the tensors they point to.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "sgmv.h"
+
+#ifdef PUNICA_X_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace {
+
+using punica_x::SgmvSegments;
+
+constexpr int kMaxSlices = 4;
+
+#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, "sgmv: ", __VA_ARGS__)
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  CHECK_ARG(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  CHECK_ARG(t.stride(1) == 1, name, " must have contiguous rows (stride(1) == 1), got strides ",
+            t.strides());
+}
+
+void check_vector(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t size,
+                  const torch::Device& device) {
+  CHECK_ARG(t.dim() == 1 && t.size(0) == size, name, " must have shape [", size, "], got ",
+            t.sizes());
+  CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+  CHECK_ARG(t.device() == device, name, " must be on ", device, ", got ", t.device());
+}
+
+// Validates the segment metadata. On CPU it also checks the values, including the caller's
+// bounds max_rows (rows of the longest segment with an adapter) and max_rank (largest rank sum
+// of a segment with an adapter);
+// on CUDA the values stay on the device and the bounds are trusted (they size the grid).
+SgmvSegments check_segments(const torch::Tensor& w_ptr, const torch::Tensor& ranks,
+                            const torch::Tensor& seg, int64_t layer, int64_t rows,
+                            int64_t max_rows, int64_t max_rank, const torch::Device& device) {
+  CHECK_ARG(seg.dim() == 1 && seg.size(0) >= 1, "seg must be 1-D [num_segments + 1], got ",
+            seg.sizes());
+  const int64_t n = seg.size(0) - 1;
+  check_vector(seg, "seg", at::kInt, n + 1, device);
+  check_vector(w_ptr, "w_ptr", at::kLong, n, device);
+  CHECK_ARG(ranks.dim() == 2 && ranks.size(0) == n, "ranks must be [num_segments=", n,
+            ", num_slices], got ", ranks.sizes());
+  CHECK_ARG(ranks.size(1) >= 1 && ranks.size(1) <= kMaxSlices, "ranks must have 1..", kMaxSlices,
+            " slices, got ", ranks.size(1));
+  CHECK_ARG(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.device() == device,
+            "ranks must be contiguous int32 on ", device);
+  CHECK_ARG(layer >= 0, "layer must be >= 0, got ", layer);
+  if (device.is_cpu()) {
+    const int32_t* s = seg.data_ptr<int32_t>();
+    CHECK_ARG(s[0] >= 0 && s[n] <= rows, "segments must lie in [0, ", rows, "), got seg[0]=", s[0],
+              " seg[-1]=", s[n]);
+    for (int64_t i = 0; i < n; ++i)
+      CHECK_ARG(s[i] <= s[i + 1], "seg must be non-decreasing, seg[", i, "]=", s[i], " > seg[",
+                i + 1, "]=", s[i + 1]);
+    const int32_t* r = ranks.data_ptr<int32_t>();
+    const int64_t slices = ranks.size(1);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t sum = 0;
+      for (int64_t j = 0; j < slices; ++j) {
+        CHECK_ARG(r[i * slices + j] >= 0, "ranks must be >= 0, got ", r[i * slices + j]);
+        sum += r[i * slices + j];
+      }
+      if (w_ptr.data_ptr<int64_t>()[i] == 0) continue;
+      CHECK_ARG(sum <= max_rank, "segment ", i, " has rank ", sum, " > max_rank ", max_rank);
+      CHECK_ARG(s[i + 1] - s[i] <= max_rows, "segment ", i, " has ", s[i + 1] - s[i],
+                " rows > max_rows ", max_rows);
+    }
+  }
+  return SgmvSegments{w_ptr.data_ptr<int64_t>(), ranks.data_ptr<int32_t>(), seg.data_ptr<int32_t>(),
+                      static_cast<int>(n), static_cast<int>(ranks.size(1)),
+                      static_cast<int>(layer)};
+}
+
+#ifdef PUNICA_X_WITH_CUDA
+punica_x::DType cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return punica_x::DType::kFloat32;
+    case at::kHalf: return punica_x::DType::kFloat16;
+    case at::kBFloat16: return punica_x::DType::kBFloat16;
+    default: TORCH_CHECK(false, "sgmv: no CUDA kernel for dtype ", t);
+  }
+}
+#endif
+
+// v[t, 0:R_s] = x[t] @ A_s[layer]^T for the rows of every segment s with an adapter.
+void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
+                 torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank) {
+  check_rows(x, "x");
+  check_rows(v, "v");
+  CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
+  CHECK_ARG(v.size(0) == x.size(0), "v and x must have the same rows, got v ", v.sizes(), " x ",
+            x.sizes());
+  CHECK_ARG(v.device() == x.device(), "v and x must be on one device");
+  SgmvSegments p =
+      check_segments(w_ptr, ranks, seg, layer, x.size(0), max_rows, max_rank, x.device());
+  CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
+  const int h_in = static_cast<int>(x.size(1));
+  if (x.device().is_cpu()) {
+    CHECK_ARG(x.scalar_type() == at::kFloat, "x must be float32 on CPU, got ", x.scalar_type());
+    punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(), x.stride(0),
+                              h_in, p);
+    return;
+  }
+#ifdef PUNICA_X_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(x.device());
+  v.zero_();
+  const bool ok = punica_x::sgmv_shrink_cuda(
+      cuda_dtype(x.scalar_type()), v.data_ptr<float>(), v.stride(0), x.data_ptr(), x.stride(0),
+      h_in, p, static_cast<int>(max_rows), static_cast<int>(max_rank), c10::cuda::getCurrentCUDAStream().stream());
+  CHECK_ARG(ok, "no CUDA shrink kernel for dtype ", x.scalar_type());
+#else
+  CHECK_ARG(false, "this build has no CUDA kernels (x is on ", x.device(), ")");
+#endif
+}
+
+// y[t, yoff_j : yoff_j + h_out[j]] += v[t, voff_j : voff_j + r_j] @ B_s,j[layer].
+void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::Tensor ranks,
+                 torch::Tensor seg, std::vector<int64_t> h_out, int64_t layer, int64_t max_rows,
+                 int64_t max_rank) {
+  check_rows(y, "y");
+  check_rows(v, "v");
+  CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
+  CHECK_ARG(v.size(0) == y.size(0), "v and y must have the same rows, got v ", v.sizes(), " y ",
+            y.sizes());
+  CHECK_ARG(v.device() == y.device(), "v and y must be on one device");
+  SgmvSegments p =
+      check_segments(w_ptr, ranks, seg, layer, y.size(0), max_rows, max_rank, y.device());
+  CHECK_ARG(static_cast<int64_t>(h_out.size()) == ranks.size(1), "h_out has ", h_out.size(),
+            " slices, ranks has ", ranks.size(1));
+  int32_t h_out32[kMaxSlices];
+  int64_t total = 0;
+  for (size_t j = 0; j < h_out.size(); ++j) {
+    CHECK_ARG(h_out[j] > 0, "h_out[", j, "] must be > 0, got ", h_out[j]);
+    h_out32[j] = static_cast<int32_t>(h_out[j]);
+    total += h_out[j];
+  }
+  CHECK_ARG(y.size(1) >= total, "y has ", y.size(1), " columns, the slices need ", total);
+  CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
+  if (y.device().is_cpu()) {
+    CHECK_ARG(y.scalar_type() == at::kFloat, "y must be float32 on CPU, got ", y.scalar_type());
+    punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(), v.stride(0),
+                              h_out32, p);
+    return;
+  }
+#ifdef PUNICA_X_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(y.device());
+  const bool ok = punica_x::sgmv_expand_cuda(
+      cuda_dtype(y.scalar_type()), y.data_ptr(), y.stride(0), v.data_ptr<float>(), v.stride(0),
+      h_out32, p, static_cast<int>(max_rows), c10::cuda::getCurrentCUDAStream().stream());
+  CHECK_ARG(ok, "no CUDA expand kernel for dtype ", y.scalar_type());
+#else
+  CHECK_ARG(false, "this build has no CUDA kernels (y is on ", y.device(), ")");
+#endif
+}
+
+bool has_cuda() {
+#ifdef PUNICA_X_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sgmv_shrink", &sgmv_shrink, "SGMV shrink (see csrc/sgmv/sgmv.h)", py::arg("v"),
+        py::arg("x"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("layer"),
+        py::arg("max_rows"), py::arg("max_rank"));
+  m.def("sgmv_expand", &sgmv_expand, "SGMV expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
+        py::arg("v"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
+        py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"));
+  m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
+  m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
+}

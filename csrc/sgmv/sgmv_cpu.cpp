@@ -1,0 +1,214 @@
+// CPU SGMV: register-tiled kernels on 16-float vectors (one AVX-512 register; two AVX2
+// registers elsewhere), work split over (segment, tile) items on the ATen thread pool.
+//
+// shrink: a tile is MB rows x JB rank rows of A^T; it streams JB rows of A^T once and reuses each
+//         loaded vector for MB input rows. One-row segments (the distinct case) take JB = 8 so
+//         each item keeps eight independent memory streams in flight.
+// expand: a tile is MB rows x NB*16 output columns; it streams the rank rows of B once per row
+//         block. One-row segments take wide column blocks (NB = 16) for long sequential reads.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "sgmv.h"
+
+namespace punica_x {
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf r;
+  std::memcpy(&r, p, sizeof(vf));
+  return r;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+
+inline vf splat(float s) { return vf{} + s; }
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long.
+template <int MB, int JB>
+void shrink_tile(const float* x, int64_t xs, const float* a, int h_in, float* v, int64_t vs) {
+  vf acc[MB][JB] = {};
+  int k = 0;
+  for (; k + kLanes <= h_in; k += kLanes) {
+    vf av[JB];
+    for (int j = 0; j < JB; ++j) av[j] = load(a + int64_t(j) * h_in + k);
+    for (int m = 0; m < MB; ++m) {
+      const vf xv = load(x + m * xs + k);
+      for (int j = 0; j < JB; ++j) acc[m][j] += xv * av[j];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < JB; ++j) {
+      float s = hsum(acc[m][j]);
+      for (int kk = k; kk < h_in; ++kk) s += x[m * xs + kk] * a[int64_t(j) * h_in + kk];
+      v[m * vs + j] = s;
+    }
+  }
+}
+
+// y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * 16; b rows are `ld` long.
+template <int MB, int NB>
+void expand_tile(const float* v, int64_t vs, int r, const float* b, int64_t ld, float* y,
+                 int64_t ys) {
+  vf acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = load(y + m * ys + n * kLanes);
+  for (int i = 0; i < r; ++i) {
+    vf bv[NB];
+    for (int n = 0; n < NB; ++n) bv[n] = load(b + i * ld + n * kLanes);
+    for (int m = 0; m < MB; ++m) {
+      const vf s = splat(v[m * vs + i]);
+      for (int n = 0; n < NB; ++n) acc[m][n] += s * bv[n];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
+}
+
+// Scalar columns left over when h_out is not a multiple of 16.
+void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const float* b, int64_t ld,
+                        int cols, float* y, int64_t ys) {
+  for (int m = 0; m < rows; ++m)
+    for (int c = 0; c < cols; ++c) {
+      float s = 0.f;
+      for (int i = 0; i < r; ++i) s += v[m * vs + i] * b[i * ld + c];
+      y[m * ys + c] += s;
+    }
+}
+
+using ShrinkFn = void (*)(const float*, int64_t, const float*, int, float*, int64_t);
+using ExpandFn = void (*)(const float*, int64_t, int, const float*, int64_t, float*, int64_t);
+
+template <int MB, int... J>
+constexpr std::array<ShrinkFn, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
+  return {&shrink_tile<MB, J + 1>...};
+}
+
+template <int MB, int... N>
+constexpr std::array<ExpandFn, sizeof...(N)> expand_row(std::integer_sequence<int, N...>) {
+  return {&expand_tile<MB, N + 1>...};
+}
+
+constexpr int kShrinkMaxJB = 8;  // one-row tiles
+constexpr int kShrinkJB = 4;     // multi-row tiles
+constexpr int kMB = 4;
+constexpr int kExpandNarrowNB = 4;  // multi-row tiles: 4 x 4 accumulators
+constexpr int kExpandWideNB = 16;   // one-row tiles: 1 x 16 accumulators
+
+ShrinkFn shrink_kernel(int mb, int jb) {
+  using Seq = std::make_integer_sequence<int, kShrinkMaxJB>;
+  static const std::array<std::array<ShrinkFn, kShrinkMaxJB>, kMB> table = {
+      shrink_row<1>(Seq{}), shrink_row<2>(Seq{}), shrink_row<3>(Seq{}), shrink_row<4>(Seq{})};
+  return table[mb - 1][jb - 1];
+}
+
+ExpandFn expand_kernel(int mb, int nb) {
+  static const std::array<ExpandFn, kExpandWideNB> wide =
+      expand_row<1>(std::make_integer_sequence<int, kExpandWideNB>{});
+  using Seq = std::make_integer_sequence<int, kExpandNarrowNB>;
+  static const std::array<std::array<ExpandFn, kExpandNarrowNB>, kMB> narrow = {
+      expand_row<1>(Seq{}), expand_row<2>(Seq{}), expand_row<3>(Seq{}), expand_row<4>(Seq{})};
+  return mb == 1 ? wide[nb - 1] : narrow[mb - 1][nb - 1];
+}
+
+struct ShrinkItem {
+  int seg, row0, rows, j0, jn;
+};
+
+struct ExpandItem {
+  int seg, slice, c0, cn;
+};
+
+int rank_sum(const SgmvSegments& p, int s) {
+  int r = 0;
+  for (int j = 0; j < p.num_slices; ++j) r += p.ranks[s * p.num_slices + j];
+  return r;
+}
+
+}  // namespace
+
+void sgmv_shrink_cpu(float* v, int64_t v_stride, const float* x, int64_t x_stride, int h_in,
+                     const SgmvSegments& p) {
+  std::vector<ShrinkItem> items;
+  for (int s = 0; s < p.num_segments; ++s) {
+    const int rows = p.seg[s + 1] - p.seg[s];
+    const int rank = rank_sum(p, s);
+    if (p.w_ptr[s] == 0 || rows == 0 || rank == 0) continue;
+    const int jb = rows == 1 ? kShrinkMaxJB : kShrinkJB;
+    for (int r0 = 0; r0 < rows; r0 += kMB)
+      for (int j0 = 0; j0 < rank; j0 += jb)
+        items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0)});
+  }
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const ShrinkItem& it = items[i];
+      const int rank = rank_sum(p, it.seg);
+      const float* a = reinterpret_cast<const float*>(p.w_ptr[it.seg]) +
+                       (int64_t(p.layer) * rank + it.j0) * h_in;
+      shrink_kernel(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, a, h_in,
+                                    v + it.row0 * v_stride + it.j0, v_stride);
+    }
+  });
+}
+
+void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_stride,
+                     const int32_t* h_out, const SgmvSegments& p) {
+  std::vector<ExpandItem> items;
+  for (int s = 0; s < p.num_segments; ++s) {
+    const int rows = p.seg[s + 1] - p.seg[s];
+    if (p.w_ptr[s] == 0 || rows == 0) continue;
+    const int width = kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
+    for (int j = 0; j < p.num_slices; ++j) {
+      if (p.ranks[s * p.num_slices + j] == 0) continue;
+      for (int c0 = 0; c0 < h_out[j]; c0 += width)
+        items.push_back({s, j, c0, std::min(width, h_out[j] - c0)});
+    }
+  }
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const ExpandItem& it = items[i];
+      const int32_t* ranks = p.ranks + it.seg * p.num_slices;
+      int64_t layer_size = 0, b_off = 0, v_off = 0, y_off = 0;
+      for (int j = 0; j < p.num_slices; ++j) {
+        if (j < it.slice) {
+          b_off += int64_t(ranks[j]) * h_out[j];
+          v_off += ranks[j];
+          y_off += h_out[j];
+        }
+        layer_size += int64_t(ranks[j]) * h_out[j];
+      }
+      const int r = ranks[it.slice];
+      const int64_t ld = h_out[it.slice];
+      const float* b = reinterpret_cast<const float*>(p.w_ptr[it.seg]) + p.layer * layer_size +
+                       b_off + it.c0;
+      const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
+      const int vec_cols = it.cn / kLanes * kLanes;
+      for (int m0 = 0; m0 < rows; m0 += kMB) {
+        const int mb = std::min(kMB, rows - m0);
+        const float* vrow = v + (row0 + m0) * v_stride + v_off;
+        float* yrow = y + (row0 + m0) * y_stride + y_off + it.c0;
+        if (vec_cols > 0)
+          expand_kernel(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride);
+        if (vec_cols < it.cn)
+          expand_cols_scalar(vrow, v_stride, mb, r, b + vec_cols, ld, it.cn - vec_cols,
+                             yrow + vec_cols, y_stride);
+      }
+    }
+  });
+}
+
+}  // namespace punica_x

@@ -1,0 +1,234 @@
+// CUDA SGMV, Punica sec. 4 schedule (SIMT, no tensor cores):
+//   shrink  grid (segment, split-K chunk): each warp owns rank rows of A^T, reduces its partial
+//           dot products with warp shuffles and adds them into the float32 v with atomics, so a
+//           thin output (r columns) still spreads over many thread blocks.
+//   shrink, one-row segments: the same split-K grid with 16-byte vector loads of A and x, a pure
+//           memory-bound matrix-vector product (the distinct-adapter decode case).
+//   expand  grid (output column block, segment, slice): each thread owns output columns and
+//           streams the r rows of B; reads of B are coalesced across the warp.
+// Plain CUDA: no torch headers, so `nvcc -c` alone builds it (tests do, for sm_80 and sm_90).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sgmv.h"
+
+namespace punica_x {
+namespace {
+
+constexpr int kMaxSlices = 4;
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+
+struct Slices {
+  int h_out[kMaxSlices];
+};
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int rank_sum(const SgmvSegments& p, int s) {
+  int r = 0;
+  for (int j = 0; j < p.num_slices; ++j) r += p.ranks[s * p.num_slices + j];
+  return r;
+}
+
+template <typename T>
+__global__ void shrink_kernel(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
+                              SgmvSegments p, int k_chunk) {
+  const int s = blockIdx.x;
+  const int64_t wp = p.w_ptr[s];
+  if (wp == 0) return;
+  const int row0 = p.seg[s], row1 = p.seg[s + 1];
+  const int rank = rank_sum(p, s);
+  const int k0 = blockIdx.y * k_chunk;
+  const int k1 = min(h_in, k0 + k_chunk);
+  const T* a = reinterpret_cast<const T*>(wp) + int64_t(p.layer) * rank * h_in;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int j = warp; j < rank; j += blockDim.x / kWarp) {
+    const T* arow = a + int64_t(j) * h_in;
+    for (int t = row0; t < row1; ++t) {
+      float acc = 0.f;
+      for (int k = k0 + lane; k < k1; k += kWarp) acc += to_f32(x[t * xs + k]) * to_f32(arow[k]);
+      acc = warp_sum(acc);
+      if (lane == 0) atomicAdd(v + t * vs + j, acc);
+    }
+  }
+}
+
+// 16 bytes of T at a time; requires h_in * sizeof(T), the row strides and k_chunk * sizeof(T)
+// to be multiples of 16 (checked by the launcher).
+template <typename T>
+__global__ void shrink_one_row_kernel(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
+                                      SgmvSegments p, int k_chunk) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int s = blockIdx.x;
+  const int64_t wp = p.w_ptr[s];
+  if (wp == 0 || p.seg[s + 1] == p.seg[s]) return;
+  const int t = p.seg[s];
+  const int rank = rank_sum(p, s);
+  const int k0 = blockIdx.y * k_chunk;
+  const int k1 = min(h_in, k0 + k_chunk);
+  const T* a = reinterpret_cast<const T*>(wp) + int64_t(p.layer) * rank * h_in;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int j = warp; j < rank; j += blockDim.x / kWarp) {
+    const T* arow = a + int64_t(j) * h_in;
+    float acc = 0.f;
+    for (int k = k0 + lane * kVec; k < k1; k += kWarp * kVec) {
+      const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + t * xs + k);
+      const T* ae = reinterpret_cast<const T*>(&av);
+      const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc += to_f32(xe[e]) * to_f32(ae[e]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) atomicAdd(v + t * vs + j, acc);
+  }
+}
+
+template <typename T>
+__global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, SgmvSegments p,
+                              Slices slices) {
+  const int s = blockIdx.y, slice = blockIdx.z;
+  const int64_t wp = p.w_ptr[s];
+  if (wp == 0) return;
+  const int32_t* ranks = p.ranks + s * p.num_slices;
+  const int r = ranks[slice];
+  const int h_out = slices.h_out[slice];
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r == 0 || c >= h_out) return;
+  int64_t layer_size = 0, b_off = 0;
+  int v_off = 0, y_off = 0;
+  for (int j = 0; j < p.num_slices; ++j) {
+    if (j < slice) {
+      b_off += int64_t(ranks[j]) * slices.h_out[j];
+      v_off += ranks[j];
+      y_off += slices.h_out[j];
+    }
+    layer_size += int64_t(ranks[j]) * slices.h_out[j];
+  }
+  const T* b = reinterpret_cast<const T*>(wp) + p.layer * layer_size + b_off + c;
+  for (int t = p.seg[s]; t < p.seg[s + 1]; ++t) {
+    const float* vrow = v + t * vs + v_off;
+    float acc = 0.f;
+    for (int i = 0; i < r; ++i) acc += vrow[i] * to_f32(b[int64_t(i) * h_out]);
+    T* out = y + t * ys + y_off + c;
+    *out = from_f32<T>(to_f32(*out) + acc);
+  }
+}
+
+int split_k(int h_in, int num_segments) {
+  int device = 0, sms = 108;
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int want = (2 * sms + num_segments - 1) / num_segments;
+  const int most = h_in / 256 > 0 ? h_in / 256 : 1;
+  return want < 1 ? 1 : (want > most ? most : want);
+}
+
+template <typename T>
+void launch_shrink(float* v, int64_t vs, const T* x, int64_t xs, int h_in, const SgmvSegments& p,
+                   int max_rows, cudaStream_t stream) {
+  const int splits = split_k(h_in, p.num_segments);
+  constexpr int kVec = 16 / sizeof(T);
+  int k_chunk = (h_in + splits - 1) / splits;
+  const bool vectorizable =
+      h_in % kVec == 0 && xs % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const dim3 grid(p.num_segments, splits);
+  if (max_rows == 1 && vectorizable) {
+    k_chunk = (k_chunk + kVec - 1) / kVec * kVec;
+    shrink_one_row_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
+  } else {
+    shrink_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
+  }
+}
+
+template <typename T>
+void launch_expand(T* y, int64_t ys, const float* v, int64_t vs, const int32_t* h_out,
+                   const SgmvSegments& p, cudaStream_t stream) {
+  Slices slices{};
+  int widest = 0;
+  for (int j = 0; j < p.num_slices; ++j) {
+    slices.h_out[j] = h_out[j];
+    widest = h_out[j] > widest ? h_out[j] : widest;
+  }
+  const dim3 grid((widest + kThreads - 1) / kThreads, p.num_segments, p.num_slices);
+  expand_kernel<T><<<grid, kThreads, 0, stream>>>(y, ys, v, vs, p, slices);
+}
+
+}  // namespace
+
+bool sgmv_shrink_cuda(DType dtype, float* v, int64_t v_stride, const void* x, int64_t x_stride,
+                      int h_in, const SgmvSegments& p, int max_rows, int max_rank, void* stream) {
+  if (p.num_segments == 0 || max_rows == 0 || max_rank == 0) return true;
+  auto st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case DType::kFloat32:
+      launch_shrink(v, v_stride, static_cast<const float*>(x), x_stride, h_in, p, max_rows, st);
+      return true;
+    case DType::kFloat16:
+      launch_shrink(v, v_stride, static_cast<const __half*>(x), x_stride, h_in, p, max_rows, st);
+      return true;
+    case DType::kBFloat16:
+      launch_shrink(v, v_stride, static_cast<const __nv_bfloat16*>(x), x_stride, h_in, p,
+                    max_rows, st);
+      return true;
+  }
+  return false;
+}
+
+bool sgmv_expand_cuda(DType dtype, void* y, int64_t y_stride, const float* v, int64_t v_stride,
+                      const int32_t* h_out_host, const SgmvSegments& p, int max_rows,
+                      void* stream) {
+  if (p.num_segments == 0 || max_rows == 0) return true;
+  auto st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case DType::kFloat32:
+      launch_expand(static_cast<float*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      return true;
+    case DType::kFloat16:
+      launch_expand(static_cast<__half*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      return true;
+    case DType::kBFloat16:
+      launch_expand(static_cast<__nv_bfloat16*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      return true;
+  }
+  return false;
+}
+
+}  // namespace punica_x

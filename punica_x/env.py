@@ -1,0 +1,34 @@
+"""Typed registry of the environment variables punica-x reads (one place, read on use)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+CACHE_DIR = EnvVar(
+    "PUNICA_X_CACHE",
+    str(Path.home() / ".cache" / "punica-x"),
+    "where converted models and compiled kernels are cached",
+)
+SGMV_BACKEND = EnvVar(
+    "PUNICA_X_SGMV_BACKEND", "", "force an SGMV backend: cpu, cuda or torch_ref (default: by device)"
+)
+
+
+def cache_dir(*parts: str) -> Path:
+    """A directory under the punica-x cache, created on first use."""
+    path = Path(CACHE_DIR.get()).expanduser().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,246 @@
+"""SGMV: segmented gather matrix-vector multiplication (Punica sec. 4).
+
+Rows of a batch are grouped into contiguous segments; segment ``s`` (rows ``seg[s]:seg[s+1]``)
+uses its own LoRA weights, or none. The LoRA add-on ``y += x @ A_s @ B_s`` is two launches:
+
+* shrink: ``v[rows, :R_s] = x[rows] @ A_s``     (h_in -> r, float32 workspace ``v``)
+* expand: ``y[rows] += v[rows, :R_s] @ B_s``     (r -> h_out)
+
+One launch may cover several *slices*: projections that read the same input and write
+side-by-side columns of one output (q|k|v, gate|up). Slice ``j`` of segment ``s`` has rank
+``ranks[s, j]`` (0 when the adapter does not target it); its rows of ``A^T`` are stacked so
+that a single shrink serves all slices, and its ``B`` writes columns
+``sum(h_out[:j]) : sum(h_out[:j+1])`` of ``y``. With one slice this is exactly Punica's SGMV.
+
+Weight layouts (per adapter, all layers in one tensor so the kernel offsets by ``layer``):
+
+* ``a``: ``[L, R, h_in]`` with ``R = sum_j r_j``; ``a[l, voff_j:voff_j + r_j] = A_j[l]^T``
+* ``b``: ``[L, sum_j r_j * h_out_j]``; slice ``j`` is ``B_j[l]`` (``[r_j, h_out_j]``), row-major,
+  scaling (lora_alpha / r) already folded in.
+
+Backends: ``cpu`` (compiled C++), ``cuda`` (compiled CUDA), ``torch_ref`` (pure PyTorch).
+The default is chosen by device and never silently replaced: a failed build raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Protocol
+
+import torch
+
+from punica_x.env import SGMV_BACKEND
+from punica_x.ops import _ref
+
+
+@dataclass(frozen=True, eq=False)
+class SgmvWeights:
+    """Segments and the LoRA weights one SGMV launch reads (built once per step, read per layer).
+
+    seg:      [S + 1] int32 on the device, first row of each segment
+    seg_host: the same offsets as a tuple (for the reference and for sizing)
+    ranks:    [S, n_slices] int32 on the device (ranks_host: tuple of tuples)
+    a, b:     per segment the adapter's tensors (layouts in the module doc), None for no adapter;
+              held here so the addresses in a_ptr / b_ptr stay valid
+    a_ptr, b_ptr: [S] int64 addresses of a[s] / b[s] (0 for None)
+    h_out:    output width of each slice
+    max_rows: rows of the longest segment with an adapter; max_rank: largest sum_j ranks[s, j]
+    """
+
+    seg: torch.Tensor
+    seg_host: tuple[int, ...]
+    ranks: torch.Tensor
+    ranks_host: tuple[tuple[int, ...], ...]
+    a: tuple[torch.Tensor | None, ...]
+    b: tuple[torch.Tensor | None, ...]
+    a_ptr: torch.Tensor
+    b_ptr: torch.Tensor
+    h_out: tuple[int, ...]
+    max_rows: int
+    max_rank: int
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_host) - 1
+
+    @classmethod
+    def build(
+        cls,
+        seg: Sequence[int],
+        a: Sequence[torch.Tensor | None],
+        b: Sequence[torch.Tensor | None],
+        ranks: Sequence[Sequence[int]],
+        h_out: Sequence[int],
+        device: torch.device | str,
+    ) -> SgmvWeights:
+        """Check shapes and pack pointers. ``seg`` has S + 1 entries; the others S each."""
+        n = len(seg) - 1
+        if not (len(a) == len(b) == len(ranks) == n):
+            raise ValueError(f"need {n} entries of a, b, ranks for {n} segments")
+        h_out = tuple(int(h) for h in h_out)
+        ranks = tuple(tuple(int(r) for r in rs) for rs in ranks)
+        for s in range(n):
+            _check_segment_weights(s, a[s], b[s], ranks[s], h_out)
+            if seg[s + 1] < seg[s]:
+                raise ValueError(f"seg must be non-decreasing, got {list(seg)}")
+        with_adapter = [s for s in range(n) if a[s] is not None]
+        max_rows = max((seg[s + 1] - seg[s] for s in with_adapter), default=0)
+        max_rank = max((sum(ranks[s]) for s in with_adapter), default=0)
+        rank_rows = ranks if n else ((0,) * len(h_out),)
+        return cls(
+            seg=torch.tensor(seg, dtype=torch.int32, device=device),
+            seg_host=tuple(int(x) for x in seg),
+            ranks=torch.tensor(rank_rows, dtype=torch.int32, device=device)[:n],
+            ranks_host=ranks,
+            a=tuple(a),
+            b=tuple(b),
+            a_ptr=_pointers(a, device),
+            b_ptr=_pointers(b, device),
+            h_out=h_out,
+            max_rows=max_rows,
+            max_rank=max_rank,
+        )
+
+
+def _check_segment_weights(s, a, b, ranks, h_out) -> None:
+    if (a is None) != (b is None):
+        raise ValueError(f"segment {s}: a and b must both be given or both be None")
+    if len(ranks) != len(h_out):
+        raise ValueError(f"segment {s}: {len(ranks)} ranks for {len(h_out)} slices")
+    if a is None:
+        return
+    rank = sum(ranks)
+    if a.dim() != 3 or a.shape[1] != rank or not a.is_contiguous():
+        raise ValueError(f"segment {s}: a must be contiguous [L, {rank}, h_in], got {tuple(a.shape)}")
+    width = sum(r * h for r, h in zip(ranks, h_out))
+    if b.dim() != 2 or b.shape != (a.shape[0], width) or not b.is_contiguous():
+        raise ValueError(
+            f"segment {s}: b must be contiguous [{a.shape[0]}, {width}], got {tuple(b.shape)}"
+        )
+
+
+def _pointers(ws: Sequence[torch.Tensor | None], device) -> torch.Tensor:
+    return torch.tensor([0 if w is None else w.data_ptr() for w in ws], dtype=torch.int64, device=device)
+
+
+class SgmvBackend(Protocol):
+    name: str
+
+    def shrink(self, v: torch.Tensor, x: torch.Tensor, w: SgmvWeights, layer: int) -> None: ...
+
+    def expand(self, y: torch.Tensor, v: torch.Tensor, w: SgmvWeights, layer: int) -> None: ...
+
+
+class CompiledBackend:
+    """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
+
+    def __init__(self, name: str, module) -> None:
+        self.name = name
+        self.module = module
+
+    def shrink(self, v, x, w, layer) -> None:
+        self.module.sgmv_shrink(v, x, w.a_ptr, w.ranks, w.seg, layer, w.max_rows, w.max_rank)
+
+    def expand(self, y, v, w, layer) -> None:
+        self.module.sgmv_expand(
+            y, v, w.b_ptr, w.ranks, w.seg, list(w.h_out), layer, w.max_rows, w.max_rank
+        )
+
+
+class TorchRefBackend:
+    """Pure PyTorch, one matmul per segment: the reference every kernel is tested against."""
+
+    name = "torch_ref"
+
+    def shrink(self, v, x, w, layer) -> None:
+        _ref.shrink(v, x, w, layer)
+
+    def expand(self, y, v, w, layer) -> None:
+        _ref.expand(y, v, w, layer)
+
+
+def _compiled(name: str, with_cuda: bool) -> SgmvBackend:
+    from punica_x.ops._build import load_sgmv_extension
+
+    return CompiledBackend(name, load_sgmv_extension(with_cuda))
+
+
+_REGISTRY = {
+    "cpu": lambda: _compiled("cpu", with_cuda=False),
+    "cuda": lambda: _compiled("cuda", with_cuda=True),
+    "torch_ref": TorchRefBackend,
+}
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+@cache
+def _instantiate(name: str) -> SgmvBackend:
+    return _REGISTRY[name]()
+
+
+def get_backend(device: torch.device | str, name: str | None = None) -> SgmvBackend:
+    """The SGMV backend for ``device``: ``name``, else $PUNICA_X_SGMV_BACKEND, else by device.
+
+    Raises KernelBuildError when the compiled kernels cannot be built (no silent fallback)."""
+    device = torch.device(device)
+    name = name or SGMV_BACKEND.get() or ("cuda" if device.type == "cuda" else "cpu")
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown SGMV backend {name!r}; choose one of {available_backends()}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu SGMV backend cannot run on {device}")
+    return _instantiate(name)
+
+
+def sgmv_shrink(
+    x: torch.Tensor,
+    w: SgmvWeights,
+    layer: int = 0,
+    out: torch.Tensor | None = None,
+    backend: SgmvBackend | None = None,
+) -> torch.Tensor:
+    """v[rows_s, :R_s] = x[rows_s] @ A_s[layer] for every segment s with an adapter.
+
+    x: [T, h_in] (rows contiguous), returns v: [T, >= max_rank] float32. Columns past a
+    segment's rank and rows without an adapter are left as they were in ``out`` (zeros if new).
+    """
+    if out is None:
+        out = torch.zeros(x.shape[0], max(w.max_rank, 1), dtype=torch.float32, device=x.device)
+    (backend or get_backend(x.device)).shrink(out, x, w, layer)
+    return out
+
+
+def sgmv_expand(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    w: SgmvWeights,
+    layer: int = 0,
+    backend: SgmvBackend | None = None,
+) -> torch.Tensor:
+    """y[rows_s, cols_j] += v[rows_s, voff_j:voff_j + r_j] @ B_s,j[layer], in place; returns y.
+
+    y: [T, >= sum(h_out)] (rows contiguous, may be a view), v: [T, >= max_rank] float32."""
+    (backend or get_backend(y.device)).expand(y, v, w, layer)
+    return y
+
+
+def add_lora_sgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: SgmvWeights,
+    layer: int = 0,
+    workspace: torch.Tensor | None = None,
+    backend: SgmvBackend | None = None,
+) -> torch.Tensor:
+    """y += x @ A_s @ B_s per segment (shrink then expand), in place; returns y.
+
+    ``workspace``: optional float32 [T, >= max_rank] buffer reused across calls."""
+    if w.max_rank == 0:
+        return y
+    backend = backend or get_backend(x.device)
+    v = sgmv_shrink(x, w, layer, out=workspace, backend=backend)
+    return sgmv_expand(y, v, w, layer, backend=backend)

@@ -1,0 +1,192 @@
+"""SGMV kernels against the pure-PyTorch reference on fresh random inputs.
+
+The grid covers adapter popularity x rank x batch x rows without an adapter (Punica's test
+axes); more tests cover several slices in one launch, layer offsets, strided outputs and the
+binding's input checks.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend, sgmv_expand, sgmv_shrink
+from punica_x.ops.sgmv import CompiledBackend
+from punica_x.workloads import POPULARITIES, assign_adapters, segment_lengths
+
+REF = get_backend("cpu", "torch_ref")
+
+
+def compiled():
+    return get_backend("cpu", "cpu")
+
+
+def make_weights(rng, seg_lens, slice_ranks, h_in, h_out, layers, device="cpu"):
+    """Random adapters for the given segments; slice_ranks[s] is None for a base-model segment."""
+    seg, a, b = [0], [], []
+    for n, ranks in zip(seg_lens, slice_ranks):
+        seg.append(seg[-1] + n)
+        if ranks is None:
+            a.append(None)
+            b.append(None)
+            continue
+        a.append(torch.randn(layers, sum(ranks), h_in, generator=rng) * 0.1)
+        b.append(torch.randn(layers, sum(r * h for r, h in zip(ranks, h_out)), generator=rng) * 0.1)
+    ranks = [r if r is not None else [0] * len(h_out) for r in slice_ranks]
+    return SgmvWeights.build(seg, a, b, ranks, h_out, device)
+
+
+def fresh_generator():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed), seed
+
+
+def with_base_rows(lens, pyrng):
+    """Insert a few segments without adapter (base-model rows) at random places."""
+    out = [(n, True) for n in lens]
+    for _ in range(pyrng.randint(1, 3)):
+        out.insert(pyrng.randint(0, len(out)), (pyrng.randint(1, 3), False))
+    return out
+
+
+@pytest.mark.parametrize("base_rows", [False, True], ids=["all-lora", "base-rows"])
+@pytest.mark.parametrize("batch", [1, 7, 32, 64])
+@pytest.mark.parametrize("rank", [8, 16, 32, 64])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
+    gen, seed = fresh_generator()
+    pyrng = random.Random(seed)
+    lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
+    segs = with_base_rows(lens, pyrng) if base_rows else [(n, True) for n in lens]
+    h_in, h_out, layers = pyrng.choice([64, 576, 1000]), pyrng.choice([64, 576, 1000]), 3
+    w = make_weights(gen, [n for n, _ in segs], [[rank] if l else None for _, l in segs],
+                     h_in, [h_out], layers)
+    rows = w.seg_host[-1]
+    x = torch.randn(rows, h_in, generator=gen)
+    y0 = torch.randn(rows, h_out, generator=gen)
+    layer = pyrng.randrange(layers)
+
+    v_ref = sgmv_shrink(x, w, layer, backend=REF)
+    v_our = sgmv_shrink(x, w, layer, backend=compiled())
+    torch.testing.assert_close(v_our, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+    y_ref = sgmv_expand(y0.clone(), v_ref, w, layer, backend=REF)
+    y_our = sgmv_expand(y0.clone(), v_ref, w, layer, backend=compiled())
+    torch.testing.assert_close(y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+    base = [i for s, (n, l) in enumerate(segs) if not l for i in range(w.seg_host[s], w.seg_host[s + 1])]
+    assert torch.equal(y_our[base], y0[base]), "rows without an adapter must be left untouched"
+
+
+def test_sgmv_several_slices_with_missing_modules():
+    """q|k|v in one launch, adapters with different ranks and some slices not targeted."""
+    gen, seed = fresh_generator()
+    h_in, h_out = 576, [576, 192, 192]
+    slice_ranks = [[8, 8, 8], [16, 0, 16], None, [4, 4, 0], [64, 64, 64]]
+    w = make_weights(gen, [3, 1, 2, 5, 1], slice_ranks, h_in, h_out, layers=4)
+    rows = w.seg_host[-1]
+    x = torch.randn(rows, h_in, generator=gen)
+    y = torch.randn(rows, sum(h_out), generator=gen)
+    for layer in range(4):
+        y_ref = add_lora_sgmv(y.clone(), x, w, layer, backend=REF)
+        y_our = add_lora_sgmv(y.clone(), x, w, layer, backend=compiled())
+        torch.testing.assert_close(y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_sgmv_expand_into_strided_view():
+    """y may be a column slice of a wider tensor (a fused projection output)."""
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 3], [[16], [8]], 128, [64], layers=1)
+    x = torch.randn(5, 128, generator=gen)
+    wide = torch.randn(5, 200, generator=gen)
+    ref = wide.clone()
+    add_lora_sgmv(ref[:, 100:164], x, w, backend=REF)
+    add_lora_sgmv(wide[:, 100:164], x, w, backend=compiled())
+    torch.testing.assert_close(wide, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sgmv_empty_batch_and_no_adapters():
+    w = SgmvWeights.build([0], [], [], [], [64], "cpu")
+    assert add_lora_sgmv(torch.zeros(0, 32), torch.zeros(0, 32), w, backend=compiled()).shape == (0, 32)
+    w = make_weights(torch.Generator(), [4], [None], 32, [64], layers=1)
+    y = torch.ones(4, 64)
+    add_lora_sgmv(y, torch.randn(4, 32), w, backend=compiled())
+    assert torch.equal(y, torch.ones(4, 64))
+
+
+def test_compiled_kernel_is_the_one_running():
+    """No silent fallback: on CPU the default backend is the compiled C++ extension."""
+    assert os.environ.get("PUNICA_X_SGMV_BACKEND", "") in ("", "cpu")
+    backend = get_backend("cpu")
+    assert isinstance(backend, CompiledBackend) and backend.name == "cpu"
+    assert backend.module.__file__.endswith(".so")
+    assert not backend.module.has_cuda()
+
+
+def test_binding_checks_inputs():
+    ext = compiled().module
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 2], [[16], [16]], 64, [32], layers=2)
+    x = torch.randn(4, 64)
+    v = torch.zeros(4, 16)
+    with pytest.raises(RuntimeError, match="v must be float32"):
+        ext.sgmv_shrink(v.double(), x, w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank)
+    with pytest.raises(RuntimeError, match="x must be 2-D"):
+        ext.sgmv_shrink(v, x[None], w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank)
+    with pytest.raises(RuntimeError, match=r"x must have contiguous rows"):
+        ext.sgmv_shrink(v, torch.randn(64, 4).t(), w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank)
+    with pytest.raises(RuntimeError, match="seg must be non-decreasing"):
+        bad = torch.tensor([0, 3, 1], dtype=torch.int32)
+        ext.sgmv_shrink(v, x, w.a_ptr, w.ranks, bad, 0, 4, w.max_rank)
+    with pytest.raises(RuntimeError, match="segments must lie in"):
+        bad = torch.tensor([0, 2, 9], dtype=torch.int32)
+        ext.sgmv_shrink(v, x, w.a_ptr, w.ranks, bad, 0, 9, w.max_rank)
+    with pytest.raises(RuntimeError, match="w_ptr must have shape"):
+        ext.sgmv_shrink(v, x, w.a_ptr[:1], w.ranks, w.seg, 0, w.max_rows, w.max_rank)
+    with pytest.raises(RuntimeError, match="v has 8 columns"):
+        ext.sgmv_shrink(torch.zeros(4, 8), x, w.a_ptr, w.ranks, w.seg, 0, w.max_rows, 16)
+    with pytest.raises(RuntimeError, match="has rank 16 > max_rank 8"):
+        ext.sgmv_shrink(v, x, w.a_ptr, w.ranks, w.seg, 0, w.max_rows, 8)
+    with pytest.raises(RuntimeError, match="y has 16 columns"):
+        ext.sgmv_expand(torch.zeros(4, 16), v, w.b_ptr, w.ranks, w.seg, [32], 0, w.max_rows, w.max_rank)
+    with pytest.raises(RuntimeError, match="h_out has 2 slices"):
+        ext.sgmv_expand(torch.zeros(4, 64), v, w.b_ptr, w.ranks, w.seg, [32, 32], 0, w.max_rows, w.max_rank)
+
+
+def test_weights_builder_checks_shapes():
+    a = torch.zeros(2, 16, 64)
+    with pytest.raises(ValueError, match="b must be contiguous"):
+        SgmvWeights.build([0, 1], [a], [torch.zeros(2, 100)], [[16]], [32], "cpu")
+    with pytest.raises(ValueError, match="a must be contiguous"):
+        SgmvWeights.build([0, 1], [a], [torch.zeros(2, 16 * 32)], [[8]], [32], "cpu")
+    with pytest.raises(ValueError, match="both be given"):
+        SgmvWeights.build([0, 1], [a], [None], [[16]], [32], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("batch", [1, 7, 32, 64])
+def test_sgmv_cuda_matches_reference(popularity, batch, dtype):
+    gen, seed = fresh_generator()
+    pyrng = random.Random(seed)
+    lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
+    segs = with_base_rows(lens, pyrng)
+    h_out = [4096, 1024]
+    ranks = [[16, 8] if l else None for _, l in segs]
+    w_cpu = make_weights(gen, [n for n, _ in segs], ranks, 4096, h_out, layers=2)
+    dev = torch.device("cuda")
+    w = SgmvWeights.build(
+        list(w_cpu.seg_host),
+        [None if a is None else a.to(dev, dtype) for a in w_cpu.a],
+        [None if b is None else b.to(dev, dtype) for b in w_cpu.b],
+        [list(r) for r in w_cpu.ranks_host], h_out, dev,
+    )
+    rows = w.seg_host[-1]
+    x = torch.randn(rows, 4096, device=dev, dtype=dtype)
+    y = torch.randn(rows, sum(h_out), device=dev, dtype=dtype)
+    y_ref = add_lora_sgmv(y.clone(), x, w, 1, backend=REF)
+    y_our = add_lora_sgmv(y.clone(), x, w, 1, backend=get_backend(dev))
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(y_our, y_ref, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
