@@ -1,0 +1,97 @@
+"""Frozen, validated configuration of one runner (model, KV cache, LoRA pool, batching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """model: a HF directory (config.json + *.safetensors), a .gguf file, or None for the
+    default SmolLM2-135M-Instruct. dtype "auto": float32 on CPU, bfloat16 (or float16 where
+    bf16 is unsupported) on CUDA. max_model_len: None takes the model's own limit."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _positive("max_model_len", self.max_model_len)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: blocks (rBlocks) of `block_size` tokens. The pool holds `num_blocks`
+    blocks, or as many as fit in `kv_cache_bytes`."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 2 * GiB
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_bytes", self.kv_cache_bytes)
+        _positive("num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter pool. Device slots are budgeted in bytes (an adapter costs what its ranks and
+    target modules cost); behind them an LRU host cache of validated adapters."""
+
+    max_lora_rank: int = 64
+    device_bytes: int = 1 * GiB
+    host_bytes: int = 4 * GiB
+
+    def __post_init__(self) -> None:
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("device_bytes", self.device_bytes)
+        _positive("host_bytes", self.host_bytes)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Continuous batching: at most `max_batch_size` running requests and
+    `max_batched_tokens` tokens (prefill chunks + one per decode) in one model invocation."""
+
+    max_batch_size: int = 32
+    max_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("max_batched_tokens", self.max_batched_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    sgmv_backend: str | None = None
+    seed: int = 0

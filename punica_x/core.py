@@ -1,0 +1,146 @@
+"""Shared vocabulary of the runner: sampling parameters, requests, per-step batch metadata
+and the outputs streamed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from punica_x.ops.sgmv import SgmvWeights
+
+if TYPE_CHECKING:
+    from punica_x.attention.paged import AttentionMeta
+    from punica_x.lora.pool import AdapterRef
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k <= 0 and top_p = 1 disable those filters. Generation
+    stops at max_tokens, at eos (unless ignore_eos), at any of stop_token_ids, or when the
+    text contains one of `stop` (the stop string is cut from the text unless
+    include_stop_str_in_output)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller (or a disconnect)
+    ERROR = "error"  # the request could not be served (e.g. its adapter failed to load)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `all_token_ids` = prompt + generated; the first `num_computed_tokens`
+    of them have KV in `block_ids`. A preempted request keeps its tokens and recomputes."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    adapter: AdapterRef | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    on_output: Callable[[RequestOutput], None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a caller sees after each step: the delta (new_*) and the totals so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraBatchMeta:
+    """SGMV metadata of one step, one entry per projection group ("qkv", "o", "gate_up",
+    "down"), planned once and read by every layer. workspace: float32 [T, max rank sum]."""
+
+    groups: dict[str, SgmvWeights]
+    workspace: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One model invocation: rows of all scheduled requests, grouped by adapter.
+
+    input_ids, positions: [T] int64; sample_rows: [B] int64 rows whose logits are sampled
+    (the last row of each request that finishes its prompt or decodes this step)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMeta
+    lora: LoraBatchMeta | None
+    sample_rows: torch.Tensor

@@ -1,0 +1,52 @@
+"""Incremental detokenization with stop strings.
+
+Text is re-decoded from the generated ids each step (exact for byte-level BPE, where a
+prefix's text is a prefix of the whole) and a trailing U+FFFD (an incomplete UTF-8
+sequence) is held back. While a request runs, the last len(longest stop) - 1 characters are
+held back too, so a stop string is never streamed before it is recognised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DetokenizerState:
+    text: str = ""  # final text so far (stop string already cut)
+    emitted: int = 0  # characters of `text` already streamed
+
+
+@dataclass
+class Detokenizer:
+    tokenizer: object
+    states: dict[str, DetokenizerState] = field(default_factory=dict)
+
+    def update(self, request_id: str, token_ids: list[int], stop: tuple[str, ...],
+               include_stop: bool, skip_special: bool, final: bool) -> tuple[str, str | None]:
+        """Returns (new text to stream, matched stop string or None)."""
+        st = self.states.setdefault(request_id, DetokenizerState())
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+        if text.endswith("\ufffd") and not final:
+            text = text.rstrip("\ufffd")
+        matched = None
+        if stop:
+            start = max(0, len(st.text) - max(map(len, stop)) + 1)
+            hits = [(text.find(s, start), s) for s in stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, matched = min(hits)
+                text = text[: index + (len(matched) if include_stop else 0)]
+        st.text = text
+        done = final or matched is not None
+        hold = 0 if done or not stop else max(map(len, stop)) - 1
+        upto = max(st.emitted, len(text) - hold)
+        new = text[st.emitted : upto]
+        st.emitted = upto
+        return new, matched
+
+    def text(self, request_id: str) -> str:
+        st = self.states.get(request_id)
+        return st.text if st else ""
+
+    def drop(self, request_id: str) -> None:
+        self.states.pop(request_id, None)

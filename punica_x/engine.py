@@ -1,0 +1,189 @@
+"""The runner's step loop: schedule -> run one batched model invocation -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from punica_x.config import EngineConfig
+from punica_x.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from punica_x.batcher import Batcher
+from punica_x.detokenizer import Detokenizer
+from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
+from punica_x.lora.adapter import LoraTarget
+from punica_x.lora.pool import AdapterPool
+from punica_x.models.loader import LoadedModel, load_model
+from punica_x.ops.sgmv import get_backend
+from punica_x.planner import BatchPlanner, ScheduledRequest
+from punica_x.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
+
+    Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded or load_model(config.model)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        d = self.model.dims
+        device, dtype = config.model.torch_device(), config.model.torch_dtype()
+        self.device = device
+        self.max_model_len = self.loaded.max_model_len
+        target = LoraTarget(d.num_layers, d.lora_shapes())
+        self.adapters = AdapterPool(target, config.lora, device, dtype)
+        spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, config.cache.block_size, dtype)
+        num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // spec.bytes_per_block)
+        self.cache = KVCache(spec, num_blocks, device)
+        self.batcher = Batcher(self.cache, config.batch)
+        self.planner = BatchPlanner(target, config.cache.block_size, device)
+        self.sampler = Sampler(config.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.sgmv = get_backend(device, config.sgmv_backend)
+        self.requests: dict[str, Request] = {}
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    on_output=None) -> Request:
+        """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check_prompt(ids)
+        sampling = sampling or SamplingParams()
+        ref = self.adapters.acquire(adapter) if adapter is not None else None
+        req = Request(prompt_token_ids=ids, sampling=sampling, adapter=ref, on_output=on_output)
+        if request_id is not None:
+            req.request_id = request_id
+        if req.request_id in self.requests:
+            if ref is not None:
+                self.adapters.release(ref)
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(sampling.seed)
+        self.requests[req.request_id] = req
+        self.batcher.add(req)
+        return req
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is "
+                             f"{self.max_model_len} (room for at least one new token is needed)")
+        vocab = self.model.dims.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab})")
+        if blocks_needed(len(ids) + 1, self.cache.block_size) > self.cache.allocator.num_blocks:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds "
+                             f"{self.cache.allocator.num_blocks * self.cache.block_size}")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request: it leaves the batch and frees its KV blocks now."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        out = self._finish(req, FinishReason.ABORT, new_ids=[], new_text="")
+        self._emit(req, out)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.num_unfinished > 0
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.adapters.poll()
+        outputs = self._fail_broken_adapters()
+        scheduled, overflow = self.batcher.schedule()
+        for r in overflow:
+            outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error="KV cache is full"))
+        if not scheduled:
+            return outputs
+        batch, ordered = self.planner.plan(scheduled)
+        logits = self.model(batch, self.cache.kv, self.sgmv)
+        tokens = self.sampler(logits, [s.request for s in ordered if s.samples])
+        return outputs + self._postprocess(ordered, tokens)
+
+    def _postprocess(self, ordered: list[ScheduledRequest], tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        sampled = iter(tokens)
+        now = time.monotonic()
+        for s in ordered:
+            r = s.request
+            samples = s.samples
+            r.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            token = next(sampled)
+            r.output_token_ids.append(token)
+            r.first_token_time = r.first_token_time or now
+            reason = self._stop_reason(r, token)
+            sp = r.sampling
+            new_text, matched = self.detokenizer.update(
+                r.request_id, r.output_token_ids, sp.stop, sp.include_stop_str_in_output,
+                sp.skip_special_tokens, final=reason is not None)
+            if matched is not None:
+                reason, r.stop_reason = FinishReason.STOP, matched
+            if reason is not None:
+                out = self._finish(r, reason, new_ids=[token], new_text=new_text)
+            else:
+                out = self._output(r, [token], new_text)
+            self._emit(r, out)
+            outputs.append(out)
+        return outputs
+
+    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+        sp = r.sampling
+        if token in sp.stop_token_ids:
+            r.stop_reason = token
+            return FinishReason.STOP
+        if not sp.ignore_eos and token in self.loaded.eos_token_ids:
+            return FinishReason.STOP
+        if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        broken = [r for r in self.batcher.waiting if r.adapter is not None and r.adapter.error]
+        return [self._finish_and_emit(r, FinishReason.ERROR, error=r.adapter.error) for r in broken]
+
+    def _finish_and_emit(self, r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        r.error = error
+        out = self._finish(r, reason, new_ids=[], new_text="")
+        self._emit(r, out)
+        return out
+
+    def _finish(self, r: Request, reason: FinishReason, new_ids: list[int], new_text: str) -> RequestOutput:
+        self.batcher.remove(r)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        if r.adapter is not None:
+            self.adapters.release(r.adapter)
+        out = self._output(r, new_ids, new_text)
+        self.detokenizer.drop(r.request_id)
+        self.requests.pop(r.request_id, None)
+        return out
+
+    def _output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+            token_ids=list(r.output_token_ids), text=self.detokenizer.text(r.request_id),
+            new_token_ids=new_ids, new_text=new_text, finished=r.finished,
+            finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
+        )
+
+    @staticmethod
+    def _emit(r: Request, out: RequestOutput) -> None:
+        if r.on_output is not None:
+            try:
+                r.on_output(out)
+            except Exception:  # a consumer's failure must not stop the batch
+                log.exception("on_output callback of %s failed", r.request_id)
+
+    def shutdown(self) -> None:
+        self.adapters.shutdown()

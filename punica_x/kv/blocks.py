@@ -1,0 +1,97 @@
+"""Paged KV cache: fixed-size rBlocks with the batch (block) dimension outermost.
+
+Layout (Punica sec. 5.4): ``kv[num_blocks, L, 2, N_kv, P, D]``; a request owns a list of
+block ids (its block table) and token ``i`` of it lives in block ``table[i // P]`` at offset
+``i % P``. Blocks return to the free list the moment their request finishes or is cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class BlockAllocator:
+    """Free list of block ids. allocate() is all-or-nothing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used = [False] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n block ids, or None (and nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self._used[i] = True
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if not self._used[i]:
+                raise RuntimeError(f"block {i} freed twice")
+            self._used[i] = False
+            self._free.append(i)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+
+class KVCache:
+    """The KV tensor of one runner plus its allocator."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        # [num_blocks, L, 2, N_kv, P, D]
+        self.kv = torch.zeros(
+            num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim,
+            dtype=spec.dtype, device=device,
+        )
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def ensure_capacity(self, block_ids: list[int], num_tokens: int) -> bool:
+        """Grow `block_ids` in place to hold num_tokens tokens; False if blocks ran out."""
+        missing = blocks_needed(num_tokens, self.block_size) - len(block_ids)
+        if missing <= 0:
+            return True
+        new = self.allocator.allocate(missing)
+        if new is None:
+            return False
+        block_ids.extend(new)
+        return True
+
+    def release(self, block_ids: list[int]) -> None:
+        self.allocator.free(block_ids)
+        block_ids.clear()

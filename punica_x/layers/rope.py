@@ -1,0 +1,62 @@
+"""Rotary position embedding (rotate-half convention) with the scaling the config asks for.
+
+Frequencies come from transformers' rope initialisers, so "linear", "llama3" and "yarn"
+scaling match the reference models; position-dependent schemes ("dynamic", "longrope")
+would need per-step frequencies and are refused."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and params:
+        # per-layer-type dicts (e.g. {"full_attention": {...}}): Llama-family configs use one
+        params = next(iter(params.values()))
+    return dict(params) or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+
+
+def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention_scaling) for the model config."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv, 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions [0, max_positions)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, D]
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: [T, H_q, D], k: [T, N_kv, D], positions: [T] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

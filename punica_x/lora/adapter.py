@@ -1,0 +1,248 @@
+"""PEFT LoRA adapters: parse, validate against the base model, convert to the SGMV layout.
+
+An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors``. Every
+check runs before anything is kept, so a refused adapter leaves nothing behind, and each
+refusal is an AdapterError with a stable ``code`` and a message naming the offending field,
+tensor or shape. Config fields other than the ones read here (e.g. ``auto_map``) are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Projections that read one input and share one SGMV launch, in the base model's fused order.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Options that change what the adapter computes in ways this runner does not implement.
+_UNSUPPORTED = {
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "layers_to_transform": "a subset of layers (layers_to_transform)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable_token_indices",
+    "target_parameters": "target_parameters",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+}
+
+
+class AdapterError(ValueError):
+    """A refused adapter. ``code`` is stable (frontends map it to API errors)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """What the base model offers an adapter: layer count and (in, out) of each projection."""
+
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter in SGMV layout (see punica_x.ops.sgmv).
+
+    groups[g] = (a [L, R_g, h_in], b [L, sum_j r_j * h_out_j]) for each projection group with
+    at least one targeted slice; ranks[g] = rank of each slice of g (0 = not targeted).
+    scaling is folded into b."""
+
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    ranks: dict[str, tuple[int, ...]]
+    groups: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.groups.values())
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> LoraAdapter:
+        groups = {g: (a.to(device, non_blocking=non_blocking), b.to(device, non_blocking=non_blocking))
+                  for g, (a, b) in self.groups.items()}
+        return LoraAdapter(self.rank, self.alpha, self.scaling, self.target_modules, self.ranks,
+                           groups, self.sha256)
+
+
+def load_peft_adapter(path: str | Path, target: LoraTarget, max_rank: int,
+                      dtype: torch.dtype) -> LoraAdapter:
+    """Parse and validate the PEFT adapter at `path`; raises AdapterError."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError("not_found", f"adapter directory not found: {folder}")
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterError("pickle_not_allowed",
+                           f"refusing pickle files {pickles}: upload {WEIGHTS_FILE} (safetensors) only")
+    config, config_bytes = _read_config(folder / CONFIG_FILE)
+    rank, alpha, scaling = _check_config(config, max_rank)
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise AdapterError("missing_file", f"{WEIGHTS_FILE} not found in {folder}")
+    weights_bytes = weights_path.read_bytes()
+    tensors = _read_weights(weights_path, config, target, rank)
+    modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
+    ranks, groups = _to_sgmv_layout(tensors, modules, target, rank, scaling, dtype)
+    sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+    return LoraAdapter(rank, alpha, scaling, modules, ranks, groups, sha)
+
+
+def _read_config(path: Path) -> tuple[dict, bytes]:
+    if not path.is_file():
+        raise AdapterError("missing_file", f"{CONFIG_FILE} not found in {path.parent}")
+    raw = path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError("bad_config", f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError("bad_config", f"{CONFIG_FILE} must hold a JSON object")
+    return config, raw
+
+
+def _check_config(config: dict, max_rank: int) -> tuple[int, float, float]:
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError("unknown_peft_type", f"peft_type {peft_type!r} is not supported (LORA only)")
+    if config.get("use_dora"):
+        raise AdapterError("dora_not_supported", "DoRA adapters (use_dora=true) are not supported")
+    if config.get("modules_to_save"):
+        raise AdapterError("modules_to_save_not_supported",
+                           f"modules_to_save={config['modules_to_save']!r} would replace base-model "
+                           "modules per adapter; not supported")
+    bias = config.get("bias", "none")
+    if bias != "none" or config.get("lora_bias"):
+        raise AdapterError("bias_not_supported", f"bias={bias!r}: only bias='none' is supported")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise AdapterError("unsupported_option", f"{what} is not supported")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError("bad_config", f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError("rank_too_large", f"rank {rank} exceeds max_lora_rank {max_rank}")
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError("bad_config", f"lora_alpha must be a finite number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    _check_target_modules(config.get("target_modules"))
+    return rank, float(alpha), float(scaling)
+
+
+def _check_target_modules(targets) -> None:
+    if targets is None or isinstance(targets, str):
+        return  # "all-linear" or a regex: the weights file decides what is targeted
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError("bad_config", f"target_modules must be a list of names, got {targets!r}")
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if unknown:
+        raise AdapterError("unknown_module", f"unknown target modules {unknown}; "
+                           f"supported: {', '.join(TARGET_MODULES)}")
+
+
+def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> dict:
+    """{(layer, module, 'A'|'B'): tensor} with names, shapes and values checked."""
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError("bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+    with handle as f:
+        keys = list(f.keys())
+        parsed = {_parse_key(k, target): k for k in keys}
+        _check_coverage(parsed, config, target)
+        tensors = {}
+        for (layer, module, ab), key in parsed.items():
+            t = f.get_tensor(key)
+            h_in, h_out = target.shapes[module]
+            want = (rank, h_in) if ab == "A" else (h_out, rank)
+            if tuple(t.shape) != want:
+                raise AdapterError("shape_mismatch", f"{key}: shape {tuple(t.shape)} does not match "
+                                   f"the base model (expected {want} for rank {rank})")
+            if t.dtype not in _FLOAT_DTYPES:
+                raise AdapterError("bad_weights", f"{key}: dtype {t.dtype} (want float16/bfloat16/float32)")
+            if not torch.isfinite(t).all():
+                raise AdapterError("non_finite", f"{key} contains NaN or Inf values")
+            tensors[(layer, module, ab)] = t
+    return tensors
+
+
+def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
+    m = _KEY.match(key)
+    if not m:
+        raise AdapterError("unknown_module", f"unexpected tensor {key!r}: only LoRA A/B weights of "
+                           f"{', '.join(TARGET_MODULES)} are supported")
+    layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+    if module not in TARGET_MODULES or _PARENT[module] != parent:
+        raise AdapterError("unknown_module", f"unexpected module in {key!r}; supported: "
+                           f"{', '.join(TARGET_MODULES)}")
+    if layer >= target.num_layers:
+        raise AdapterError("shape_mismatch", f"{key}: layer {layer} but the base model has "
+                           f"{target.num_layers} layers")
+    return layer, module, ab
+
+
+def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
+    modules = {m for _, m, _ in parsed}
+    if not modules:
+        raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
+    declared = config.get("target_modules")
+    if isinstance(declared, list):
+        extra = sorted(modules - set(declared))
+        if extra:
+            raise AdapterError("bad_weights", f"weights for {extra} not in target_modules {declared}")
+        missing = sorted(set(declared) - modules)
+        if missing:
+            raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
+    for module in modules:
+        for layer in range(target.num_layers):
+            for ab in "AB":
+                if (layer, module, ab) not in parsed:
+                    raise AdapterError("bad_weights", f"missing lora_{ab} of {module} in layer {layer}")
+
+
+def _to_sgmv_layout(tensors, modules, target: LoraTarget, rank: int, scaling: float,
+                    dtype: torch.dtype):
+    ranks: dict[str, tuple[int, ...]] = {}
+    groups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for group, slices in GROUPS.items():
+        present = [m for m in slices if m in modules]
+        if not present:
+            continue
+        ranks[group] = tuple(rank if m in modules else 0 for m in slices)
+        a_layers, b_layers = [], []
+        for layer in range(target.num_layers):
+            # A^T of every targeted slice stacked: [R_g, h_in]
+            a_layers.append(torch.cat([tensors[(layer, m, "A")].float() for m in present]))
+            # each slice's B as [r, h_out] (PEFT stores [h_out, r]), scaled, flattened
+            b_layers.append(torch.cat([(tensors[(layer, m, "B")].float().t() * scaling).reshape(-1)
+                                       for m in present]))
+        groups[group] = (torch.stack(a_layers).to(dtype).contiguous(),
+                         torch.stack(b_layers).to(dtype).contiguous())
+    return ranks, groups

