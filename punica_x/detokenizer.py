@@ -21,8 +21,15 @@ class Detokenizer:
     tokenizer: object
     states: dict[str, DetokenizerState] = field(default_factory=dict)
 
-    def update(self, request_id: str, token_ids: list[int], stop: tuple[str, ...],
-               include_stop: bool, skip_special: bool, final: bool) -> tuple[str, str | None]:
+    def update(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        stop: tuple[str, ...],
+        include_stop: bool,
+        skip_special: bool,
+        final: bool,
+    ) -> tuple[str, str | None]:
         """Returns (new text to stream, matched stop string or None)."""
         st = self.states.setdefault(request_id, DetokenizerState())
         text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)

@@ -7,9 +7,9 @@ import time
 
 import torch
 
+from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
 from punica_x.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
-from punica_x.batcher import Batcher
 from punica_x.detokenizer import Detokenizer
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
 from punica_x.lora.adapter import LoraTarget
@@ -27,7 +27,9 @@ class Engine:
 
     Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.loaded = loaded or load_model(config.model)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
@@ -38,7 +40,9 @@ class Engine:
         target = LoraTarget(d.num_layers, d.lora_shapes())
         self.adapters = AdapterPool(target, config.lora, device, dtype)
         spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, config.cache.block_size, dtype)
-        num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // spec.bytes_per_block)
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_bytes // spec.bytes_per_block
+        )
         self.cache = KVCache(spec, num_blocks, device)
         self.batcher = Batcher(self.cache, config.batch)
         self.planner = BatchPlanner(target, config.cache.block_size, device)
@@ -48,9 +52,14 @@ class Engine:
         self.requests: dict[str, Request] = {}
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None,
-                    on_output=None) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        adapter: str | None = None,
+        request_id: str | None = None,
+        on_output=None,
+    ) -> Request:
         """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(ids)
@@ -73,15 +82,19 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is "
-                             f"{self.max_model_len} (room for at least one new token is needed)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context is "
+                f"{self.max_model_len} (room for at least one new token is needed)"
+            )
         vocab = self.model.dims.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab})")
         if blocks_needed(len(ids) + 1, self.cache.block_size) > self.cache.allocator.num_blocks:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds "
-                             f"{self.cache.allocator.num_blocks * self.cache.block_size}")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the KV cache holds "
+                f"{self.cache.allocator.num_blocks * self.cache.block_size}"
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: it leaves the batch and frees its KV blocks now."""
@@ -109,7 +122,9 @@ class Engine:
         tokens = self.sampler(logits, [s.request for s in ordered if s.samples])
         return outputs + self._postprocess(ordered, tokens)
 
-    def _postprocess(self, ordered: list[ScheduledRequest], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(
+        self, ordered: list[ScheduledRequest], tokens: list[int]
+    ) -> list[RequestOutput]:
         outputs = []
         sampled = iter(tokens)
         now = time.monotonic()
@@ -125,8 +140,13 @@ class Engine:
             reason = self._stop_reason(r, token)
             sp = r.sampling
             new_text, matched = self.detokenizer.update(
-                r.request_id, r.output_token_ids, sp.stop, sp.include_stop_str_in_output,
-                sp.skip_special_tokens, final=reason is not None)
+                r.request_id,
+                r.output_token_ids,
+                sp.stop,
+                sp.include_stop_str_in_output,
+                sp.skip_special_tokens,
+                final=reason is not None,
+            )
             if matched is not None:
                 reason, r.stop_reason = FinishReason.STOP, matched
             if reason is not None:
@@ -152,13 +172,17 @@ class Engine:
         broken = [r for r in self.batcher.waiting if r.adapter is not None and r.adapter.error]
         return [self._finish_and_emit(r, FinishReason.ERROR, error=r.adapter.error) for r in broken]
 
-    def _finish_and_emit(self, r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def _finish_and_emit(
+        self, r: Request, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
         r.error = error
         out = self._finish(r, reason, new_ids=[], new_text="")
         self._emit(r, out)
         return out
 
-    def _finish(self, r: Request, reason: FinishReason, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _finish(
+        self, r: Request, reason: FinishReason, new_ids: list[int], new_text: str
+    ) -> RequestOutput:
         self.batcher.remove(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
@@ -171,10 +195,16 @@ class Engine:
 
     def _output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.output_token_ids), text=self.detokenizer.text(r.request_id),
-            new_token_ids=new_ids, new_text=new_text, finished=r.finished,
-            finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=list(r.output_token_ids),
+            text=self.detokenizer.text(r.request_id),
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            error=r.error,
         )
 
     @staticmethod

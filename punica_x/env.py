@@ -23,7 +23,9 @@ CACHE_DIR = EnvVar(
     "where converted models and compiled kernels are cached",
 )
 SGMV_BACKEND = EnvVar(
-    "PUNICA_X_SGMV_BACKEND", "", "force an SGMV backend: cpu, cuda or torch_ref (default: by device)"
+    "PUNICA_X_SGMV_BACKEND",
+    "",
+    "force an SGMV backend: cpu, cuda or torch_ref (default: by device)",
 )
 
 

@@ -19,7 +19,9 @@ class LLM:
     device_bytes, host_bytes (LoraConfig), max_batch_size, max_batched_tokens
     (BatchConfig), sgmv_backend, seed."""
 
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, config: EngineConfig | None = None, **kwargs
+    ) -> None:
         config = config or EngineConfig()
         config = _apply_kwargs(replace(config, model=replace(config.model, model=model)), kwargs)
         self.engine = Engine(config)
@@ -35,14 +37,19 @@ class LLM:
     def unload_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                 adapters: Sequence[str | None] | None = None,
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. prompts: strings or token-id lists; adapters[i]:
         adapter name or None for the base model."""
         n = len(prompts)
         adapters = list(adapters) if adapters is not None else [None] * n
-        params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * n
+        params = (
+            list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * n
+        )
         if len(adapters) != n or len(params) != n:
             raise ValueError(f"{n} prompts need {n} adapters and sampling params")
         requests = []

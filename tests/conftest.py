@@ -1,4 +1,4 @@
-"""Suite-wide settings: the `gpu` marker skips without CUDA; `slow` tests still run in `make test`."""
+"""Suite-wide settings: `gpu` tests skip without CUDA; `slow` ones still run in make test."""
 
 import pytest
 import torch

@@ -92,7 +92,9 @@ class AttentionMeta:
         )
 
 
-def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
+def write_kv(
+    kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
+) -> None:
     """Store the step's K/V rows. kv: [num_blocks, L, 2, N_kv, P, D]; k, v: [T, N_kv, D]."""
     kv[meta.slot_blocks, layer, 0, :, meta.slot_offsets] = k
     kv[meta.slot_blocks, layer, 1, :, meta.slot_offsets] = v

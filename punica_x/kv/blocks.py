@@ -72,8 +72,14 @@ class KVCache:
         self.spec = spec
         # [num_blocks, L, 2, N_kv, P, D]
         self.kv = torch.zeros(
-            num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim,
-            dtype=spec.dtype, device=device,
+            num_blocks,
+            spec.num_layers,
+            2,
+            spec.num_kv_heads,
+            spec.block_size,
+            spec.head_dim,
+            dtype=spec.dtype,
+            device=device,
         )
         self.allocator = BlockAllocator(num_blocks)
 

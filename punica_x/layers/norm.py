@@ -7,9 +7,13 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,10 @@ def _rope_parameters(config) -> dict:
     if isinstance(params, dict) and "rope_type" not in params and params:
         # per-layer-type dicts (e.g. {"full_attention": {...}}): Llama-family configs use one
         params = next(iter(params.values()))
-    return dict(params) or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    return dict(params) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+    }
 
 
 def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -27,9 +30,8 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = _rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {supported})")
     if rope_type == "default":
         base = params["rope_theta"]
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -40,15 +42,20 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables for positions [0, max_positions)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, config, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, D]
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "cos", (emb.cos() * scaling).to(dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [T, H_q, D], k: [T, N_kv, D], positions: [T] -> rotated (q, k)."""

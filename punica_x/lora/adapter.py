@@ -23,8 +23,15 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # Projections that read one input and share one SGMV launch, in the base model's fused order.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -85,22 +92,34 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.groups.values())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> LoraAdapter:
-        groups = {g: (a.to(device, non_blocking=non_blocking), b.to(device, non_blocking=non_blocking))
-                  for g, (a, b) in self.groups.items()}
-        return LoraAdapter(self.rank, self.alpha, self.scaling, self.target_modules, self.ranks,
-                           groups, self.sha256)
+        groups = {
+            g: (a.to(device, non_blocking=non_blocking), b.to(device, non_blocking=non_blocking))
+            for g, (a, b) in self.groups.items()
+        }
+        return LoraAdapter(
+            self.rank,
+            self.alpha,
+            self.scaling,
+            self.target_modules,
+            self.ranks,
+            groups,
+            self.sha256,
+        )
 
 
-def load_peft_adapter(path: str | Path, target: LoraTarget, max_rank: int,
-                      dtype: torch.dtype) -> LoraAdapter:
+def load_peft_adapter(
+    path: str | Path, target: LoraTarget, max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
     """Parse and validate the PEFT adapter at `path`; raises AdapterError."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError("not_found", f"adapter directory not found: {folder}")
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
-        raise AdapterError("pickle_not_allowed",
-                           f"refusing pickle files {pickles}: upload {WEIGHTS_FILE} (safetensors) only")
+        raise AdapterError(
+            "pickle_not_allowed",
+            f"refusing pickle files {pickles}: upload {WEIGHTS_FILE} (safetensors) only",
+        )
     config, config_bytes = _read_config(folder / CONFIG_FILE)
     rank, alpha, scaling = _check_config(config, max_rank)
     weights_path = folder / WEIGHTS_FILE
@@ -130,13 +149,17 @@ def _read_config(path: Path) -> tuple[dict, bytes]:
 def _check_config(config: dict, max_rank: int) -> tuple[int, float, float]:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise AdapterError("unknown_peft_type", f"peft_type {peft_type!r} is not supported (LORA only)")
+        raise AdapterError(
+            "unknown_peft_type", f"peft_type {peft_type!r} is not supported (LORA only)"
+        )
     if config.get("use_dora"):
         raise AdapterError("dora_not_supported", "DoRA adapters (use_dora=true) are not supported")
     if config.get("modules_to_save"):
-        raise AdapterError("modules_to_save_not_supported",
-                           f"modules_to_save={config['modules_to_save']!r} would replace base-model "
-                           "modules per adapter; not supported")
+        raise AdapterError(
+            "modules_to_save_not_supported",
+            f"modules_to_save={config['modules_to_save']!r} would replace base-model "
+            "modules per adapter; not supported",
+        )
     bias = config.get("bias", "none")
     if bias != "none" or config.get("lora_bias"):
         raise AdapterError("bias_not_supported", f"bias={bias!r}: only bias='none' is supported")
@@ -163,8 +186,10 @@ def _check_target_modules(targets) -> None:
         raise AdapterError("bad_config", f"target_modules must be a list of names, got {targets!r}")
     unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
-        raise AdapterError("unknown_module", f"unknown target modules {unknown}; "
-                           f"supported: {', '.join(TARGET_MODULES)}")
+        raise AdapterError(
+            "unknown_module",
+            f"unknown target modules {unknown}; supported: {', '.join(TARGET_MODULES)}",
+        )
 
 
 def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> dict:
@@ -172,7 +197,9 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError("bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+        raise AdapterError(
+            "bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}"
+        ) from None
     with handle as f:
         keys = list(f.keys())
         parsed = {_parse_key(k, target): k for k in keys}
@@ -183,10 +210,15 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
             h_in, h_out = target.shapes[module]
             want = (rank, h_in) if ab == "A" else (h_out, rank)
             if tuple(t.shape) != want:
-                raise AdapterError("shape_mismatch", f"{key}: shape {tuple(t.shape)} does not match "
-                                   f"the base model (expected {want} for rank {rank})")
+                raise AdapterError(
+                    "shape_mismatch",
+                    f"{key}: shape {tuple(t.shape)} does not match "
+                    f"the base model (expected {want} for rank {rank})",
+                )
             if t.dtype not in _FLOAT_DTYPES:
-                raise AdapterError("bad_weights", f"{key}: dtype {t.dtype} (want float16/bfloat16/float32)")
+                raise AdapterError(
+                    "bad_weights", f"{key}: dtype {t.dtype} (want float16/bfloat16/float32)"
+                )
             if not torch.isfinite(t).all():
                 raise AdapterError("non_finite", f"{key} contains NaN or Inf values")
             tensors[(layer, module, ab)] = t
@@ -196,15 +228,22 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
 def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
     m = _KEY.match(key)
     if not m:
-        raise AdapterError("unknown_module", f"unexpected tensor {key!r}: only LoRA A/B weights of "
-                           f"{', '.join(TARGET_MODULES)} are supported")
+        raise AdapterError(
+            "unknown_module",
+            f"unexpected tensor {key!r}: only LoRA A/B weights of "
+            f"{', '.join(TARGET_MODULES)} are supported",
+        )
     layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
     if module not in TARGET_MODULES or _PARENT[module] != parent:
-        raise AdapterError("unknown_module", f"unexpected module in {key!r}; supported: "
-                           f"{', '.join(TARGET_MODULES)}")
+        raise AdapterError(
+            "unknown_module",
+            f"unexpected module in {key!r}; supported: {', '.join(TARGET_MODULES)}",
+        )
     if layer >= target.num_layers:
-        raise AdapterError("shape_mismatch", f"{key}: layer {layer} but the base model has "
-                           f"{target.num_layers} layers")
+        raise AdapterError(
+            "shape_mismatch",
+            f"{key}: layer {layer} but the base model has {target.num_layers} layers",
+        )
     return layer, module, ab
 
 
@@ -216,7 +255,9 @@ def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
     if isinstance(declared, list):
         extra = sorted(modules - set(declared))
         if extra:
-            raise AdapterError("bad_weights", f"weights for {extra} not in target_modules {declared}")
+            raise AdapterError(
+                "bad_weights", f"weights for {extra} not in target_modules {declared}"
+            )
         missing = sorted(set(declared) - modules)
         if missing:
             raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
@@ -224,11 +265,14 @@ def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
         for layer in range(target.num_layers):
             for ab in "AB":
                 if (layer, module, ab) not in parsed:
-                    raise AdapterError("bad_weights", f"missing lora_{ab} of {module} in layer {layer}")
+                    raise AdapterError(
+                        "bad_weights", f"missing lora_{ab} of {module} in layer {layer}"
+                    )
 
 
-def _to_sgmv_layout(tensors, modules, target: LoraTarget, rank: int, scaling: float,
-                    dtype: torch.dtype):
+def _to_sgmv_layout(
+    tensors, modules, target: LoraTarget, rank: int, scaling: float, dtype: torch.dtype
+):
     ranks: dict[str, tuple[int, ...]] = {}
     groups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for group, slices in GROUPS.items():
@@ -241,8 +285,13 @@ def _to_sgmv_layout(tensors, modules, target: LoraTarget, rank: int, scaling: fl
             # A^T of every targeted slice stacked: [R_g, h_in]
             a_layers.append(torch.cat([tensors[(layer, m, "A")].float() for m in present]))
             # each slice's B as [r, h_out] (PEFT stores [h_out, r]), scaled, flattened
-            b_layers.append(torch.cat([(tensors[(layer, m, "B")].float().t() * scaling).reshape(-1)
-                                       for m in present]))
-        groups[group] = (torch.stack(a_layers).to(dtype).contiguous(),
-                         torch.stack(b_layers).to(dtype).contiguous())
+            b_layers.append(
+                torch.cat(
+                    [(tensors[(layer, m, "B")].float().t() * scaling).reshape(-1) for m in present]
+                )
+            )
+        groups[group] = (
+            torch.stack(a_layers).to(dtype).contiguous(),
+            torch.stack(b_layers).to(dtype).contiguous(),
+        )
     return ranks, groups

@@ -100,8 +100,9 @@ class UnknownAdapterError(KeyError):
 
 
 class AdapterPool:
-    def __init__(self, target: LoraTarget, config: LoraConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, target: LoraTarget, config: LoraConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.target, self.config, self.device, self.dtype = target, config, device, dtype
         self._lock = threading.RLock()
         self._current: dict[str, _Version] = {}
@@ -119,10 +120,19 @@ class AdapterPool:
             raise AdapterError("bad_name", "adapter names must be 1..256 characters")
         adapter = self._parse(Path(path))
         if adapter.nbytes > self.config.device_bytes:
-            raise AdapterError("too_large", f"adapter needs {adapter.nbytes} bytes, the device pool "
-                               f"holds {self.config.device_bytes}")
-        info = AdapterInfo(name, next(_version_ids), adapter.rank, adapter.target_modules,
-                           adapter.sha256, adapter.nbytes)
+            raise AdapterError(
+                "too_large",
+                f"adapter needs {adapter.nbytes} bytes, the device pool "
+                f"holds {self.config.device_bytes}",
+            )
+        info = AdapterInfo(
+            name,
+            next(_version_ids),
+            adapter.rank,
+            adapter.target_modules,
+            adapter.sha256,
+            adapter.nbytes,
+        )
         version = _Version(info, Path(path), self._pin(adapter))
         with self._lock:
             old = self._current.get(name)
@@ -208,8 +218,15 @@ class AdapterPool:
         if self.device.type != "cuda":
             return adapter
         groups = {g: (a.pin_memory(), b.pin_memory()) for g, (a, b) in adapter.groups.items()}
-        return LoraAdapter(adapter.rank, adapter.alpha, adapter.scaling, adapter.target_modules,
-                           adapter.ranks, groups, adapter.sha256)
+        return LoraAdapter(
+            adapter.rank,
+            adapter.alpha,
+            adapter.scaling,
+            adapter.target_modules,
+            adapter.ranks,
+            groups,
+            adapter.sha256,
+        )
 
     def _start_load(self, v: _Version) -> bool:
         if not self._reserve(v.info.nbytes):
@@ -226,8 +243,11 @@ class AdapterPool:
         if host is None:
             host = self._pin(self._parse(v.path))
             if host.sha256 != v.info.sha256:
-                raise AdapterError("changed_on_disk", f"adapter {v.info.name!r} changed on disk "
-                                   "since it was registered; register it again")
+                raise AdapterError(
+                    "changed_on_disk",
+                    f"adapter {v.info.name!r} changed on disk "
+                    "since it was registered; register it again",
+                )
         if self._copy_stream is None:
             return host.to(self.device)
         with torch.cuda.stream(self._copy_stream):
@@ -254,8 +274,10 @@ class AdapterPool:
         budget = self.config.device_bytes
         if self.stats.device_bytes_used + nbytes <= budget:
             return True
-        idle = sorted((v for v in self._versions.values() if v.device is not None and v.refs == 0),
-                      key=lambda v: v.last_used)
+        idle = sorted(
+            (v for v in self._versions.values() if v.device is not None and v.refs == 0),
+            key=lambda v: v.last_used,
+        )
         freeable = sum(v.info.nbytes for v in idle)
         if self.stats.device_bytes_used - freeable + nbytes > budget:
             return False

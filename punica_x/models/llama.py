@@ -72,11 +72,20 @@ class LlamaDims:
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every projection a LoRA adapter may target."""
-        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.hidden_size, self.intermediate_size
+        q, kv, h, i = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.hidden_size,
+            self.intermediate_size,
+        )
         return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
         }
 
 
@@ -85,12 +94,21 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-        self.qkv_proj = LoraLinear(d.hidden_size, (q, kv, kv), "qkv", d.attention_bias, dtype, device)
+        self.qkv_proj = LoraLinear(
+            d.hidden_size, (q, kv, kv), "qkv", d.attention_bias, dtype, device
+        )
         self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.attention_bias, dtype, device)
         self.scale = d.head_dim**-0.5
 
-    def forward(self, x, batch: Batch, layer: int, kv: torch.Tensor, rope: RotaryEmbedding,
-                backend: SgmvBackend | None) -> torch.Tensor:
+    def forward(
+        self,
+        x,
+        batch: Batch,
+        layer: int,
+        kv: torch.Tensor,
+        rope: RotaryEmbedding,
+        backend: SgmvBackend | None,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x, batch.lora, layer, backend)
         q, k, v = qkv.split(self.qkv_proj.out_slices, dim=-1)
@@ -134,18 +152,23 @@ class LlamaForCausalLM(nn.Module):
         self.dims = d
         self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers)
+        )
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
         self.rope = RotaryEmbedding(hf_config, d.head_dim, d.max_positions, dtype, device)
         if d.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = nn.Parameter(
-                torch.empty(d.vocab_size, d.hidden_size, dtype=dtype, device=device), requires_grad=False
+                torch.empty(d.vocab_size, d.hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
             )
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None
+    ) -> torch.Tensor:
         """Run every row of the batch; returns logits [B, vocab] float32 of batch.sample_rows."""
         h = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):

@@ -116,16 +116,21 @@ def _safetensor_files(model_dir: Path) -> list[Path]:
         return files
     pickles = [p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
     if pickles:
-        raise ValueError(f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
-                         "punica-x loads safetensors only")
+        raise ValueError(
+            f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
+            "punica-x loads safetensors only"
+        )
     raise FileNotFoundError(f"no *.safetensors in {model_dir}")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _SLICES = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
 }
 
@@ -204,8 +209,10 @@ def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
         need.add("lm_head.weight")
     for i in range(dims.num_layers):
         need |= {f"model.layers.{i}.{m}.weight" for m in _SLICES}
-        need |= {f"model.layers.{i}.input_layernorm.weight",
-                 f"model.layers.{i}.post_attention_layernorm.weight"}
+        need |= {
+            f"model.layers.{i}.input_layernorm.weight",
+            f"model.layers.{i}.post_attention_layernorm.weight",
+        }
     missing = sorted(need - seen)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

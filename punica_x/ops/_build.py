@@ -33,7 +33,9 @@ class KernelBuildError(RuntimeError):
 def _cpu_fingerprint() -> str:
     try:
         flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
         )
     except (OSError, StopIteration):
         flags = platform.processor()

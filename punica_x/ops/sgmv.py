@@ -113,7 +113,9 @@ def _check_segment_weights(s, a, b, ranks, h_out) -> None:
         return
     rank = sum(ranks)
     if a.dim() != 3 or a.shape[1] != rank or not a.is_contiguous():
-        raise ValueError(f"segment {s}: a must be contiguous [L, {rank}, h_in], got {tuple(a.shape)}")
+        raise ValueError(
+            f"segment {s}: a must be contiguous [L, {rank}, h_in], got {tuple(a.shape)}"
+        )
     width = sum(r * h for r, h in zip(ranks, h_out))
     if b.dim() != 2 or b.shape != (a.shape[0], width) or not b.is_contiguous():
         raise ValueError(
@@ -122,7 +124,9 @@ def _check_segment_weights(s, a, b, ranks, h_out) -> None:
 
 
 def _pointers(ws: Sequence[torch.Tensor | None], device) -> torch.Tensor:
-    return torch.tensor([0 if w is None else w.data_ptr() for w in ws], dtype=torch.int64, device=device)
+    return torch.tensor(
+        [0 if w is None else w.data_ptr() for w in ws], dtype=torch.int64, device=device
+    )
 
 
 class SgmvBackend(Protocol):

@@ -17,7 +17,16 @@ NVCC = shutil.which("nvcc") or next(
 @pytest.mark.parametrize("arch", CUDA_ARCHS)
 def test_cuda_kernels_compile(tmp_path, arch):
     out = tmp_path / f"sgmv_sm{arch}.o"
-    cmd = [NVCC, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-c", str(CSRC / "sgmv_cuda.cu"), "-o", str(out)]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-O3",
+        f"-arch=sm_{arch}",
+        "-c",
+        str(CSRC / "sgmv_cuda.cu"),
+        "-o",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     symbols = subprocess.run(["nm", "-C", str(out)], capture_output=True, text=True).stdout

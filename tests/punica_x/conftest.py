@@ -24,11 +24,15 @@ def make_tokenizer(folder: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TINY_TEXT * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     fast.save_pretrained(folder)
     return fast
 
@@ -39,10 +43,21 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(folder)
-    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-               pad_token_id=2, initializer_range=0.25)
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.25,
+    )
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
@@ -50,14 +65,26 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-def make_peft_adapter(base, folder: Path, rank: int, targets: list[str], seed: int,
-                      alpha: float | None = None, **extra) -> Path:
+def make_peft_adapter(
+    base,
+    folder: Path,
+    rank: int,
+    targets: list[str],
+    seed: int,
+    alpha: float | None = None,
+    **extra,
+) -> Path:
     """A PEFT LoRA adapter with random (non-zero) A and B, saved in the PEFT format."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
-                     init_lora_weights=False, **extra)
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else rank,
+        target_modules=targets,
+        init_lora_weights=False,
+        **extra,
+    )
     model = get_peft_model(base, cfg)
     model.save_pretrained(folder)
     model.unload()  # restore the base model's modules for the next adapter
@@ -82,9 +109,12 @@ def tiny_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("tiny-adapters")
-    specs = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["k_proj", "o_proj", "down_proj"]),
-             "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-             "r64": (64, ["gate_proj", "up_proj"])}
+    specs = {
+        "r4": (4, ["q_proj", "v_proj"]),
+        "r8": (8, ["k_proj", "o_proj", "down_proj"]),
+        "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        "r64": (64, ["gate_proj", "up_proj"]),
+    }
     out = {}
     for seed, (name, (rank, targets)) in enumerate(specs.items()):
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -10,16 +10,29 @@ from punica_x import SamplingParams
 from punica_x.core import FinishReason
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-PROMPTS = ["the quick brown fox", "hello world", "paged attention keeps", "a multi tenant lora",
-           "numbers 0123", "the lazy dog jumps", "one backbone", "kv cache in blocks"]
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "paged attention keeps",
+    "a multi tenant lora",
+    "numbers 0123",
+    "the lazy dog jumps",
+    "one backbone",
+    "kv cache in blocks",
+]
 
 
 def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def peft_greedy(model_dir, adapter_dir, tokenizer, prompts, n):
@@ -45,7 +58,9 @@ def references(tiny_model_dir, tiny_adapters, tiny_hf, llm):
     tok = llm.tokenizer
     refs = {(None, p): hf_greedy(tiny_hf, tok, p, GREEDY.max_tokens) for p in PROMPTS}
     for name, path in tiny_adapters.items():
-        for p, toks in zip(PROMPTS, peft_greedy(tiny_model_dir, path, tok, PROMPTS, GREEDY.max_tokens)):
+        for p, toks in zip(
+            PROMPTS, peft_greedy(tiny_model_dir, path, tok, PROMPTS, GREEDY.max_tokens)
+        ):
             refs[(name, p)] = toks
     return refs
 
@@ -62,8 +77,15 @@ def test_mixed_batch_matches_hf_peft(llm, references):
 
 def test_requests_joining_mid_way_match(llm, references):
     engine = llm.engine
-    plan = [(0, "r16", PROMPTS[0]), (0, None, PROMPTS[1]), (3, "r4", PROMPTS[2]),
-            (5, "r64", PROMPTS[3]), (5, "r16", PROMPTS[4]), (11, "r8", PROMPTS[5]), (11, None, PROMPTS[6])]
+    plan = [
+        (0, "r16", PROMPTS[0]),
+        (0, None, PROMPTS[1]),
+        (3, "r4", PROMPTS[2]),
+        (5, "r64", PROMPTS[3]),
+        (5, "r16", PROMPTS[4]),
+        (11, "r8", PROMPTS[5]),
+        (11, None, PROMPTS[6]),
+    ]
     outputs, reqs, step = {}, {}, 0
     while len(outputs) < len(plan):
         for at, adapter, prompt in plan:
@@ -105,7 +127,9 @@ def test_streaming_callback_sees_every_token(llm):
 def test_cancel_frees_blocks_immediately(llm):
     engine = llm.engine
     free = engine.cache.allocator.num_free
-    req = engine.add_request("the quick brown fox", SamplingParams(max_tokens=200, ignore_eos=True), "r16")
+    req = engine.add_request(
+        "the quick brown fox", SamplingParams(max_tokens=200, ignore_eos=True), "r16"
+    )
     engine.step()
     engine.step()
     assert engine.cache.allocator.num_free < free
@@ -118,22 +142,31 @@ def test_cancel_frees_blocks_immediately(llm):
 def test_stop_strings_and_stop_tokens(llm, references):
     ref = references[(None, PROMPTS[0])]
     text = llm.tokenizer.decode(ref)
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    out = llm.generate([PROMPTS[0]], sampling=SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))[0]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate(
+        [PROMPTS[0]], sampling=SamplingParams(max_tokens=24, temperature=0, stop=(stop,))
+    )[0]
     assert out.finish_reason is FinishReason.STOP and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
-    out = llm.generate([PROMPTS[0]], sampling=SamplingParams(max_tokens=24, temperature=0,
-                                                             stop_token_ids=(ref[5],)))[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        sampling=SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(ref[5],)),
+    )[0]
     assert out.token_ids == ref[: ref.index(ref[5]) + 1] and out.stop_reason == ref[5]
 
 
 def test_sampling_seed_is_reproducible(llm):
-    sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     a = llm.generate(["hello world", "the quick"], ["r4", None], sp)
     b = llm.generate(["the quick", "hello world"], [None, "r4"], sp)
     assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
-    c = llm.generate(["hello world"], ["r4"], SamplingParams(max_tokens=16, temperature=1.0, seed=99,
-                                                           ignore_eos=True))
+    c = llm.generate(
+        ["hello world"],
+        ["r4"],
+        SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True),
+    )
     assert c[0].token_ids != a[0].token_ids
 
 

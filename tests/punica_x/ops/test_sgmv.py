@@ -60,8 +60,14 @@ def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
     lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
     segs = with_base_rows(lens, pyrng) if base_rows else [(n, True) for n in lens]
     h_in, h_out, layers = pyrng.choice([64, 576, 1000]), pyrng.choice([64, 576, 1000]), 3
-    w = make_weights(gen, [n for n, _ in segs], [[rank] if l else None for _, l in segs],
-                     h_in, [h_out], layers)
+    w = make_weights(
+        gen,
+        [n for n, _ in segs],
+        [[rank] if lora else None for _, lora in segs],
+        h_in,
+        [h_out],
+        layers,
+    )
     rows = w.seg_host[-1]
     x = torch.randn(rows, h_in, generator=gen)
     y0 = torch.randn(rows, h_out, generator=gen)
@@ -69,13 +75,22 @@ def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
 
     v_ref = sgmv_shrink(x, w, layer, backend=REF)
     v_our = sgmv_shrink(x, w, layer, backend=compiled())
-    torch.testing.assert_close(v_our, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        v_our, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
+    )
 
     y_ref = sgmv_expand(y0.clone(), v_ref, w, layer, backend=REF)
     y_our = sgmv_expand(y0.clone(), v_ref, w, layer, backend=compiled())
-    torch.testing.assert_close(y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
+    )
 
-    base = [i for s, (n, l) in enumerate(segs) if not l for i in range(w.seg_host[s], w.seg_host[s + 1])]
+    base = [
+        i
+        for s, (_, lora) in enumerate(segs)
+        if not lora
+        for i in range(w.seg_host[s], w.seg_host[s + 1])
+    ]
     assert torch.equal(y_our[base], y0[base]), "rows without an adapter must be left untouched"
 
 
@@ -91,7 +106,9 @@ def test_sgmv_several_slices_with_missing_modules():
     for layer in range(4):
         y_ref = add_lora_sgmv(y.clone(), x, w, layer, backend=REF)
         y_our = add_lora_sgmv(y.clone(), x, w, layer, backend=compiled())
-        torch.testing.assert_close(y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+        torch.testing.assert_close(
+            y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
+        )
 
 
 def test_sgmv_expand_into_strided_view():
@@ -108,7 +125,10 @@ def test_sgmv_expand_into_strided_view():
 
 def test_sgmv_empty_batch_and_no_adapters():
     w = SgmvWeights.build([0], [], [], [], [64], "cpu")
-    assert add_lora_sgmv(torch.zeros(0, 32), torch.zeros(0, 32), w, backend=compiled()).shape == (0, 32)
+    assert add_lora_sgmv(torch.zeros(0, 32), torch.zeros(0, 32), w, backend=compiled()).shape == (
+        0,
+        32,
+    )
     w = make_weights(torch.Generator(), [4], [None], 32, [64], layers=1)
     y = torch.ones(4, 64)
     add_lora_sgmv(y, torch.randn(4, 32), w, backend=compiled())
@@ -135,7 +155,9 @@ def test_binding_checks_inputs():
     with pytest.raises(RuntimeError, match="x must be 2-D"):
         ext.sgmv_shrink(v, x[None], w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank)
     with pytest.raises(RuntimeError, match=r"x must have contiguous rows"):
-        ext.sgmv_shrink(v, torch.randn(64, 4).t(), w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank)
+        ext.sgmv_shrink(
+            v, torch.randn(64, 4).t(), w.a_ptr, w.ranks, w.seg, 0, w.max_rows, w.max_rank
+        )
     with pytest.raises(RuntimeError, match="seg must be non-decreasing"):
         bad = torch.tensor([0, 3, 1], dtype=torch.int32)
         ext.sgmv_shrink(v, x, w.a_ptr, w.ranks, bad, 0, 4, w.max_rank)
@@ -149,9 +171,13 @@ def test_binding_checks_inputs():
     with pytest.raises(RuntimeError, match="has rank 16 > max_rank 8"):
         ext.sgmv_shrink(v, x, w.a_ptr, w.ranks, w.seg, 0, w.max_rows, 8)
     with pytest.raises(RuntimeError, match="y has 16 columns"):
-        ext.sgmv_expand(torch.zeros(4, 16), v, w.b_ptr, w.ranks, w.seg, [32], 0, w.max_rows, w.max_rank)
+        ext.sgmv_expand(
+            torch.zeros(4, 16), v, w.b_ptr, w.ranks, w.seg, [32], 0, w.max_rows, w.max_rank
+        )
     with pytest.raises(RuntimeError, match="h_out has 2 slices"):
-        ext.sgmv_expand(torch.zeros(4, 64), v, w.b_ptr, w.ranks, w.seg, [32, 32], 0, w.max_rows, w.max_rank)
+        ext.sgmv_expand(
+            torch.zeros(4, 64), v, w.b_ptr, w.ranks, w.seg, [32, 32], 0, w.max_rows, w.max_rank
+        )
 
 
 def test_weights_builder_checks_shapes():
@@ -174,14 +200,16 @@ def test_sgmv_cuda_matches_reference(popularity, batch, dtype):
     lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
     segs = with_base_rows(lens, pyrng)
     h_out = [4096, 1024]
-    ranks = [[16, 8] if l else None for _, l in segs]
+    ranks = [[16, 8] if lora else None for _, lora in segs]
     w_cpu = make_weights(gen, [n for n, _ in segs], ranks, 4096, h_out, layers=2)
     dev = torch.device("cuda")
     w = SgmvWeights.build(
         list(w_cpu.seg_host),
         [None if a is None else a.to(dev, dtype) for a in w_cpu.a],
         [None if b is None else b.to(dev, dtype) for b in w_cpu.b],
-        [list(r) for r in w_cpu.ranks_host], h_out, dev,
+        [list(r) for r in w_cpu.ranks_host],
+        h_out,
+        dev,
     )
     rows = w.seg_host[-1]
     x = torch.randn(rows, 4096, device=dev, dtype=dtype)

@@ -1,0 +1,97 @@
+"""Paged attention (out + log-sum-exp) against dense attention, and the ScaleReduce merge."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from punica_x.attention.merge import merge_attention, merge_many
+from punica_x.attention.paged import AttentionMeta, SeqSpan, paged_attention, write_kv
+
+
+def dense_attention(q, k, v, first_pos, scale):
+    """q: [n, Hq, D] at positions first_pos..; k, v: [S, Nkv, D] -> (out, lse)."""
+    n, hq, _ = q.shape
+    g = hq // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("nhd,shd->hns", q, k) * scale
+    pos = torch.arange(first_pos, first_pos + n)[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v)
+    return out, lse.t()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+def test_paged_attention_matches_dense(block_size, heads):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    hq, nkv = heads
+    d, layers, num_blocks = 32, 2, 400
+    kv = torch.zeros(num_blocks, layers, 2, nkv, block_size, d)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    # (new rows, context already cached): decodes, a fresh prefill, a chunk after a cached part
+    shapes = [(1, rng.randint(0, 40)) for _ in range(4)] + [
+        (rng.randint(2, 30), 0),
+        (rng.randint(2, 30), rng.randint(1, 50)),
+    ]
+    rng.shuffle(shapes)
+    spans, ks, vs, row = [], [], [], 0
+    layer = 1
+    for n, cached in shapes:
+        total = n + cached
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        k = torch.randn(total, nkv, d, generator=gen)
+        v = torch.randn(total, nkv, d, generator=gen)
+        for pos in range(cached):  # earlier steps' K/V already in the cache
+            kv[blocks[pos // block_size], layer, 0, :, pos % block_size] = k[pos]
+            kv[blocks[pos // block_size], layer, 1, :, pos % block_size] = v[pos]
+        spans.append(SeqSpan(row, n, total, blocks))
+        ks.append(k)
+        vs.append(v)
+        row += n
+    meta = AttentionMeta.plan(spans, block_size, torch.device("cpu"))
+    q = torch.randn(row, hq, d, generator=gen)
+    new_k = torch.cat([k[sp.kv_len - sp.num_rows :] for k, sp in zip(ks, spans)])
+    new_v = torch.cat([v[sp.kv_len - sp.num_rows :] for v, sp in zip(vs, spans)])
+    write_kv(kv, layer, new_k, new_v, meta)
+    out, lse = paged_attention(q, kv, layer, meta, d**-0.5)
+    for sp, k, v in zip(spans, ks, vs):
+        rows = slice(sp.row_start, sp.row_start + sp.num_rows)
+        ref_out, ref_lse = dense_attention(q[rows], k, v, sp.kv_len - sp.num_rows, d**-0.5)
+        torch.testing.assert_close(out[rows], ref_out, rtol=1e-4, atol=1e-5, msg=f"seed={seed}")
+        torch.testing.assert_close(lse[rows], ref_lse, rtol=1e-4, atol=1e-5, msg=f"seed={seed}")
+    assert torch.equal(kv[:, 0], torch.zeros_like(kv[:, 0])), "only the given layer is written"
+
+
+def test_merge_of_partials_is_exact():
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n, h, s, d = 5, 6, 70, 16
+    q = torch.randn(n, h, d, generator=gen)
+    k = torch.randn(s, h, d, generator=gen)
+    v = torch.randn(s, h, d, generator=gen)
+    full_out, full_lse = dense_attention(q, k, v, first_pos=s, scale=0.3)
+    cuts = sorted(torch.randperm(s - 1, generator=gen)[:3].add(1).tolist())
+    parts = []
+    for lo, hi in zip([0, *cuts], [*cuts, s]):
+        parts.append(dense_attention(q, k[lo:hi], v[lo:hi], first_pos=s, scale=0.3))
+    out, lse = merge_many(parts)
+    torch.testing.assert_close(out, full_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_with_an_empty_part():
+    out = torch.randn(3, 2, 4)
+    lse = torch.randn(3, 2)
+    empty_out, empty_lse = torch.zeros(3, 2, 4), torch.full((3, 2), float("-inf"))
+    m_out, m_lse = merge_attention(out, lse, empty_out, empty_lse)
+    torch.testing.assert_close(m_out, out)
+    torch.testing.assert_close(m_lse, lse)
+    both_out, both_lse = merge_attention(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.equal(both_out, empty_out) and torch.isinf(both_lse).all()

@@ -1,0 +1,156 @@
+"""Every adapter refusal: a clear AdapterError (stable code, message naming the problem),
+nothing half-registered, and the runner keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_peft_adapter, make_tiny_llama, rewrite_config, tiny_llm
+from safetensors.torch import load_file, save_file
+
+from punica_x import AdapterError, SamplingParams
+
+SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir, max_lora_rank=32)
+    llm.load_adapter("good", str(tiny_adapters["r8"]))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def refused(llm, path, code: str, match: str) -> None:
+    before = llm.generate(["hello world"], ["good"], SP)[0].token_ids
+    with pytest.raises(AdapterError, match=match) as info:
+        llm.load_adapter("bad", str(path))
+    assert info.value.code == code
+    assert "bad" not in llm.engine.adapters.names()
+    with pytest.raises(AdapterError):  # a refused new version never replaces a good one
+        llm.load_adapter("good", str(path))
+    assert llm.generate(["hello world"], ["good"], SP)[0].token_ids == before
+
+
+def test_pickle_weights_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
+    torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.bin")
+    refused(llm, path, "pickle_not_allowed", r"refusing pickle files \['adapter_model.bin'\]")
+    (path / "adapter_model.bin").rename(path / "weights.pt")
+    refused(llm, path, "pickle_not_allowed", "weights.pt")
+
+
+def test_pickle_renamed_to_safetensors_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
+    torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.safetensors")
+    refused(llm, path, "bad_weights", "not a valid safetensors file")
+
+
+def test_dora_refused(llm, base, tmp_path):
+    path = make_peft_adapter(base, tmp_path / "dora", 8, ["q_proj"], seed=1, use_dora=True)
+    refused(llm, path, "dora_not_supported", "DoRA")
+
+
+def test_modules_to_save_refused(llm, base, tmp_path):
+    path = make_peft_adapter(
+        base, tmp_path / "mts", 8, ["q_proj"], seed=2, modules_to_save=["lm_head"]
+    )
+    refused(llm, path, "modules_to_save_not_supported", "modules_to_save")
+
+
+def test_bias_refused(llm, base, tmp_path):
+    path = make_peft_adapter(base, tmp_path / "bias", 8, ["q_proj"], seed=3, bias="lora_only")
+    refused(llm, path, "bias_not_supported", "bias='lora_only'")
+
+
+def test_unknown_peft_type_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "loha", peft_type="LOHA")
+    refused(llm, path, "unknown_peft_type", "peft_type 'LOHA'")
+
+
+def test_rank_above_max_refused(llm, tiny_adapters):
+    refused(llm, tiny_adapters["r64"], "rank_too_large", "rank 64 exceeds max_lora_rank 32")
+
+
+def test_shapes_of_another_model_refused(llm, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    other = make_tiny_llama(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    base = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    path = make_peft_adapter(base, tmp_path / "x", 8, ["q_proj"], seed=4)
+    refused(
+        llm, path, "shape_mismatch", r"q_proj.lora_A.weight: shape \(8, 32\) .*expected \(8, 64\)"
+    )
+
+
+def test_unknown_module_refused(llm, base, tiny_adapters, tmp_path):
+    path = make_peft_adapter(base, tmp_path / "head", 8, ["lm_head"], seed=5)
+    refused(llm, path, "unknown_module", r"unknown target modules \['lm_head'\]")
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "regex", target_modules=".*proj")
+    weights = load_file(path / "adapter_model.safetensors")
+    weights["base_model.model.model.layers.0.mlp.fc1.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(weights, path / "adapter_model.safetensors")
+    refused(
+        llm, path, "unknown_module", "unexpected module in 'base_model.model.model.layers.0.mlp.fc1"
+    )
+
+
+def test_non_finite_values_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "nan")
+    weights = load_file(path / "adapter_model.safetensors")
+    key = sorted(weights)[3]
+    weights[key][0, 0] = float("nan")
+    save_file(weights, path / "adapter_model.safetensors")
+    refused(llm, path, "non_finite", "contains NaN or Inf")
+
+
+def test_missing_files_and_bad_config_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "nofile")
+    (path / "adapter_model.safetensors").unlink()
+    refused(llm, path, "missing_file", "adapter_model.safetensors not found")
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "json")
+    (path / "adapter_config.json").write_text("{not json")
+    refused(llm, path, "bad_config", "not valid JSON")
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "rank", r="sixteen")
+    refused(llm, path, "bad_config", "r must be a positive integer")
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "pattern", rank_pattern={"q_proj": 2})
+    refused(llm, path, "unsupported_option", "rank_pattern")
+
+
+def test_missing_layer_refused(llm, tiny_adapters, tmp_path):
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "layer")
+    weights = load_file(path / "adapter_model.safetensors")
+    del weights["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    save_file(weights, path / "adapter_model.safetensors")
+    refused(llm, path, "bad_weights", "missing lora_B of v_proj in layer 1")
+
+
+def test_rslora_scaling(tiny_model_dir, base, tmp_path):
+    """use_rslora scales by alpha / sqrt(r), as PEFT does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = make_peft_adapter(
+        base, tmp_path / "rs", 16, ["q_proj", "down_proj"], seed=6, alpha=8, use_rslora=True
+    )
+    llm = tiny_llm(tiny_model_dir)
+    info = llm.load_adapter("rs", str(path))
+    assert info.rank == 16 and info.target_modules == ("q_proj", "down_proj")
+    ids = llm.tokenizer.encode("the quick brown fox")
+    ours = llm.generate(
+        [ids], ["rs"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), path
+    ).eval()
+    x = torch.tensor([ids])
+    out = ref.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12, do_sample=False
+    )
+    assert ours[0].token_ids == out[0, len(ids) :].tolist()

@@ -1,0 +1,148 @@
+"""Our batched Llama against HF transformers on the same weights: logits of every position,
+for the config variants we claim (GQA, tied embeddings, biases, RoPE scaling, Mistral)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from punica_x.attention.paged import AttentionMeta, SeqSpan
+from punica_x.config import ModelConfig
+from punica_x.core import Batch
+from punica_x.kv.blocks import KVCache, KVCacheSpec
+from punica_x.models.loader import load_model
+
+
+def our_logits(loaded, ids: list[int], split: int) -> torch.Tensor:
+    """Logits of every position: a prefill of ids[:split], then one decode step per token."""
+    d = loaded.model.dims
+    spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, 4, torch.float32)
+    cache = KVCache(spec, 64, torch.device("cpu"))
+    blocks = cache.allocator.allocate(-(-len(ids) // 4))
+    rows = []
+    for lo, hi in [(0, split)] + [(i, i + 1) for i in range(split, len(ids))]:
+        meta = AttentionMeta.plan([SeqSpan(0, hi - lo, hi, blocks)], 4, torch.device("cpu"))
+        batch = Batch(
+            torch.tensor(ids[lo:hi]), torch.arange(lo, hi), meta, None, torch.arange(hi - lo)
+        )
+        rows.append(loaded.model(batch, cache.kv))
+    return torch.cat(rows)
+
+
+def hf_logits(folder, ids, cls_name="AutoModelForCausalLM"):
+    import transformers
+
+    model = getattr(transformers, cls_name).from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+VARIANTS = {
+    "gqa": {},
+    "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "bias": dict(attention_bias=True, mlp_bias=True),
+    "linear-rope": dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    ),
+    "llama3-rope": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    ),
+    "yarn-rope": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    ),
+    "head-dim": dict(head_dim=32),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_hf(tmp_path, variant):
+    folder = make_tiny_llama(tmp_path / variant, seed=7, **VARIANTS[variant])
+    if variant == "bias":  # HF initialises biases to zero; make them matter
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+        m.save_pretrained(folder)
+    loaded = load_model(ModelConfig(model=str(folder)))
+    ids = torch.randint(
+        3, loaded.model.dims.vocab_size, (70,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    torch.testing.assert_close(
+        our_logits(loaded, ids, split=50), hf_logits(folder, ids), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_mistral_config(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = make_tiny_llama(tmp_path / "m")  # tokenizer files
+    cfg = MistralConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=96,
+        initializer_range=0.25,
+    )
+    torch.manual_seed(3)
+    MistralForCausalLM(cfg).save_pretrained(folder)
+    loaded = load_model(ModelConfig(model=str(folder)))
+    assert loaded.max_model_len == 96  # capped at the sliding window (full attention inside it)
+    ids = list(range(5, 85))
+    torch.testing.assert_close(
+        our_logits(loaded, ids, 40),
+        hf_logits(folder, ids, "MistralForCausalLM"),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+            "rope_type 'dynamic' is not supported",
+        ),
+        (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    ],
+)
+def test_unsupported_configs_refused(tmp_path, overrides, match):
+    folder = make_tiny_llama(tmp_path / "x", **overrides)
+    with pytest.raises(ValueError, match=match):
+        load_model(ModelConfig(model=str(folder)))
+
+
+def test_pickle_checkpoints_refused(tmp_path, tiny_model_dir):
+    folder = tmp_path / "pickle"
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "pytorch_model.bin").write_bytes(b"not really")
+    with pytest.raises(ValueError, match="only pickle weights"):
+        load_model(ModelConfig(model=str(folder)))
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model not found"):
+        load_model(ModelConfig(model=str(tmp_path / "nope")))

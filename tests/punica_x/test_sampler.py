@@ -1,0 +1,51 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeds."""
+
+import torch
+
+from punica_x.core import Request, SamplingParams
+from punica_x.sampler import Sampler
+
+
+def req(seed=None, **kw):
+    r = Request(prompt_token_ids=[1], sampling=SamplingParams(seed=seed, **kw))
+    if seed is not None:
+        r.generator = torch.Generator().manual_seed(seed)
+    return r
+
+
+LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+
+
+def draws(n, **kw):
+    s = Sampler(seed=5)
+    return [s(LOGITS, [req(**kw)])[0] for _ in range(n)]
+
+
+def test_greedy_and_top_k_one_take_the_argmax():
+    s = Sampler()
+    logits = torch.randn(6, 50)
+    assert s(logits, [req(temperature=0) for _ in range(6)]) == logits.argmax(-1).tolist()
+    assert s(logits, [req(top_k=1) for _ in range(6)]) == logits.argmax(-1).tolist()
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = torch.bincount(torch.tensor(draws(4000)), minlength=4).float() / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+def test_top_k_and_top_p_filter():
+    assert set(draws(300, top_k=2)) == {0, 1}
+    assert set(draws(300, top_p=0.5)) == {0, 1}  # 0.4 < 0.5 keeps token 1; 0.7 >= 0.5 drops 2
+    assert set(draws(300, top_p=0.3)) == {0}
+    low = torch.bincount(torch.tensor(draws(4000, temperature=0.25)), minlength=4).float() / 4000
+    sharp = torch.tensor([0.4, 0.3, 0.2, 0.1]) ** 4  # p^(1/T)
+    torch.testing.assert_close(low, sharp / sharp.sum(), atol=0.03, rtol=0)
+
+
+def test_seeded_requests_are_reproducible_in_any_batch():
+    s = Sampler(seed=1)
+    logits = torch.randn(3, 100)
+    a = [s(logits[i : i + 1], [req(seed=42)])[0] for i in range(3)]
+    rs = [req(seed=42), req(seed=42), req(seed=42)]
+    b = s(logits, rs)
+    assert a == b
