@@ -1,0 +1,151 @@
+"""Is SGMV faster than Loop and Gather-BMM, and how close to the memory floor? (Punica 7.1)
+
+LoRA add-on y += x @ A_i @ B_i (shrink + expand), h = 4096, r = 16, float32 on CPU, over the
+adapter-popularity workloads at batch 1..64. Weights are cold: every call reads adapters
+that the previous calls did not touch (a pool several times the last-level cache), as a
+server with many tenants would. Floor = bytes moved (unique adapters' weights + x read +
+y read and written) / measured copy bandwidth.
+
+    python benchmarks/bench_sgmv.py [--threads 2] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+from harness import copy_bandwidth, measure, print_table, save_plot, write_json
+
+from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
+from punica_x.workloads import assign_adapters, segment_lengths
+
+H, R = 4096, 16
+WORKLOADS = {"distinct": "distinct", "uniform": "uniform", "skewed": "zipf-1.5", "identical": "identical"}
+BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
+POOL_BYTES = 256 << 20  # >> last-level cache, so weights come from DRAM
+
+
+class AdapterPool:
+    """Many rank-R adapters; take() hands out ones not used by recent calls."""
+
+    def __init__(self) -> None:
+        per = 2 * R * H * 4
+        self.a = [torch.randn(1, R, H) * 0.01 for _ in range(POOL_BYTES // per)]  # A^T [1, r, h]
+        self.b = [torch.randn(1, R * H) * 0.01 for _ in range(len(self.a))]  # B [1, r*h]
+        self.next = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.next + n > len(self.a):
+            self.next = 0
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def methods(pool: AdapterPool, lens: list[int], x: torch.Tensor, y: torch.Tensor):
+    seg = [0]
+    for n in lens:
+        seg.append(seg[-1] + n)
+    state: dict = {}
+    backend = get_backend("cpu")
+    workspace = torch.zeros(x.shape[0], R)
+
+    def pick():
+        ids = pool.take(len(lens))
+        state["ids"] = ids
+        state["w"] = SgmvWeights.build(seg, [pool.a[i] for i in ids], [pool.b[i] for i in ids],
+                                       [[R]] * len(ids), [H], "cpu")
+        state["rows"] = [ids[s] for s, n in enumerate(lens) for _ in range(n)]
+
+    def loop():
+        for s, i in enumerate(state["ids"]):
+            lo, hi = seg[s], seg[s + 1]
+            y[lo:hi] += (x[lo:hi] @ pool.a[i][0].t()) @ pool.b[i].view(R, H)
+
+    def gather_bmm():
+        wa = torch.stack([pool.a[i][0].t() for i in state["rows"]])  # [B, h, r]
+        wb = torch.stack([pool.b[i].view(R, H) for i in state["rows"]])  # [B, r, h]
+        y.add_(torch.bmm(torch.bmm(x.unsqueeze(1), wa), wb).squeeze(1))
+
+    def sgmv():
+        add_lora_sgmv(y, x, state["w"], 0, workspace, backend)
+
+    return pick, {"loop": loop, "gather_bmm": gather_bmm, "sgmv": sgmv}
+
+
+def check_correct(pool: AdapterPool) -> None:
+    lens = [3, 1, 2]
+    x, y = torch.randn(6, H), torch.zeros(6, H)
+    pick, fns = methods(pool, lens, x, y)
+    pick()
+    outs = {}
+    for name, fn in fns.items():
+        y.zero_()
+        fn()
+        outs[name] = y.clone()
+    for name in ("gather_bmm", "sgmv"):
+        torch.testing.assert_close(outs[name], outs["loop"], rtol=1e-4, atol=1e-4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bandwidth = copy_bandwidth()
+    pool = AdapterPool()
+    check_correct(pool)
+    rows = []
+    for label, popularity in WORKLOADS.items():
+        for batch in BATCHES:
+            lens = segment_lengths(assign_adapters(popularity, batch, random.Random(batch)))
+            x, y = torch.randn(batch, H), torch.zeros(batch, H)
+            pick, fns = methods(pool, lens, x, y)
+            nbytes = len(lens) * 2 * R * H * 4 + 3 * batch * H * 4
+            row = {"workload": label, "batch": batch, "adapters": len(lens),
+                   "floor_ms": nbytes / bandwidth * 1e3}
+            for name, fn in fns.items():
+                row[f"{name}_ms"] = measure(fn, repeats=args.repeats, between=pick).median * 1e3
+            row["sgmv_GBps"] = nbytes / (row["sgmv_ms"] / 1e3) / 1e9
+            row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(row["loop_ms"], row["gather_bmm_ms"])
+            row["sgmv_vs_floor"] = row["sgmv_ms"] / row["floor_ms"]
+            rows.append(row)
+    cols = ["workload", "batch", "adapters", "loop_ms", "gather_bmm_ms", "sgmv_ms", "floor_ms",
+            "sgmv_GBps", "sgmv_vs_best_baseline", "sgmv_vs_floor"]
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} threads, "
+          f"h={H} r={R} float32")
+    print_table(rows, cols, "SGMV shrink+expand, median ms per call (cold weights)")
+    worst = max(r["sgmv_vs_best_baseline"] for r in rows)
+    d64 = next(r for r in rows if r["workload"] == "distinct" and r["batch"] == 64)
+    print(f"\nworst sgmv / min(loop, gather_bmm) = {worst:.2f} (target <= 1.0)")
+    print(f"distinct batch 64: sgmv / floor = {d64['sgmv_vs_floor']:.2f} (target <= 1.3)")
+    path = write_json("bench_sgmv", {"copy_bandwidth_GBps": bandwidth / 1e9, "h": H, "r": R,
+                                     "threads": args.threads, "rows": rows})
+    plot(rows)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(16, 3.8), sharey=True)
+    for ax, label in zip(axes, WORKLOADS):
+        sub = [r for r in rows if r["workload"] == label]
+        xs = [r["batch"] for r in sub]
+        for key, style in (("loop_ms", "o-"), ("gather_bmm_ms", "s-"), ("sgmv_ms", "^-"), ("floor_ms", "k--")):
+            ax.plot(xs, [r[key] for r in sub], style, label=key.removesuffix("_ms"))
+        ax.set_title(label)
+        ax.set_xlabel("batch size")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("ms per LoRA add-on (h=4096, r=16)")
+    axes[-1].legend()
+    save_plot("bench_sgmv", fig)
+
+
+if __name__ == "__main__":
+    main()

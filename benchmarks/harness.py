@@ -1,0 +1,92 @@
+"""Shared benchmark plumbing: timing (warm-up, repeats, median), the machine's memory-copy
+bandwidth, tables, JSON and PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float
+    p10: float
+    p90: float
+    repeats: int
+
+
+def measure(fn: Callable[[], object], warmup: int = 3, repeats: int = 20,
+            between: Callable[[], object] | None = None) -> Timing:
+    """Seconds per call of fn (median over repeats). `between` runs untimed before each call."""
+    for _ in range(warmup):
+        if between:
+            between()
+        fn()
+    times = []
+    for _ in range(repeats):
+        if between:
+            between()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10],
+                  repeats)
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
+    """Bytes per second moved by a large tensor copy, counting the read and the write."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
+    return 2 * nbytes / t.median
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    return path
+
+
+def save_plot(name: str, fig) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
