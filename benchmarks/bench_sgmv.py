@@ -21,7 +21,12 @@ from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
 from punica_x.workloads import assign_adapters, segment_lengths
 
 H, R = 4096, 16
-WORKLOADS = {"distinct": "distinct", "uniform": "uniform", "skewed": "zipf-1.5", "identical": "identical"}
+WORKLOADS = {
+    "distinct": "distinct",
+    "uniform": "uniform",
+    "skewed": "zipf-1.5",
+    "identical": "identical",
+}
 BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
 POOL_BYTES = 256 << 20  # >> last-level cache, so weights come from DRAM
 
@@ -54,8 +59,9 @@ def methods(pool: AdapterPool, lens: list[int], x: torch.Tensor, y: torch.Tensor
     def pick():
         ids = pool.take(len(lens))
         state["ids"] = ids
-        state["w"] = SgmvWeights.build(seg, [pool.a[i] for i in ids], [pool.b[i] for i in ids],
-                                       [[R]] * len(ids), [H], "cpu")
+        state["w"] = SgmvWeights.build(
+            seg, [pool.a[i] for i in ids], [pool.b[i] for i in ids], [[R]] * len(ids), [H], "cpu"
+        )
         state["rows"] = [ids[s] for s, n in enumerate(lens) for _ in range(n)]
 
     def loop():
@@ -89,7 +95,9 @@ def check_correct(pool: AdapterPool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
@@ -104,25 +112,51 @@ def main() -> None:
             x, y = torch.randn(batch, H), torch.zeros(batch, H)
             pick, fns = methods(pool, lens, x, y)
             nbytes = len(lens) * 2 * R * H * 4 + 3 * batch * H * 4
-            row = {"workload": label, "batch": batch, "adapters": len(lens),
-                   "floor_ms": nbytes / bandwidth * 1e3}
+            row = {
+                "workload": label,
+                "batch": batch,
+                "adapters": len(lens),
+                "floor_ms": nbytes / bandwidth * 1e3,
+            }
             for name, fn in fns.items():
                 row[f"{name}_ms"] = measure(fn, repeats=args.repeats, between=pick).median * 1e3
             row["sgmv_GBps"] = nbytes / (row["sgmv_ms"] / 1e3) / 1e9
-            row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(row["loop_ms"], row["gather_bmm_ms"])
+            row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(
+                row["loop_ms"], row["gather_bmm_ms"]
+            )
             row["sgmv_vs_floor"] = row["sgmv_ms"] / row["floor_ms"]
             rows.append(row)
-    cols = ["workload", "batch", "adapters", "loop_ms", "gather_bmm_ms", "sgmv_ms", "floor_ms",
-            "sgmv_GBps", "sgmv_vs_best_baseline", "sgmv_vs_floor"]
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} threads, "
-          f"h={H} r={R} float32")
+    cols = [
+        "workload",
+        "batch",
+        "adapters",
+        "loop_ms",
+        "gather_bmm_ms",
+        "sgmv_ms",
+        "floor_ms",
+        "sgmv_GBps",
+        "sgmv_vs_best_baseline",
+        "sgmv_vs_floor",
+    ]
+    print(
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} threads, "
+        f"h={H} r={R} float32"
+    )
     print_table(rows, cols, "SGMV shrink+expand, median ms per call (cold weights)")
     worst = max(r["sgmv_vs_best_baseline"] for r in rows)
     d64 = next(r for r in rows if r["workload"] == "distinct" and r["batch"] == 64)
     print(f"\nworst sgmv / min(loop, gather_bmm) = {worst:.2f} (target <= 1.0)")
     print(f"distinct batch 64: sgmv / floor = {d64['sgmv_vs_floor']:.2f} (target <= 1.3)")
-    path = write_json("bench_sgmv", {"copy_bandwidth_GBps": bandwidth / 1e9, "h": H, "r": R,
-                                     "threads": args.threads, "rows": rows})
+    path = write_json(
+        "bench_sgmv",
+        {
+            "copy_bandwidth_GBps": bandwidth / 1e9,
+            "h": H,
+            "r": R,
+            "threads": args.threads,
+            "rows": rows,
+        },
+    )
     plot(rows)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
@@ -137,7 +171,12 @@ def plot(rows) -> None:
     for ax, label in zip(axes, WORKLOADS):
         sub = [r for r in rows if r["workload"] == label]
         xs = [r["batch"] for r in sub]
-        for key, style in (("loop_ms", "o-"), ("gather_bmm_ms", "s-"), ("sgmv_ms", "^-"), ("floor_ms", "k--")):
+        for key, style in (
+            ("loop_ms", "o-"),
+            ("gather_bmm_ms", "s-"),
+            ("sgmv_ms", "^-"),
+            ("floor_ms", "k--"),
+        ):
             ax.plot(xs, [r[key] for r in sub], style, label=key.removesuffix("_ms"))
         ax.set_title(label)
         ax.set_xlabel("batch size")

@@ -25,8 +25,12 @@ class Timing:
     repeats: int
 
 
-def measure(fn: Callable[[], object], warmup: int = 3, repeats: int = 20,
-            between: Callable[[], object] | None = None) -> Timing:
+def measure(
+    fn: Callable[[], object],
+    warmup: int = 3,
+    repeats: int = 20,
+    between: Callable[[], object] | None = None,
+) -> Timing:
     """Seconds per call of fn (median over repeats). `between` runs untimed before each call."""
     for _ in range(warmup):
         if between:
@@ -40,8 +44,9 @@ def measure(fn: Callable[[], object], warmup: int = 3, repeats: int = 20,
         fn()
         times.append(time.perf_counter() - t0)
     times.sort()
-    return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10],
-                  repeats)
+    return Timing(
+        statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10], repeats
+    )
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
@@ -61,8 +66,13 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:

@@ -15,7 +15,6 @@ import torch
 from punica_x.ops.sgmv import SgmvWeights
 
 if TYPE_CHECKING:
-    from punica_x.attention.paged import AttentionMeta
     from punica_x.lora.pool import AdapterRef
 
 
@@ -141,6 +140,6 @@ class Batch:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attention: AttentionMeta
+    attention: object  # the attention backend's plan: write_kv(...) and attend(...)
     lora: LoraBatchMeta | None
     sample_rows: torch.Tensor

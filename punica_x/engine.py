@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from punica_x.attention import get_attention_backend
 from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
 from punica_x.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
@@ -45,7 +46,8 @@ class Engine:
         )
         self.cache = KVCache(spec, num_blocks, device)
         self.batcher = Batcher(self.cache, config.batch)
-        self.planner = BatchPlanner(target, config.cache.block_size, device)
+        attention = get_attention_backend(device, config.attention_backend)
+        self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sgmv = get_backend(device, config.sgmv_backend)

@@ -34,3 +34,11 @@ def cache_dir(*parts: str) -> Path:
     path = Path(CACHE_DIR.get()).expanduser().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+ATTENTION_BACKEND = EnvVar(
+    "PUNICA_X_ATTENTION_BACKEND", "", "force an attention backend: cpu, torch or flashinfer"
+)
+DENSE_BACKEND = EnvVar(
+    "PUNICA_X_DENSE_BACKEND", "", "force the backbone's dense backend: cpu (packed) or torch"
+)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from punica_x.attention.paged import AttentionMeta, SeqSpan
+from punica_x.attention.paged import SeqSpan
 from punica_x.core import Batch, LoraBatchMeta, Request
 from punica_x.lora.adapter import GROUPS, LoraTarget
 from punica_x.ops.sgmv import SgmvWeights
@@ -32,7 +32,10 @@ def _adapter_key(s: ScheduledRequest) -> int:
 
 
 class BatchPlanner:
-    def __init__(self, target: LoraTarget, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, target: LoraTarget, block_size: int, device: torch.device, attention
+    ) -> None:
+        self.attention = attention
         self.block_size = block_size
         self.device = device
         shapes = target.shapes
@@ -57,7 +60,7 @@ class BatchPlanner:
         batch = Batch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            attention=AttentionMeta.plan(spans, self.block_size, dev),
+            attention=self.attention.plan(spans, self.block_size, dev),
             lora=self._plan_lora(ordered, len(ids)),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )

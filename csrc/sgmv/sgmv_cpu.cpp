@@ -14,29 +14,13 @@
 #include <utility>
 #include <vector>
 
+#include "../common/simd.h"
 #include "sgmv.h"
 
 namespace punica_x {
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf r;
-  std::memcpy(&r, p, sizeof(vf));
-  return r;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
-
-inline vf splat(float s) { return vf{} + s; }
-
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+using namespace simd;
 
 // v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long.
 template <int MB, int JB>

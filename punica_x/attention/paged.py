@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache (CPU / any device, pure PyTorch).
+"""Attention over the paged KV cache in pure PyTorch (any device): the reference backend.
 
 Rows of a step belong to sequences; a sequence with one new row is a decode, with more a
 prefill (or a prefill chunk): its rows are the last ``num_rows`` positions of its
@@ -38,7 +38,7 @@ class PrefillSeq:
 
 @dataclass(frozen=True)
 class AttentionMeta:
-    """Planned once per step, read by every layer.
+    """Plan of the torch backend: made once per step, read by every layer.
 
     slot_blocks / slot_offsets: [T] where each row's new K/V is written.
     decode_rows: [B_d] rows that are decodes; decode_blocks: [B_d, max_blocks] their block
@@ -91,6 +91,21 @@ class AttentionMeta:
             decode_bias=bias,
         )
 
+    def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_kv(kv, layer, k, v, self)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
+        return paged_attention(q, kv, layer, self, scale)
+
+
+class TorchAttention:
+    """The pure-PyTorch backend (reference; any device)."""
+
+    name = "torch"
+
+    def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMeta:
+        return AttentionMeta.plan(spans, block_size, device)
+
 
 def write_kv(
     kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
@@ -109,7 +124,7 @@ def paged_attention(
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     kvl = kv[:, layer]  # [num_blocks, 2, N_kv, P, D]
     for seq in meta.prefills:
-        _prefill(q, kvl, seq, scale, out, lse)
+        prefill_attention(q, kvl, seq, scale, out, lse)
     if meta.decode_rows.numel():
         o, s = _decode(q[meta.decode_rows], kvl, meta, scale)
         out[meta.decode_rows] = o
@@ -137,7 +152,8 @@ def _decode(q, kvl, meta: AttentionMeta, scale: float):
     return out.reshape(bd, hq, d).to(q.dtype), lse.reshape(bd, hq)
 
 
-def _prefill(q, kvl, seq: PrefillSeq, scale: float, out, lse) -> None:
+def prefill_attention(q, kvl, seq: PrefillSeq, scale: float, out, lse) -> None:
+    """Causal attention of one sequence's rows (written into out / lse); kvl = kv[:, layer]."""
     kv = kvl[seq.blocks]  # [nb, 2, N_kv, P, D]
     nb, _, nkv, p, d = kv.shape
     k = kv[:, 0].transpose(0, 1).reshape(nkv, nb * p, d)[:, : seq.kv_len].float()

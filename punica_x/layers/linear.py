@@ -5,17 +5,68 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from punica_x.core import LoraBatchMeta
+from punica_x.ops.dense import DenseBackend
 from punica_x.ops.sgmv import SgmvBackend, add_lora_sgmv
 
 
-class LoraLinear(nn.Module):
-    """y = x @ W^T (+ bias) + per-segment LoRA.
+class Dense(nn.Module):
+    """y = x @ W^T (+ bias). The checkpoint's weight ([out, in], as in nn.Linear) is loaded
+    into `weight`, then prepare() converts it once into the dense backend's layout."""
 
-    weight: [sum(out_slices), in_features]; `group` names the LoRA projection group whose
-    SGMV metadata (one per step) this layer reads."""
+    def __init__(
+        self,
+        in_features: int,
+        out_slices: tuple[int, ...],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_slices = out_slices
+        self.out_features = sum(out_slices)
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, in_features, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(
+                torch.zeros(self.out_features, dtype=dtype, device=device), requires_grad=False
+            )
+            if bias
+            else None
+        )
+        self.backend: DenseBackend | None = None
+
+    def prepare(self, backend: DenseBackend) -> None:
+        """Convert the loaded weight to the backend's layout (the original is dropped)."""
+        self.weight = nn.Parameter(backend.prepare(self.weight.data), requires_grad=False)
+        self.backend = backend
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features]."""
+        return self.backend.forward(x, self.weight, self.out_features, self.bias)
+
+    def load_slice(self, index: int, kind: str, tensor: torch.Tensor) -> bool:
+        """Copy slice `index` of a checkpoint's weight ([out, in]) or bias ([out]) into the
+        fused parameters; False if this layer has no such parameter."""
+        lo = sum(self.out_slices[:index])
+        hi = lo + self.out_slices[index]
+        target = self.bias if kind == "bias" else self.weight
+        if target is None:
+            return False
+        want = (hi - lo,) + tuple(target.shape[1:])
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"slice {index} {kind}: expected {want}, got {tuple(tensor.shape)}")
+        target[lo:hi].copy_(tensor)
+        return True
+
+
+class LoraLinear(Dense):
+    """A Dense plus per-segment LoRA; `group` names the LoRA projection group whose SGMV
+    metadata (one per step) this layer reads."""
 
     def __init__(
         self,
@@ -26,42 +77,16 @@ class LoraLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_slices = out_slices
+        super().__init__(in_features, out_slices, bias, dtype, device)
         self.group = group
-        out = sum(out_slices)
-        self.weight = nn.Parameter(
-            torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
-            if bias
-            else None
-        )
 
     def forward(
         self, x: torch.Tensor, lora: LoraBatchMeta | None, layer: int, backend: SgmvBackend | None
     ) -> torch.Tensor:
         """x: [T, in_features] -> [T, sum(out_slices)]."""
-        y = F.linear(x, self.weight, self.bias)
+        y = self.dense(x)
         if lora is not None:
             w = lora.groups.get(self.group)
             if w is not None and w.max_rank:
                 add_lora_sgmv(y, x, w, layer, lora.workspace, backend)
         return y
-
-    def load_slice(
-        self, index: int, tensor: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> None:
-        """Copy one slice's weight [out_slices[index], in_features] into the fused weight."""
-        lo = sum(self.out_slices[:index])
-        hi = lo + self.out_slices[index]
-        if tuple(tensor.shape) != (hi - lo, self.in_features):
-            raise ValueError(
-                f"slice {index} of {self.group}: expected shape "
-                f"{(hi - lo, self.in_features)}, got {tuple(tensor.shape)}"
-            )
-        self.weight[lo:hi].copy_(tensor)
-        if bias is not None and self.bias is not None:
-            self.bias[lo:hi].copy_(bias)

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from punica_x.attention.paged import paged_attention, write_kv
 from punica_x.core import Batch
-from punica_x.layers.linear import LoraLinear
+from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
 from punica_x.layers.rope import RotaryEmbedding
+from punica_x.ops.dense import DenseBackend
 from punica_x.ops.sgmv import SgmvBackend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -116,8 +116,8 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, batch.positions)
-        write_kv(kv, layer, k, v, batch.attention)
-        out, _ = paged_attention(q, kv, layer, batch.attention, self.scale)
+        batch.attention.write_kv(kv, layer, k, v)
+        out, _ = batch.attention.attend(q, kv, layer, self.scale)
         return self.o_proj(out.reshape(t, -1), batch.lora, layer, backend)
 
 
@@ -157,13 +157,16 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
         self.rope = RotaryEmbedding(hf_config, d.head_dim, d.max_positions, dtype, device)
-        if d.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(
-                torch.empty(d.vocab_size, d.hidden_size, dtype=dtype, device=device),
-                requires_grad=False,
-            )
+        self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
+
+    @torch.no_grad()
+    def finish_loading(self, dense: DenseBackend) -> None:
+        """Called once the checkpoint is in: tie the head, convert weights for `dense`."""
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight.copy_(self.embed_tokens.weight)
+        for module in self.modules():
+            if isinstance(module, Dense):
+                module.prepare(dense)
 
     @torch.inference_mode()
     def forward(
@@ -174,4 +177,4 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, i, kv, self.rope, backend)
         h = self.norm(h[batch.sample_rows])
-        return F.linear(h, self.lm_head_weight).float()
+        return self.lm_head.dense(h).float()

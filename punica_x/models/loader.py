@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
+from punica_x.ops.dense import get_dense_backend
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
         model.norm.weight.copy_(tensor)
     elif name == "lm_head.weight":
         if not model.dims.tie_word_embeddings:
-            model.lm_head_weight.copy_(tensor)
+            model.lm_head.weight.copy_(tensor)
     elif m := _LAYER.match(name):
         layer = model.layers[int(m.group(1))]
         rest = m.group(2)
@@ -152,12 +153,7 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
         module, _, kind = rest.rpartition(".")
         if module in _SLICES:
             fused, index = _SLICES[module]
-            lin = layer.get_submodule(fused)
-            lo = sum(lin.out_slices[:index])
-            target = lin.weight if kind == "weight" else lin.bias
-            if target is None:
-                return False
-            target[lo : lo + lin.out_slices[index]].copy_(tensor)
+            return layer.get_submodule(fused).load_slice(index, kind, tensor)
         elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             layer.get_parameter(rest).copy_(tensor)
         else:
@@ -186,6 +182,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                         raise ValueError(f"unexpected tensor {name!r} in {path.name}")
                     seen.add(name)
     _check_complete(dims, seen)
+    model.finish_loading(get_dense_backend(device, dtype, cfg.dense_backend))
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = set(_as_list(hf_config.eos_token_id))

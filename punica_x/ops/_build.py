@@ -1,7 +1,7 @@
-"""Builds the SGMV extension from csrc/sgmv on first use and caches it.
+"""Builds the C++/CUDA extensions (csrc/sgmv, csrc/attention) on first use and caches them.
 
 The build is keyed by the sources, the torch version and this CPU's instruction-set flags
-(the CPU kernel is compiled with -march=native), so a cache shared between machines never
+(CPU kernels are compiled with -march=native), so a cache shared between machines never
 loads a binary built for another CPU.
 """
 
@@ -19,11 +19,23 @@ import torch
 
 from punica_x.env import cache_dir
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc" / "sgmv"
-CPU_SOURCES = ("bindings.cpp", "sgmv_cpu.cpp")
-CUDA_SOURCES = ("sgmv_cuda.cu",)
-HEADERS = ("sgmv.h",)
+CSRC_ROOT = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = CSRC_ROOT / "sgmv"
 CUDA_ARCHS = ("80", "90")
+COMMON_HEADERS = ("common/simd.h",)
+# kind: (sources, headers), paths relative to csrc/
+EXTENSIONS = {
+    "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h",)),
+    "sgmv_cuda": (
+        ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp", "sgmv/sgmv_cuda.cu"),
+        ("sgmv/sgmv.h",),
+    ),
+    "attention_cpu": (
+        ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp"),
+        ("attention/paged_attention.h",),
+    ),
+    "dense_cpu": (("dense/bindings.cpp", "dense/dense_cpu.cpp"), ("dense/dense.h",)),
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -45,7 +57,7 @@ def _cpu_fingerprint() -> str:
 def _build_key(sources: list[Path], with_cuda: bool) -> str:
     h = hashlib.sha256()
     for path in sorted(sources):
-        h.update(path.name.encode())
+        h.update(str(path.relative_to(CSRC_ROOT)).encode())
         h.update(path.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_fingerprint().encode())
@@ -69,17 +81,34 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = path
 
 
-@cache
 def load_sgmv_extension(with_cuda: bool) -> ModuleType:
-    """Compile (once per key) and import the SGMV extension; CUDA kernels when `with_cuda`."""
+    """The SGMV extension; with the CUDA kernels when `with_cuda`."""
+    return load_extension("sgmv_cuda" if with_cuda else "sgmv_cpu")
+
+
+def load_attention_extension() -> ModuleType:
+    return load_extension("attention_cpu")
+
+
+def load_dense_extension() -> ModuleType:
+    return load_extension("dense_cpu")
+
+
+@cache
+def load_extension(kind: str) -> ModuleType:
+    """Compile (once per build key) and import the extension `kind` of EXTENSIONS."""
+    names, headers = EXTENSIONS[kind]
+    return _build(kind, names, headers + COMMON_HEADERS, with_cuda=kind.endswith("_cuda"))
+
+
+def _build(kind: str, names, headers, with_cuda: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
-    if not CSRC.is_dir():
-        raise KernelBuildError(f"SGMV sources not found at {CSRC} (punica-x needs its csrc/ tree)")
-    names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
-    sources = [CSRC / n for n in names]
-    key = _build_key(sources + [CSRC / h for h in HEADERS], with_cuda)
-    name = f"punica_x_sgmv_{'cuda' if with_cuda else 'cpu'}_{key}"
+    if not CSRC_ROOT.is_dir():
+        raise KernelBuildError(f"kernel sources not found at {CSRC_ROOT} (punica-x needs csrc/)")
+    sources = [CSRC_ROOT / n for n in names]
+    key = _build_key(sources + [CSRC_ROOT / h for h in headers], with_cuda)
+    name = f"punica_x_{kind}_{key}"
     build_dir = cache_dir("torch_extensions", name)
     cflags = ["-O3", "-march=native", "-fopenmp"]
     cuda_flags = ["-O3"]
@@ -101,6 +130,7 @@ def load_sgmv_extension(with_cuda: bool) -> ModuleType:
         )
     except Exception as exc:  # the compiler's output is in the message
         raise KernelBuildError(
-            f"building the SGMV extension {name} failed: {exc}\n"
-            "Set PUNICA_X_SGMV_BACKEND=torch_ref to run the (slow) pure-PyTorch reference instead."
+            f"building the {kind} extension {name} failed: {exc}\n"
+            "Set PUNICA_X_SGMV_BACKEND=torch_ref / PUNICA_X_ATTENTION_BACKEND=torch to run the "
+            "(slow) pure-PyTorch references instead."
         ) from exc

@@ -8,8 +8,10 @@ import random
 import pytest
 import torch
 
+from punica_x.attention import get_attention_backend
+from punica_x.attention.cpu import CpuAttention
 from punica_x.attention.merge import merge_attention, merge_many
-from punica_x.attention.paged import AttentionMeta, SeqSpan, paged_attention, write_kv
+from punica_x.attention.paged import SeqSpan
 
 
 def dense_attention(q, k, v, first_pos, scale):
@@ -26,9 +28,10 @@ def dense_attention(q, k, v, first_pos, scale):
     return out, lse.t()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-def test_paged_attention_matches_dense(block_size, heads):
+def test_paged_attention_matches_dense(backend, block_size, heads):
     seed = int.from_bytes(os.urandom(4), "little")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, nkv = heads
@@ -56,12 +59,12 @@ def test_paged_attention_matches_dense(block_size, heads):
         ks.append(k)
         vs.append(v)
         row += n
-    meta = AttentionMeta.plan(spans, block_size, torch.device("cpu"))
+    plan = get_attention_backend("cpu", backend).plan(spans, block_size, torch.device("cpu"))
     q = torch.randn(row, hq, d, generator=gen)
     new_k = torch.cat([k[sp.kv_len - sp.num_rows :] for k, sp in zip(ks, spans)])
     new_v = torch.cat([v[sp.kv_len - sp.num_rows :] for v, sp in zip(vs, spans)])
-    write_kv(kv, layer, new_k, new_v, meta)
-    out, lse = paged_attention(q, kv, layer, meta, d**-0.5)
+    plan.write_kv(kv, layer, new_k, new_v)
+    out, lse = plan.attend(q, kv, layer, d**-0.5)
     for sp, k, v in zip(spans, ks, vs):
         rows = slice(sp.row_start, sp.row_start + sp.num_rows)
         ref_out, ref_lse = dense_attention(q[rows], k, v, sp.kv_len - sp.num_rows, d**-0.5)
@@ -95,3 +98,29 @@ def test_merge_with_an_empty_part():
     torch.testing.assert_close(m_lse, lse)
     both_out, both_lse = merge_attention(empty_out, empty_lse, empty_out, empty_lse)
     assert torch.equal(both_out, empty_out) and torch.isinf(both_lse).all()
+
+
+def test_cpu_kernel_checks_inputs():
+    ext = CpuAttention().ext
+    kv = torch.zeros(4, 2, 2, 2, 4, 8)
+    q = torch.zeros(3, 4, 8)
+    out, lse = torch.empty_like(q), torch.empty(3, 4)
+    seqs = torch.tensor([[0], [3], [3]], dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        ext.paged_attention(
+            out, lse, q, kv, 0, seqs, starts, torch.tensor([9], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(RuntimeError, match="layer 2 out of range"):
+        ext.paged_attention(
+            out, lse, q, kv, 2, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(RuntimeError, match="too few blocks"):
+        long = torch.tensor([[0], [3], [6]], dtype=torch.int32)
+        ext.paged_attention(
+            out, lse, q, kv, 0, long, starts, torch.tensor([0], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(RuntimeError, match="q must be"):
+        ext.paged_attention(
+            out, lse, q[..., :4], kv, 0, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0
+        )

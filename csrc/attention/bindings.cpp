@@ -1,0 +1,88 @@
+// Torch bindings for CPU paged attention; every input is checked, errors name the tensor.
+#include <torch/extension.h>
+
+#include "paged_attention.h"
+
+namespace {
+
+#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, "paged_attention: ", __VA_ARGS__)
+
+void check_cpu(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  CHECK_ARG(t.device().is_cpu(), name, " must be on the CPU");
+  CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+}
+
+punica_x::KvLayout layout(const torch::Tensor& kv, int64_t layer) {
+  check_cpu(kv, "kv", at::kFloat);
+  CHECK_ARG(kv.dim() == 6 && kv.size(2) == 2, "kv must be [blocks, L, 2, N_kv, P, D], got ", kv.sizes());
+  CHECK_ARG(layer >= 0 && layer < kv.size(1), "layer ", layer, " out of range [0, ", kv.size(1), ")");
+  return punica_x::KvLayout{kv.data_ptr<float>(), static_cast<int>(kv.size(1)), static_cast<int>(kv.size(3)),
+                            static_cast<int>(kv.size(4)), static_cast<int>(kv.size(5)), static_cast<int>(layer)};
+}
+
+// out, lse = attention of q's rows (see paged_attention.h); seqs = [row_start, num_rows,
+// kv_len] as int32 [3, S]; table_start int32 [S + 1]; block_table int32.
+void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torch::Tensor kv, int64_t layer,
+                     torch::Tensor seqs, torch::Tensor table_start, torch::Tensor block_table, double scale) {
+  const punica_x::KvLayout kvl = layout(kv, layer);
+  check_cpu(q, "q", at::kFloat);
+  check_cpu(out, "out", at::kFloat);
+  check_cpu(lse, "lse", at::kFloat);
+  CHECK_ARG(q.dim() == 3 && q.size(2) == kvl.head_dim, "q must be [T, H_q, ", kvl.head_dim, "], got ", q.sizes());
+  CHECK_ARG(q.size(1) % kvl.num_kv_heads == 0 && q.size(1) / kvl.num_kv_heads <= 16,
+            "H_q=", q.size(1), " must be a multiple of N_kv=", kvl.num_kv_heads, " (at most 16x)");
+  CHECK_ARG(kvl.head_dim <= 256, "head_dim ", kvl.head_dim, " > 256");
+  CHECK_ARG(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  CHECK_ARG(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse must be [T, H_q], got ",
+            lse.sizes());
+  check_cpu(seqs, "seqs", at::kInt);
+  check_cpu(table_start, "table_start", at::kInt);
+  check_cpu(block_table, "block_table", at::kInt);
+  CHECK_ARG(seqs.dim() == 2 && seqs.size(0) == 3, "seqs must be [3, S], got ", seqs.sizes());
+  const int64_t s = seqs.size(1);
+  CHECK_ARG(table_start.dim() == 1 && table_start.size(0) == s + 1, "table_start must be [S + 1]");
+  const int32_t* row = seqs.data_ptr<int32_t>();
+  const int32_t* rows = row + s;
+  const int32_t* len = rows + s;
+  const int32_t* ts = table_start.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  CHECK_ARG(ts[0] == 0 && ts[s] == block_table.numel(), "table_start must span block_table");
+  for (int64_t i = 0; i < s; ++i) {
+    CHECK_ARG(rows[i] >= 1 && len[i] >= rows[i], "sequence ", i, ": num_rows=", rows[i], " kv_len=", len[i]);
+    CHECK_ARG(row[i] >= 0 && row[i] + rows[i] <= q.size(0), "sequence ", i, " rows out of range");
+    CHECK_ARG(int64_t(ts[i + 1] - ts[i]) * kvl.block_size >= len[i], "sequence ", i, " has too few blocks");
+    for (int32_t b = ts[i]; b < ts[i + 1]; ++b)
+      CHECK_ARG(bt[b] >= 0 && bt[b] < kv.size(0), "block id ", bt[b], " out of range");
+  }
+  const punica_x::PagedSeqs ps{row, rows, len, ts, bt, static_cast<int>(s)};
+  punica_x::paged_attention_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), q.data_ptr<float>(),
+                                static_cast<int>(q.size(1)), kvl, ps, static_cast<float>(scale));
+}
+
+void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
+              torch::Tensor offsets) {
+  const punica_x::KvLayout kvl = layout(kv, layer);
+  check_cpu(k, "k", at::kFloat);
+  check_cpu(v, "v", at::kFloat);
+  check_cpu(blocks, "blocks", at::kLong);
+  check_cpu(offsets, "offsets", at::kLong);
+  CHECK_ARG(k.dim() == 3 && k.size(1) == kvl.num_kv_heads && k.size(2) == kvl.head_dim,
+            "k must be [T, N_kv, D], got ", k.sizes());
+  CHECK_ARG(v.sizes() == k.sizes(), "v must match k");
+  CHECK_ARG(blocks.numel() == k.size(0) && offsets.numel() == k.size(0), "one block/offset per row");
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    CHECK_ARG(b[t] >= 0 && b[t] < kv.size(0) && o[t] >= 0 && o[t] < kvl.block_size, "row ", t,
+              ": slot (", b[t], ", ", o[t], ") out of range");
+  punica_x::write_kv_cpu(kv.data_ptr<float>(), kvl, k.data_ptr<float>(), v.data_ptr<float>(),
+                         static_cast<int>(k.size(0)), b, o);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention with log-sum-exp (CPU)");
+  m.def("write_kv", &write_kv, "store K/V rows into their cache slots (CPU)");
+}

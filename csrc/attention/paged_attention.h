@@ -1,0 +1,38 @@
+// Paged attention on the CPU over the punica-x KV layout kv[num_blocks, L, 2, N_kv, P, D].
+//
+// Sequence s owns query rows [row_start[s], row_start[s] + num_rows[s]); they are the last
+// num_rows[s] of its kv_len[s] tokens and attend causally: row i (position
+// kv_len - num_rows + i) sees keys 0..position. Its blocks are
+// block_table[table_start[s] .. table_start[s + 1]). Query head h reads KV head h / G,
+// G = H_q / N_kv. Outputs: out[T, H_q, D] and lse[T, H_q] (natural-log log-sum-exp of the
+// scaled scores), so partial results over disjoint key sets merge exactly.
+#pragma once
+
+#include <cstdint>
+
+namespace punica_x {
+
+struct PagedSeqs {
+  const int32_t* row_start;    // [S]
+  const int32_t* num_rows;     // [S]
+  const int32_t* kv_len;       // [S]
+  const int32_t* table_start;  // [S + 1]
+  const int32_t* block_table;  // [table_start[S]]
+  int num_seqs;
+};
+
+struct KvLayout {
+  const float* kv;  // [num_blocks, L, 2, N_kv, P, D]
+  int num_layers, num_kv_heads, block_size, head_dim;
+  int layer;
+  int64_t block_stride() const { return int64_t(num_layers) * 2 * num_kv_heads * block_size * head_dim; }
+};
+
+void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads, const KvLayout& kv,
+                         const PagedSeqs& seqs, float scale);
+
+// kv[block[t], layer, 0/1, :, offset[t], :] = k[t] / v[t] for every row t (k, v: [T, N_kv, D]).
+void write_kv_cpu(float* kv, const KvLayout& layout, const float* k, const float* v, int rows,
+                  const int64_t* blocks, const int64_t* offsets);
+
+}  // namespace punica_x

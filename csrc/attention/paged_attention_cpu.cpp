@@ -1,0 +1,147 @@
+// CPU paged attention: one work item = (sequence, KV head, block of up to 4 query rows); the
+// G query heads sharing that KV head and the rows of the block read each K/V block while it
+// is hot in L1. Online softmax per (row, head) updated once per KV block, float32.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../common/simd.h"
+#include "paged_attention.h"
+
+namespace punica_x {
+namespace {
+
+using namespace simd;
+
+inline float dot(const float* a, const float* b, int d) {
+  int e = 0;
+  float s = 0.f;
+  if (d >= kLanes) {
+    vf acc = load(a) * load(b);
+    for (e = kLanes; e + kLanes <= d; e += kLanes) acc += load(a + e) * load(b + e);
+    s = hsum(acc);
+  }
+  for (; e < d; ++e) s += a[e] * b[e];
+  return s;
+}
+
+// a[0:d] = a * c + w * v
+inline void scale_add(float* a, float c, float w, const float* v, int d) {
+  int e = 0;
+  for (; e + kLanes <= d; e += kLanes) store(a + e, load(a + e) * c + load(v + e) * w);
+  for (; e < d; ++e) a[e] = a[e] * c + w * v[e];
+}
+
+constexpr int kRowBlock = 4;
+constexpr int kMaxGroup = 16;
+constexpr int kPairs = kRowBlock * kMaxGroup;
+
+struct Item {
+  int seq, head, row0, rows;
+};
+
+// Attention of `rows` consecutive query rows x G heads against the keys they may see, one
+// KV block at a time: scores of the block for every (row, head), then a block-wise online
+// softmax update (one rescale per block instead of one per key).
+void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout& kv,
+                 const PagedSeqs& seqs, const Item& it, float scale) {
+  const int d = kv.head_dim, p = kv.block_size;
+  const int g = hq / kv.num_kv_heads;
+  const int s = it.seq;
+  const int first_pos = seqs.kv_len[s] - seqs.num_rows[s];
+  const int32_t* table = seqs.block_table + seqs.table_start[s];
+  const int n = it.rows * g;  // (row, head) pairs of this tile
+  float m[kPairs], l[kPairs];
+  // per-thread scratch, reused across items: q (pre-scaled), accumulators, block scores
+  thread_local std::vector<float> scratch;
+  scratch.assign(size_t(n) * (2 * d + p), 0.f);
+  float* qt = scratch.data();
+  float* acc = qt + n * d;
+  float* scores = acc + n * d;
+  for (int i = 0; i < n; ++i) {
+    const int r = i / g, h = it.head * g + i % g;
+    const float* src = q + (int64_t(seqs.row_start[s] + it.row0 + r) * hq + h) * d;
+    for (int e = 0; e < d; ++e) qt[i * d + e] = src[e] * scale;
+    m[i] = -std::numeric_limits<float>::infinity();
+    l[i] = 0.f;
+  }
+  const int num_keys = first_pos + it.row0 + it.rows;  // the tile's last row sees keys < this
+  const int64_t head_off = (int64_t(kv.layer) * 2 * kv.num_kv_heads + it.head) * p * d;
+  const int64_t v_off = int64_t(kv.num_kv_heads) * p * d;
+  for (int b = 0; b * p < num_keys; ++b) {
+    const float* kb = kv.kv + table[b] * kv.block_stride() + head_off;  // [P, D]
+    const float* vb = kb + v_off;
+    const int keys = std::min(p, num_keys - b * p);
+    if ((b + 1) * p < num_keys) {  // blocks are scattered pages: prefetch the next one's K and V
+      const float* next = kv.kv + table[b + 1] * kv.block_stride() + head_off;
+      for (int64_t off = 0; off < int64_t(p) * d; off += 64 / sizeof(float)) {
+        __builtin_prefetch(next + off);
+        __builtin_prefetch(next + v_off + off);
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const int visible = std::min(keys, first_pos + it.row0 + i / g + 1 - b * p);
+      const float* qi = qt + i * d;
+      float* sc = scores + i * p;
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int k = 0; k < visible; ++k) {
+        sc[k] = dot(qi, kb + k * d, d);
+        block_max = std::max(block_max, sc[k]);
+      }
+      if (visible <= 0) continue;
+      const float new_m = std::max(m[i], block_max);
+      const float c = std::exp(m[i] - new_m);
+      float sum = 0.f;
+      for (int k = 0; k < visible; ++k) {
+        sc[k] = std::exp(sc[k] - new_m);
+        sum += sc[k];
+      }
+      float* a = acc + i * d;
+      scale_add(a, c, sc[0], vb, d);
+      for (int k = 1; k < visible; ++k) scale_add(a, 1.f, sc[k], vb + k * d, d);
+      l[i] = l[i] * c + sum;
+      m[i] = new_m;
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const int r = i / g, h = it.head * g + i % g;
+    const int64_t row = seqs.row_start[s] + it.row0 + r;
+    float* o = out + (row * hq + h) * d;
+    const float inv = 1.f / l[i];
+    for (int e = 0; e < d; ++e) o[e] = acc[i * d + e] * inv;
+    lse[row * hq + h] = m[i] + std::log(l[i]);
+  }
+}
+
+}  // namespace
+
+void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads, const KvLayout& kv,
+                         const PagedSeqs& seqs, float scale) {
+  std::vector<Item> items;
+  for (int s = 0; s < seqs.num_seqs; ++s)
+    for (int h = 0; h < kv.num_kv_heads; ++h)
+      for (int r0 = 0; r0 < seqs.num_rows[s]; r0 += kRowBlock)
+        items.push_back({s, h, r0, std::min(kRowBlock, seqs.num_rows[s] - r0)});
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], scale);
+  });
+}
+
+void write_kv_cpu(float* kv, const KvLayout& layout, const float* k, const float* v, int rows,
+                  const int64_t* blocks, const int64_t* offsets) {
+  const int nkv = layout.num_kv_heads, p = layout.block_size, d = layout.head_dim;
+  for (int t = 0; t < rows; ++t) {
+    float* base = kv + blocks[t] * layout.block_stride() + int64_t(layout.layer) * 2 * nkv * p * d;
+    for (int h = 0; h < nkv; ++h) {
+      std::memcpy(base + (int64_t(h) * p + offsets[t]) * d, k + (int64_t(t) * nkv + h) * d, d * sizeof(float));
+      std::memcpy(base + (int64_t(nkv + h) * p + offsets[t]) * d, v + (int64_t(t) * nkv + h) * d,
+                  d * sizeof(float));
+    }
+  }
+}
+
+}  // namespace punica_x
