@@ -1,0 +1,312 @@
+"""How many tokens/s does one runner generate for 32 concurrent multi-LoRA requests? (Punica 7.2)
+
+SmolLM2-135M-Instruct, rank-16 adapters on all 7 projections, greedy, every request
+generating --max-tokens tokens (eos ignored), over the popularity workloads Distinct /
+Uniform / Skewed (Zipf 1.5) / Identical. In the same run: HF transformers + PEFT with a
+mixed-adapter batch (adapter_names=), HF + PEFT one adapter at a time (each adapter's
+requests batched, adapters in turn), and both backbones without adapters. Decode step times
+(all requests decoding) give the LoRA cost next to its floor: the bytes of the batch's
+adapters as stored / measured copy bandwidth.
+
+    python benchmarks/bench_generate.py [--requests 32] [--max-tokens 64] [--hf-workloads distinct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from harness import copy_bandwidth, print_table, save_plot, write_json
+
+from punica_x import LLM, SamplingParams
+from punica_x.workloads import assign_adapters
+
+WORKLOADS = {
+    "distinct": "distinct",
+    "uniform": "uniform",
+    "skewed": "zipf-1.5",
+    "identical": "identical",
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "honey bees",
+    "the moon",
+    "jazz",
+    "chess",
+    "bread",
+    "rivers",
+    "glaciers",
+    "owls",
+    "trains",
+    "tea",
+    "deserts",
+    "comets",
+    "coral reefs",
+    "maple trees",
+]
+
+
+def make_prompts(tokenizer, n: int) -> list[str]:
+    qs = [
+        f"Tell me {'one fact' if i % 2 else 'a short story'} about {TOPICS[i % len(TOPICS)]}."
+        for i in range(n)
+    ]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in qs
+    ]
+
+
+def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    paths = []
+    for i in range(n):
+        torch.manual_seed(1000 + i)
+        model = get_peft_model(
+            base,
+            LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
+        )
+        model.save_pretrained(root / f"a{i}")
+        base = model.unload()
+        paths.append(root / f"a{i}")
+    return paths
+
+
+def run_ours(llm: LLM, prompts, adapters, sp) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, adapters, sp)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.token_ids) == sp.max_tokens for o in outs)
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
+    """Median seconds of a step once every request is decoding."""
+    engine = llm.engine
+    for p, a in zip(prompts, adapters):
+        engine.add_request(p, sp, a)
+    while any(
+        r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
+        for r in engine.requests.values()
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    return statistics.median(times)
+
+
+class HFBaselines:
+    def __init__(self, model_dir: Path, adapter_paths: list[Path]) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tok.padding_side = "left"
+        self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            adapter_paths[0],
+            adapter_name="a0",
+        ).eval()
+        for i, path in enumerate(adapter_paths[1:], start=1):
+            self.peft.load_adapter(path, adapter_name=f"a{i}")
+
+    def _generate(self, model, prompts, n, **kwargs) -> int:
+        enc = self.tok(prompts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id,
+                **kwargs,
+            )
+        return (out.shape[1] - enc.input_ids.shape[1]) * len(prompts)
+
+    def backbone(self, prompts, n) -> float:
+        t0 = time.perf_counter()
+        tokens = self._generate(self.base, prompts, n)
+        return tokens / (time.perf_counter() - t0)
+
+    def mixed(self, prompts, names, n) -> float:
+        t0 = time.perf_counter()
+        tokens = self._generate(self.peft, prompts, n, adapter_names=names)
+        return tokens / (time.perf_counter() - t0)
+
+    def one_at_a_time(self, prompts, names, n) -> float:
+        t0 = time.perf_counter()
+        tokens = 0
+        for name in dict.fromkeys(names):
+            self.peft.set_adapter(name)
+            tokens += self._generate(self.peft, [p for p, a in zip(prompts, names) if a == name], n)
+        return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=15)
+    ap.add_argument(
+        "--hf-workloads",
+        default="distinct,uniform,skewed,identical",
+        help="workloads to run the (slow) HF + PEFT baselines on; '' for none",
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.requests
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    bandwidth = copy_bandwidth()
+
+    llm = LLM()
+    prompts = make_prompts(llm.tokenizer, n)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    paths = make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)
+    infos = [llm.load_adapter(f"a{i}", str(p)) for i, p in enumerate(paths)]
+    names = {
+        w: [f"a{i}" for i in assign_adapters(pop, n, random.Random(7))]
+        for w, pop in WORKLOADS.items()
+    }
+
+    run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    rows = []
+    ours_backbone = run_ours(llm, prompts, [None] * n, sp)
+    backbone_step = decode_step_time(llm, prompts, [None] * n, sp, args.decode_steps)
+    for w in WORKLOADS:
+        tps = run_ours(llm, prompts, names[w], sp)
+        step = decode_step_time(llm, prompts, names[w], sp, args.decode_steps)
+        lora_bytes = sum(infos[int(a[1:])].nbytes for a in set(names[w]))
+        rows.append(
+            {
+                "workload": w,
+                "adapters": len(set(names[w])),
+                "ours_tok_s": tps,
+                "step_ms": step * 1e3,
+                "lora_ms": (step - backbone_step) * 1e3,
+                "lora_floor_ms": lora_bytes / bandwidth * 1e3,
+            }
+        )
+
+    hf_workloads = [w for w in args.hf_workloads.split(",") if w]
+    hf = HFBaselines(llm.engine.loaded.model_dir, paths)
+    hf.backbone(prompts[:4], 4)  # warm-up
+    hf_backbone = hf.backbone(prompts, args.max_tokens)
+    for row in rows:
+        w = row["workload"]
+        if w not in hf_workloads:
+            continue
+        row["hf_mixed_tok_s"] = hf.mixed(prompts, names[w], args.max_tokens)
+        row["hf_one_at_a_time_tok_s"] = hf.one_at_a_time(prompts, names[w], args.max_tokens)
+        row["x_hf_mixed"] = row["ours_tok_s"] / row["hf_mixed_tok_s"]
+        row["x_hf_one_at_a_time"] = row["ours_tok_s"] / row["hf_one_at_a_time_tok_s"]
+
+    print(
+        f"SmolLM2-135M, {n} requests x {args.max_tokens} tokens, rank {args.rank} on all 7 "
+        f"projections, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print_table(
+        rows,
+        [
+            "workload",
+            "adapters",
+            "ours_tok_s",
+            "hf_mixed_tok_s",
+            "hf_one_at_a_time_tok_s",
+            "x_hf_mixed",
+            "x_hf_one_at_a_time",
+            "step_ms",
+            "lora_ms",
+            "lora_floor_ms",
+        ],
+        "Generated tokens/s (higher is better) and decode step times",
+    )
+    summary = {
+        "ours_backbone_tok_s": ours_backbone,
+        "hf_backbone_tok_s": hf_backbone,
+        "backbone_ratio": ours_backbone / hf_backbone,
+        "backbone_step_ms": backbone_step * 1e3,
+    }
+    by = {r["workload"]: r for r in rows}
+    summary["identical_over_backbone_step"] = (
+        by["identical"]["step_ms"] / summary["backbone_step_ms"]
+    )
+    summary["distinct_lora_over_floor"] = (
+        by["distinct"]["lora_ms"] / by["distinct"]["lora_floor_ms"]
+    )
+    print(
+        f"\nbackbone: ours {ours_backbone:.1f} tok/s, HF {hf_backbone:.1f} tok/s -> "
+        f"{summary['backbone_ratio']:.2f}x (target >= 1.5)"
+    )
+    if "x_hf_mixed" in by["distinct"]:
+        print(
+            f"distinct: {by['distinct']['x_hf_mixed']:.1f}x HF+PEFT mixed (target >= 3), "
+            f"{by['distinct']['x_hf_one_at_a_time']:.1f}x one adapter at a time (target >= 10)"
+        )
+    print(
+        f"distinct LoRA cost {by['distinct']['lora_ms']:.1f} ms/step = "
+        f"{summary['distinct_lora_over_floor']:.2f} x floor (target <= 1.5)"
+    )
+    print(
+        f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f} (target <= 1.1)"
+    )
+    path = write_json(
+        "bench_generate",
+        {
+            "args": vars(args),
+            "copy_bandwidth_GBps": bandwidth / 1e9,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    plot(rows, summary)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(rows, summary) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["workload"] for r in rows] + ["backbone"]
+    series = {
+        "punica-x": [r["ours_tok_s"] for r in rows] + [summary["ours_backbone_tok_s"]],
+        "HF+PEFT mixed batch": [r.get("hf_mixed_tok_s", 0) for r in rows]
+        + [summary["hf_backbone_tok_s"]],
+        "HF+PEFT one adapter at a time": [r.get("hf_one_at_a_time_tok_s", 0) for r in rows] + [0],
+    }
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.27
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - 1) * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("SmolLM2-135M, 32 concurrent requests, rank-16 LoRA (backbone: no adapters, HF)")
+    ax.legend()
+    save_plot("bench_generate", fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The packed CPU GEMM against torch on fresh random inputs, and backend selection."""
+
+import os
+
+import pytest
+import torch
+
+from punica_x.attention import get_attention_backend
+from punica_x.attention.cpu import CpuAttention
+from punica_x.ops.dense import PackedCpuDense, TorchDense, get_dense_backend
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (100, 50), (1536, 576), (7, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemm_matches_torch(m, k, n, bias):
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    cpu = get_dense_backend("cpu", torch.float32)
+    y = cpu.forward(x, cpu.prepare(w), n, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_gemm_checks_inputs():
+    ext = get_dense_backend("cpu", torch.float32).ext
+    packed = ext.pack(torch.randn(96, 32))
+    with pytest.raises(RuntimeError, match="packed has K=32, x has 16"):
+        ext.gemm(torch.empty(4, 96), torch.randn(4, 16), packed, 96, None)
+    with pytest.raises(RuntimeError, match="packed has 2 panels, N=200 needs 5"):
+        ext.gemm(torch.empty(4, 200), torch.randn(4, 32), packed, 200, None)
+    with pytest.raises(RuntimeError, match="y must be"):
+        ext.gemm(torch.empty(3, 96), torch.randn(4, 32), packed, 96, None)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ext.gemm(torch.empty(4, 96), torch.randn(4, 32).double(), packed, 96, None)
+
+
+def test_compiled_backends_are_the_defaults_on_cpu():
+    """No silent fallback: float32 on CPU runs the compiled dense and attention kernels."""
+    assert os.environ.get("PUNICA_X_DENSE_BACKEND", "") in ("", "cpu")
+    assert os.environ.get("PUNICA_X_ATTENTION_BACKEND", "") in ("", "cpu")
+    dense = get_dense_backend("cpu", torch.float32)
+    assert isinstance(dense, PackedCpuDense) and dense.ext.__file__.endswith(".so")
+    assert isinstance(get_dense_backend("cpu", torch.bfloat16), TorchDense)
+    attention = get_attention_backend("cpu")
+    assert isinstance(attention, CpuAttention) and attention.ext.__file__.endswith(".so")
+    with pytest.raises(ValueError, match="needs float32 on the CPU"):
+        get_dense_backend("cpu", torch.float16, "cpu")
