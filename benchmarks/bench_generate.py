@@ -269,7 +269,8 @@ def main() -> None:
         f"{summary['distinct_lora_over_floor']:.2f} x floor (target <= 1.5)"
     )
     print(
-        f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f} (target <= 1.1)"
+        f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f}"
+        " (target <= 1.1)"
     )
     path = write_json(
         "bench_generate",
