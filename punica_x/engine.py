@@ -47,6 +47,8 @@ class Engine:
         self.cache = KVCache(spec, num_blocks, device)
         self.batcher = Batcher(self.cache, config.batch)
         attention = get_attention_backend(device, config.attention_backend)
+        if hasattr(attention, "configure"):  # backends that plan with head counts (flashinfer)
+            attention.configure(d.num_heads, d.num_kv_heads, d.head_dim, dtype)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -106,6 +108,13 @@ class Engine:
         out = self._finish(req, FinishReason.ABORT, new_ids=[], new_text="")
         self._emit(req, out)
         return out
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with ERROR (used when a step raised)."""
+        return [
+            self._finish_and_emit(r, FinishReason.ERROR, error=error)
+            for r in list(self.requests.values())
+        ]
 
     def has_unfinished(self) -> bool:
         return self.batcher.num_unfinished > 0

@@ -124,3 +124,23 @@ def test_cpu_kernel_checks_inputs():
         ext.paged_attention(
             out, lse, q[..., :4], kv, 0, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_matches_torch_backend(dtype):
+    from punica_x.attention.flashinfer_backend import FlashInferAttention
+
+    dev = torch.device("cuda")
+    hq, nkv, d, p, layers = 8, 2, 64, 16, 2
+    kv = torch.randn(64, layers, 2, nkv, p, d, device=dev, dtype=dtype)
+    spans = [SeqSpan(0, 1, 40, [3, 9, 1]), SeqSpan(1, 20, 33, [4, 5, 6]), SeqSpan(21, 1, 7, [8])]
+    q = torch.randn(22, hq, d, device=dev, dtype=dtype)
+    fi = FlashInferAttention()
+    fi.configure(hq, nkv, d, dtype)
+    out, lse = fi.plan(spans, p, dev).attend(q, kv, 1, d**-0.5)
+    ref_out, ref_lse = (
+        get_attention_backend(dev, "torch").plan(spans, p, dev).attend(q, kv, 1, d**-0.5)
+    )
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,125 @@
+"""Streaming API: an Engine stepping on its own thread, per-request async iterators.
+
+    async for out in engine.generate(prompt, sampling, adapter="x"):
+        print(out.new_text, end="")
+
+Requests are added and aborted on the engine thread between steps (the Engine itself is
+single-threaded). A consumer that stops iterating, is cancelled or disconnects aborts its
+request: it leaves the batch at the next step and its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from punica_x.core import RequestOutput, SamplingParams
+from punica_x.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT = 0.005  # seconds to wait for commands while requests wait on adapter loads
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="punica-x-engine", daemon=True)
+        self._thread.start()
+
+    # -- API ------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step that produced tokens for this request, the last one
+        with finished=True. Raises ValueError / UnknownAdapterError before the first item
+        when the request is refused."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        req = await self.call(
+            lambda: self.engine.add_request(
+                prompt, sampling, adapter, request_id, on_output=on_output
+            )
+        )
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.submit(lambda: self.engine.abort(req.request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self._stop.is_set():
+            future.set_exception(RuntimeError("the engine is shut down"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, Future()))
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.batcher.running
+            if not self.engine.has_unfinished():
+                self._run_commands(block=None)  # nothing to do: sleep until a command arrives
+            else:
+                self._run_commands(block=_IDLE_WAIT if idle else 0)
+            if self._stop.is_set():
+                break
+            if self.engine.has_unfinished():
+                self._step()
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+
+    def _run_commands(self, block: float | None) -> None:
+        try:
+            fn, future = (
+                self._commands.get(timeout=block) if block != 0 else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # delivered to the caller
+                    future.set_exception(exc)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:  # never leave callers waiting on a dead loop
+            log.exception("engine step failed; failing the batch")
+            self.engine.fail_all(f"engine step failed: {exc}")

@@ -1,0 +1,99 @@
+"""FlashInfer paged attention for CUDA runners (the [gpu] extra).
+
+One BatchPrefillWithPagedKVCacheWrapper per runner serves prefill chunks and decodes in a
+single launch (ragged queries, causal, paged KV in HND layout: per layer, K and V are
+[num_blocks, N_kv, P, D] views of the punica-x cache). FlashInfer reports the log-sum-exp in
+base 2; it is converted to the natural log used by attention.merge.
+
+Not exercised on the CPU-only development machine: its tests are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from punica_x.attention.paged import SeqSpan
+
+WORKSPACE_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class FlashInferPlan:
+    wrapper: object
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+
+    def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        kv[self.slot_blocks, layer, 0, :, self.slot_offsets] = k
+        kv[self.slot_blocks, layer, 1, :, self.slot_offsets] = v
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
+        out, lse = self.wrapper.run(q, (kv[:, layer, 0], kv[:, layer, 1]), return_lse=True)
+        return out, lse.float() * math.log(2.0)
+
+
+class FlashInferAttention:
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        try:
+            import flashinfer
+        except ImportError as exc:  # the [gpu] extra is missing
+            raise ImportError(
+                "the flashinfer attention backend needs: pip install 'punica-x[gpu]'"
+            ) from exc
+        self._flashinfer = flashinfer
+        self._wrappers: dict[torch.device, object] = {}
+        self.num_qo_heads = self.num_kv_heads = self.head_dim = 0
+        self.dtype = torch.float16
+        self.scale = 1.0
+
+    def configure(
+        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        """Called by the engine once the model is known (plan() needs head counts)."""
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.scale = head_dim**-0.5
+
+    def _wrapper(self, device: torch.device):
+        if device not in self._wrappers:
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._wrappers[device] = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "HND"
+            )
+        return self._wrappers[device]
+
+    def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> FlashInferPlan:
+        spans = sorted(spans, key=lambda s: s.row_start)
+        qo, kv_ptr, indices, last, slot_b, slot_o = [0], [0], [], [], [], []
+        for sp in spans:
+            nb = -(-sp.kv_len // block_size)
+            qo.append(qo[-1] + sp.num_rows)
+            indices.extend(sp.block_ids[:nb])
+            kv_ptr.append(len(indices))
+            last.append(sp.kv_len - (nb - 1) * block_size)
+            for pos in range(sp.kv_len - sp.num_rows, sp.kv_len):
+                slot_b.append(sp.block_ids[pos // block_size])
+                slot_o.append(pos % block_size)
+        i32 = dict(dtype=torch.int32, device=device)
+        wrapper = self._wrapper(device)
+        wrapper.plan(
+            torch.tensor(qo, **i32),
+            torch.tensor(kv_ptr, **i32),
+            torch.tensor(indices, **i32),
+            torch.tensor(last, **i32),
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            block_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        i64 = dict(dtype=torch.int64, device=device)
+        return FlashInferPlan(wrapper, torch.tensor(slot_b, **i64), torch.tensor(slot_o, **i64))

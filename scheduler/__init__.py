@@ -1,0 +1,1 @@
+"""Cluster control plane (placement, migration, MLFQ, gManager): see DESIGN.md; grows with its issues."""

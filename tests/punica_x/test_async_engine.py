@@ -1,0 +1,81 @@
+"""Streaming through AsyncEngine: concurrent streams, early exit aborts, refusals raise."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.async_engine import AsyncEngine
+from punica_x.core import FinishReason
+from punica_x.lora.pool import UnknownAdapterError
+
+SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir)
+    llm.load_adapter("r8", str(tiny_adapters["r8"]))
+    expected = {a: llm.generate(["hello world"], [a], SP)[0].token_ids for a in ("r8", None)}
+    engine = AsyncEngine(llm.engine)
+    yield engine, expected
+    engine.shutdown()
+
+
+async def collect(engine, adapter, sp=SP):
+    outs = [out async for out in engine.generate("hello world", sp, adapter)]
+    return outs
+
+
+def test_concurrent_streams_match_offline(setup):
+    engine, expected = setup
+
+    async def main():
+        return await asyncio.gather(
+            collect(engine, "r8"), collect(engine, None), collect(engine, "r8")
+        )
+
+    results = asyncio.run(main())
+    for outs, adapter in zip(results, ["r8", None, "r8"]):
+        assert [t for o in outs for t in o.new_token_ids] == expected[adapter]
+        assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+        assert len(outs) == SP.max_tokens  # one output per generated token: streamed, not batched
+
+
+def test_leaving_the_stream_aborts_and_frees_kv(setup):
+    engine, _ = setup
+    core = engine.engine
+    free = core.cache.allocator.num_free
+
+    async def main():
+        stream = engine.generate(
+            "hello world", SamplingParams(max_tokens=500, ignore_eos=True), "r8"
+        )
+        async for out in stream:
+            if len(out.token_ids) == 3:
+                break
+        await stream.aclose()
+        for _ in range(200):  # the abort lands between steps
+            if not await engine.call(core.has_unfinished):
+                break
+            await asyncio.sleep(0.01)
+        return await engine.call(lambda: core.cache.allocator.num_free)
+
+    assert asyncio.run(main()) == free
+    assert not core.requests
+
+
+def test_refusals_raise_before_the_first_item(setup):
+    engine, _ = setup
+
+    async def main():
+        with pytest.raises(UnknownAdapterError):
+            await collect(engine, "missing")
+        with pytest.raises(ValueError, match="prompt is empty"):
+            async for _ in engine.generate([], SP):
+                pass
+
+    asyncio.run(main())
