@@ -19,16 +19,23 @@ def _chat(args) -> int:
     engine = llm.engine
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     interactive = sys.stdin.isatty()
-    print(f"punica-x: serving {engine.loaded.name} on {engine.device}"
-          + (" (type a message, Ctrl-D to quit)" if interactive else ""), flush=True)
+    print(
+        f"punica-x: serving {engine.loaded.name} on {engine.device}"
+        + (" (type a message, Ctrl-D to quit)" if interactive else ""),
+        flush=True,
+    )
     history: list[dict] = []
-    questions = iter(lambda: input("> "), None) if interactive else iter(["What is the capital of France?"])
+    questions = (
+        iter(lambda: input("> "), None) if interactive else iter(["What is the capital of France?"])
+    )
     try:
         for question in questions:
             if not interactive:
                 print(f"> {question}")
             history.append({"role": "user", "content": question})
-            prompt = llm.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+            prompt = llm.tokenizer.apply_chat_template(
+                history, add_generation_prompt=True, tokenize=False
+            )
             reply = []
 
             def show(out, reply=reply):
@@ -49,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="punica-x", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the model (terminal chat for now)")
-    serve.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
-    serve.add_argument("--adapter", nargs=2, action="append", metavar=("NAME", "PATH"),
-                       help="load a PEFT adapter (repeatable)")
+    serve.add_argument(
+        "--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)"
+    )
+    serve.add_argument(
+        "--adapter",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "PATH"),
+        help="load a PEFT adapter (repeatable)",
+    )
     serve.add_argument("--lora", default=None, help="adapter to chat with (default: base model)")
     serve.add_argument("--max-tokens", type=int, default=256)
     serve.add_argument("--temperature", type=float, default=0.0)

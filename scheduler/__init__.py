@@ -1,1 +1,1 @@
-"""Cluster control plane (placement, migration, MLFQ, gManager): see DESIGN.md; grows with its issues."""
+"""Cluster control plane: placement, migration, MLFQ, gManager (see DESIGN.md)."""
