@@ -1,78 +1,169 @@
-"""`punica-x` command line.
+"""`punica-x` command line: `serve` runs the HTTP server; `admin tenant ...` talks to it.
 
-`punica-x serve` loads the model and, until the HTTP frontend lands, runs a terminal chat
-that streams tokens as they are generated (one demo question when stdin is not a terminal).
+    punica-x serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
+    punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]
+    punica-x admin tenant list
+    punica-x admin tenant revoke NAME
+
+The admin commands read the admin token from the data dir (or $PUNICA_X_ADMIN_TOKEN) and
+call the running server at --url.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+DEFAULT_DATA_DIR = os.environ.get("PUNICA_X_DATA", "data")
 
 
-def _chat(args) -> int:
-    from punica_x import LLM, SamplingParams
+def serve(args) -> int:
+    import uvicorn
 
-    llm = LLM(model=args.model)
-    for name, path in args.adapter or []:
-        llm.load_adapter(name, path)
-    engine = llm.engine
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    interactive = sys.stdin.isatty()
+    from frontend.app import create_app
+    from frontend.config import Limits, ServerConfig
+    from punica_x.config import EngineConfig, ModelConfig
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = EngineConfig(model=ModelConfig(model=args.model))
+    if args.max_batch_size is not None:
+        engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
+    limits = Limits()
+    for item in args.limit or []:
+        name, _, value = item.partition("=")
+        if name not in Limits.__dataclass_fields__ or not value.isdigit():
+            fields = sorted(Limits.__dataclass_fields__)
+            print(f"--limit wants NAME=INTEGER, NAME one of {fields}", file=sys.stderr)
+            return 2
+        limits = replace(limits, **{name: int(value)})
+    config = ServerConfig(
+        host=args.host, port=args.port, data_dir=Path(args.data_dir), engine=engine, limits=limits
+    )
+    app = create_app(config)
+    state = app.state.server
+    url = f"http://{args.host}:{args.port}/"
+    print(f"punica-x: web chat at {url}", flush=True)
+    note = "created" if state.admin_token_created else "stored"
+    print(f"punica-x: admin token {note} in {state.admin_token_path} (mode 0600)", flush=True)
     print(
-        f"punica-x: serving {engine.loaded.name} on {engine.device}"
-        + (" (type a message, Ctrl-D to quit)" if interactive else ""),
+        f"punica-x: create a tenant with: punica-x admin tenant create NAME --url {url} "
+        f"--data-dir {args.data_dir}",
         flush=True,
     )
-    history: list[dict] = []
-    questions = (
-        iter(lambda: input("> "), None) if interactive else iter(["What is the capital of France?"])
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        access_log=False,
+        log_level="warning",
+        ws_max_size=config.limits.max_ws_frame_bytes,
     )
-    try:
-        for question in questions:
-            if not interactive:
-                print(f"> {question}")
-            history.append({"role": "user", "content": question})
-            prompt = llm.tokenizer.apply_chat_template(
-                history, add_generation_prompt=True, tokenize=False
-            )
-            reply = []
-
-            def show(out, reply=reply):
-                reply.append(out.new_text)
-                print(out.new_text, end="", flush=True)
-
-            engine.add_request(prompt, sp, args.lora, on_output=show)
-            while engine.has_unfinished():
-                engine.step()
-            print()
-            history.append({"role": "assistant", "content": "".join(reply)})
-    except (EOFError, KeyboardInterrupt):
-        print()
     return 0
 
 
+def admin(args) -> int:
+    from frontend.auth import read_admin_token
+
+    token = read_admin_token(Path(args.data_dir))
+    if not token:
+        print(
+            f"no admin token: set PUNICA_X_ADMIN_TOKEN or point --data-dir at the server's data "
+            f"dir ({args.data_dir})",
+            file=sys.stderr,
+        )
+        return 2
+    base = args.url.rstrip("/")
+    if args.action == "create":
+        body = {
+            "name": args.name,
+            "max_concurrent": args.max_concurrent,
+            "tokens_per_minute": args.tokens_per_minute,
+        }
+        status, data = _call("POST", f"{base}/admin/tenants", token, body)
+        if status == 201:
+            print(data["api_key"])
+            print(
+                f"tenant {data['name']} created; the key above is shown only once", file=sys.stderr
+            )
+            return 0
+    elif args.action == "list":
+        status, data = _call("GET", f"{base}/admin/tenants", token)
+        if status == 200:
+            for t in data["data"]:
+                print(f"{t['name']}\t{'revoked' if t['revoked'] else 'active'}")
+            return 0
+    else:
+        status, data = _call("DELETE", f"{base}/admin/tenants/{args.name}", token)
+        if status == 200:
+            print(f"tenant {args.name} revoked")
+            return 0
+    print(f"error {status}: {json.dumps(data)}", file=sys.stderr)
+    return 1
+
+
+def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+    except urllib.error.URLError as err:
+        return 0, {"error": f"cannot reach {url}: {err.reason}"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="punica-x", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="punica-x", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the model (terminal chat for now)")
-    serve.add_argument(
-        "--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)"
+    s = sub.add_parser("serve", help="run the HTTP server (REST, OpenAI API, web chat)")
+    s.add_argument(
+        "--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)"
     )
-    serve.add_argument(
-        "--adapter",
-        nargs=2,
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
+    s.add_argument(
+        "--limit",
         action="append",
-        metavar=("NAME", "PATH"),
-        help="load a PEFT adapter (repeatable)",
+        metavar="NAME=N",
+        help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
     )
-    serve.add_argument("--lora", default=None, help="adapter to chat with (default: base model)")
-    serve.add_argument("--max-tokens", type=int, default=256)
-    serve.add_argument("--temperature", type=float, default=0.0)
+    a = sub.add_parser("admin", help="administer a running server")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
+    common.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the admin token is")
+    what = a.add_subparsers(dest="object", required=True)
+    t = what.add_parser("tenant", help="tenants and their API keys")
+    actions = t.add_subparsers(dest="action", required=True)
+    create = actions.add_parser(
+        "create", parents=[common], help="create a tenant, print its API key"
+    )
+    create.add_argument("name")
+    create.add_argument("--max-concurrent", type=int, default=None)
+    create.add_argument("--tokens-per-minute", type=int, default=None)
+    actions.add_parser("list", parents=[common], help="list tenants")
+    revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
+    revoke.add_argument("name")
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _chat(args)
-    return 2
+    return serve(args) if args.command == "serve" else admin(args)
 
 
 if __name__ == "__main__":

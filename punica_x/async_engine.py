@@ -35,16 +35,15 @@ class AsyncEngine:
         self._thread.start()
 
     # -- API ------------------------------------------------------------------------------
-    async def generate(
+    async def open(
         self,
         prompt: str | list[int],
         sampling: SamplingParams | None = None,
         adapter: str | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step that produced tokens for this request, the last one
-        with finished=True. Raises ValueError / UnknownAdapterError before the first item
-        when the request is refused."""
+    ) -> RequestStream:
+        """Add a request (raising ValueError / UnknownAdapterError at once if it is refused)
+        and return the stream of its outputs."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -56,15 +55,24 @@ class AsyncEngine:
                 prompt, sampling, adapter, request_id, on_output=on_output
             )
         )
-        finished = False
+        return RequestStream(self, req.request_id, outputs)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step that produced tokens for this request, the last one
+        with finished=True. Raises ValueError / UnknownAdapterError before the first item
+        when the request is refused."""
+        stream = await self.open(prompt, sampling, adapter, request_id)
         try:
-            while not finished:
-                out = await outputs.get()
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            if not finished:
-                self.submit(lambda: self.engine.abort(req.request_id))
+            await stream.aclose()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps and return its result."""
@@ -77,6 +85,9 @@ class AsyncEngine:
             return future
         self._commands.put((fn, future))
         return future
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -123,3 +134,33 @@ class AsyncEngine:
         except Exception as exc:  # never leave callers waiting on a dead loop
             log.exception("engine step failed; failing the batch")
             self.engine.fail_all(f"engine step failed: {exc}")
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; aclose() (or leaving early) aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._outputs = outputs
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._outputs.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            await self.aclose()
+            raise
+        self._done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            rid = self.request_id
+            self.engine.submit(lambda: self.engine.engine.abort(rid))

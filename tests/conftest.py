@@ -1,7 +1,10 @@
 """Suite-wide settings: `gpu` tests skip without CUDA; `slow` ones still run in make test."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import make_peft_adapter, make_tiny_llama
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +14,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Adapters of ranks 4/8/16/64 on different target sets for the tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    specs = {
+        "r4": (4, ["q_proj", "v_proj"]),
+        "r8": (8, ["k_proj", "o_proj", "down_proj"]),
+        "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        "r64": (64, ["gate_proj", "up_proj"]),
+    }
+    out = {}
+    for seed, (name, (rank, targets)) in enumerate(specs.items()):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        out[name] = make_peft_adapter(base, root / name, rank, targets, seed=100 + seed)
+    return out

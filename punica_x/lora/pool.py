@@ -159,6 +159,11 @@ class AdapterPool:
                 raise UnknownAdapterError(name)
             return self._current[name].info
 
+    def has_version(self, version: int) -> bool:
+        """Whether a version is still held (current, or in use by a request)."""
+        with self._lock:
+            return version in self._versions
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._current)

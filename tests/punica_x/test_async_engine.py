@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import tiny_llm
+from helpers import tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.async_engine import AsyncEngine

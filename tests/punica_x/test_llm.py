@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llm
+from helpers import tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.core import FinishReason

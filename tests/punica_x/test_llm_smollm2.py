@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_peft_adapter
+from helpers import make_peft_adapter
 
 from punica_x import LLM, SamplingParams
 from punica_x.models.loader import default_model_path

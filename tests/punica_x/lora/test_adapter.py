@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_peft_adapter, make_tiny_llama, rewrite_config, tiny_llm
+from helpers import make_peft_adapter, make_tiny_llama, rewrite_config, tiny_llm
 from safetensors.torch import load_file, save_file
 
 from punica_x import AdapterError, SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import rewrite_config, tiny_llm
+from helpers import rewrite_config, tiny_llm
 
 from punica_x import AdapterError, SamplingParams
 from punica_x.core import FinishReason

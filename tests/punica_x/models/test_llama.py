@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 
 from punica_x.attention.paged import AttentionMeta, SeqSpan
 from punica_x.config import ModelConfig

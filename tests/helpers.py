@@ -1,12 +1,11 @@
-"""Fixtures: a tiny random Llama (fast unit tests), PEFT adapters made with peft, and the
-real default model (integration tests, marked slow)."""
+"""Shared test helpers: a tiny random Llama with a small trained tokenizer (fast unit tests),
+PEFT adapters made with peft, and small utilities."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 TINY_TEXT = [
@@ -32,6 +31,10 @@ def make_tokenizer(folder: Path):
     tok.train_from_iterator(TINY_TEXT * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     fast.save_pretrained(folder)
     return fast
@@ -89,37 +92,6 @@ def make_peft_adapter(
     model.save_pretrained(folder)
     model.unload()  # restore the base model's modules for the next adapter
     return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def tiny_hf(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def tiny_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """Adapters of ranks 4/8/16/64 on different target sets for the tiny model."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("tiny-adapters")
-    specs = {
-        "r4": (4, ["q_proj", "v_proj"]),
-        "r8": (8, ["k_proj", "o_proj", "down_proj"]),
-        "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-        "r64": (64, ["gate_proj", "up_proj"]),
-    }
-    out = {}
-    for seed, (name, (rank, targets)) in enumerate(specs.items()):
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        out[name] = make_peft_adapter(base, root / name, rank, targets, seed=100 + seed)
-    return out
 
 
 def tiny_llm(model_dir: Path, **kwargs):

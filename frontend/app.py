@@ -1,0 +1,247 @@
+"""The Starlette application: routes, auth, errors, and the model loaded in the background.
+
+`/health` answers as soon as the process is up; `/ready` once a runner can take work (the
+model loads on a background thread; API calls before that get 503 + Retry-After)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from frontend import openai_api
+from frontend.auth import Authenticator, ensure_admin_token
+from frontend.config import ServerConfig
+from frontend.errors import ApiError
+from frontend.manager import Caller, FrontendManager
+from frontend.store import Store
+from frontend.uploads import read_upload
+from frontend.ws_chat import ws_chat
+from scheduler.cluster import Scheduler
+from scheduler.local import LocalRunner
+
+log = logging.getLogger("punica_x.server")
+STATIC = Path(__file__).parent / "static"
+GC_INTERVAL = 5.0
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = Store(config.data_dir)
+        token, self.admin_token_path, self.admin_token_created = ensure_admin_token(config.data_dir)
+        self.auth = Authenticator(self.store, token)
+        self.manager: FrontendManager | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+
+    def load(self) -> None:
+        """Load the model and start the runner (runs on a background thread)."""
+        try:
+            self.scheduler = Scheduler([LocalRunner(self.config.engine)])
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def require_manager(self) -> FrontendManager:
+        if self.manager is None:
+            detail = f" ({self.load_error})" if self.load_error else " (the model is loading)"
+            raise ApiError(503, "not_ready", "the server is not ready" + detail, retry_after=5)
+        return self.manager
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    state = ServerState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loader = threading.Thread(target=state.load, name="punica-x-load", daemon=True)
+        loader.start()
+        ready = asyncio.create_task(_when_loaded(state, loader))
+        try:
+            yield
+        finally:
+            ready.cancel()
+            if state.scheduler is not None:
+                state.scheduler.shutdown()
+
+    def caller(request) -> tuple[FrontendManager, Caller]:
+        manager = state.require_manager()
+        tenant, key_hash = state.auth.tenant(request)
+        return manager, Caller(tenant, key_hash)
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request):
+        ok = state.manager is not None and state.scheduler.ready()
+        return JSONResponse(
+            {"status": "ready" if ok else "not_ready", "error": state.load_error},
+            status_code=200 if ok else 503,
+        )
+
+    async def index(request: Request):
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    async def metrics(request: Request):
+        state.auth.admin(request)
+        manager = state.require_manager()
+        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(request: Request):
+        manager, who = caller(request)
+        return openai_api.list_models(manager, who)
+
+    async def completions(request: Request):
+        manager, who = caller(request)
+        return await openai_api.completions(manager, who, request, chat=False)
+
+    async def chat_completions(request: Request):
+        manager, who = caller(request)
+        return await openai_api.completions(manager, who, request, chat=True)
+
+    async def upload_adapter(request: Request):
+        manager, who = caller(request)
+        name, files = await read_upload(request, config.limits)
+        record = await manager.upload_adapter(who, name, files)
+        return JSONResponse(record.public(), status_code=201)
+
+    async def list_adapters(request: Request):
+        manager, who = caller(request)
+        return JSONResponse(
+            {"object": "list", "data": [a.public() for a in manager.list_adapters(who)]}
+        )
+
+    async def adapter(request: Request):
+        manager, who = caller(request)
+        name = request.path_params["name"]
+        if request.method == "DELETE":
+            record = await manager.delete_adapter(who, name)
+            return JSONResponse({**record.public(), "deleted": True})
+        return JSONResponse(manager.get_adapter(who, name).public())
+
+    async def tenants(request: Request):
+        state.auth.admin(request)
+        manager = state.require_manager()
+        if request.method == "POST":
+            body = await openai_api.read_json(request, 64 * 1024)
+            tenant, key = manager.create_tenant(
+                body.get("name"), body.get("max_concurrent"), body.get("tokens_per_minute")
+            )
+            return JSONResponse({**_tenant_json(tenant), "api_key": key}, status_code=201)
+        return JSONResponse(
+            {"object": "list", "data": [_tenant_json(t) for t in state.store.tenants()]}
+        )
+
+    async def tenant(request: Request):
+        state.auth.admin(request)
+        revoked = state.require_manager().revoke_tenant(request.path_params["name"])
+        return JSONResponse(_tenant_json(revoked))
+
+    async def websocket(ws: WebSocket):
+        if state.manager is None:
+            await ws.close(code=1013)  # try again later
+            return
+        await ws_chat(ws, state.manager, state.auth)
+
+    async def api_error(request, exc: ApiError):
+        return exc.response()
+
+    async def http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return ApiError(exc.status_code, code, str(exc.detail)).response()
+
+    async def server_error(request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, "internal_error", "internal server error").response()
+
+    routes = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/", index),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/adapters", upload_adapter, methods=["POST"]),
+        Route("/v1/adapters", list_adapters, methods=["GET"]),
+        Route("/v1/adapters/{name}", adapter, methods=["GET", "DELETE"]),
+        Route("/admin/tenants", tenants, methods=["GET", "POST"]),
+        Route("/admin/tenants/{name}", tenant, methods=["DELETE"]),
+        WebSocketRoute("/v1/chat/ws", websocket),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            Exception: server_error,
+        },
+    )
+    app.state.server = state
+    app.add_middleware(AccessLog)
+    return app
+
+
+async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:
+    while loader.is_alive():
+        await asyncio.sleep(0.1)
+    if state.scheduler is None:
+        return
+    manager = FrontendManager(state.config, state.scheduler, state.store)
+    await manager.restore_adapters()
+    state.manager = manager
+    log.info("ready: serving %s", manager.model_id)
+    while True:
+        await asyncio.sleep(GC_INTERVAL)
+        manager.collect_garbage()
+
+
+def _tenant_json(t) -> dict:
+    return {
+        "id": t.id,
+        "name": t.name,
+        "created": int(t.created),
+        "revoked": t.revoked,
+        "max_concurrent": t.max_concurrent,
+        "tokens_per_minute": t.tokens_per_minute,
+    }
+
+
+class AccessLog:
+    """method, path (never the query string: it may carry a websocket token), status, time."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [0]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            log.info(
+                "%s %s %s %.1fms",
+                scope.get("method", "WS"),
+                scope["path"],
+                status[0] or "-",
+                (time.monotonic() - start) * 1e3,
+            )

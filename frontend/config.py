@@ -1,0 +1,36 @@
+"""Server configuration: the engine config of the runner inside, plus HTTP-side limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from punica_x.config import EngineConfig
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps applied before a request reaches the scheduler."""
+
+    max_upload_bytes: int = 512 * MiB  # request body of POST /v1/adapters
+    max_archive_entries: int = 8
+    max_unpacked_bytes: int = 1024 * MiB  # sum of an archive's files once decompressed
+    max_tokens: int = 4096  # cap on max_tokens of one request
+    max_n: int = 4  # completions per request
+    max_streams_per_key: int = 16  # concurrent streaming responses (SSE + websocket) per API key
+    max_queue: int = 256  # requests waiting on the runners; beyond: 503 + Retry-After
+    tenant_max_concurrent: int = 64  # default per tenant (a tenant row may override it)
+    tenant_tokens_per_minute: int = 1_000_000  # prompt + generated tokens, sliding minute
+    max_ws_frame_bytes: int = 1 * MiB  # larger websocket frames close the socket with 1009
+    max_body_bytes: int = 8 * MiB  # JSON bodies of the OpenAI routes
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("data")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: Limits = field(default_factory=Limits)

@@ -1,0 +1,406 @@
+"""One frontend manager behind every adapter (REST, OpenAI API, websocket, admin): tenants,
+adapters (tenant-scoped), prompt preparation, admission and generation with metrics.
+
+Adapters are registered on the runners under a tenant-scoped key (``t<tenant id>/<name>``),
+so one tenant can never reach another's adapter; lookups answer the same 404 for "not
+yours" and "does not exist"."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from frontend.auth import hash_key, new_api_key
+from frontend.config import ServerConfig
+from frontend.errors import ApiError, bad_request, not_found
+from frontend.limits import Admission
+from frontend.metrics import Metrics
+from frontend.store import AdapterRecord, Store, Tenant
+from frontend.uploads import CONFIG, WEIGHTS
+from punica_x.core import RequestOutput, SamplingParams
+from punica_x.lora.adapter import AdapterError, load_peft_adapter
+from punica_x.lora.pool import UnknownAdapterError
+from scheduler.cluster import Scheduler
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    key_hash: str
+
+
+class FrontendManager:
+    def __init__(self, config: ServerConfig, scheduler: Scheduler, store: Store) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.scheduler = scheduler
+        self.store = store
+        self.tokenizer = scheduler.tokenizer
+        self.model_id = scheduler.info.model.name
+        self.max_model_len = scheduler.info.model.max_model_len
+        self.admission = Admission(config.limits)
+        self.metrics = Metrics(scheduler.stats)
+        self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
+        self._versions: dict[int, int] = {}  # store adapter id -> runner version
+
+    # -- start-up -----------------------------------------------------------------------------
+    async def restore_adapters(self) -> None:
+        """Register the stored adapters with the runners (after a restart)."""
+        for record in self.store.adapters():
+            try:
+                info = await self.scheduler.register_adapter(
+                    _key(record.tenant_id, record.name), record.path
+                )
+                self._versions[record.id] = info.version
+            except (AdapterError, OSError) as exc:
+                log.error(
+                    "stored adapter %s (tenant %d) is unusable: %s",
+                    record.name,
+                    record.tenant_id,
+                    exc,
+                )
+
+    # -- tenants ------------------------------------------------------------------------------
+    def create_tenant(
+        self, name: str, max_concurrent: int | None = None, tokens_per_minute: int | None = None
+    ) -> tuple[Tenant, str]:
+        if not isinstance(name, str) or not NAME.match(name):
+            raise bad_request("invalid_name", "tenant names are 1-64 of [A-Za-z0-9._-]", "name")
+        for value, field in (
+            (max_concurrent, "max_concurrent"),
+            (tokens_per_minute, "tokens_per_minute"),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad_request("invalid_value", f"{field} must be a positive integer", field)
+        if self.store.tenant_by_name(name) is not None:
+            raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+        key = new_api_key()
+        tenant = self.store.create_tenant(
+            name, hash_key(key), key[:8], max_concurrent, tokens_per_minute
+        )
+        return tenant, key
+
+    def revoke_tenant(self, name: str) -> Tenant:
+        tenant = self.store.tenant_by_name(name)
+        if tenant is None:
+            raise not_found("tenant_not_found", f"tenant {name!r} does not exist")
+        self.store.revoke_tenant(tenant.id)
+        return self.store.tenant_by_name(name)
+
+    # -- adapters -----------------------------------------------------------------------------
+    async def upload_adapter(
+        self, caller: Caller, name: str, files: dict[str, bytes]
+    ) -> AdapterRecord:
+        if not NAME.match(name) or name == self.model_id:
+            raise bad_request(
+                "invalid_name",
+                "adapter names are 1-64 of [A-Za-z0-9._-] and differ from the base model id",
+                "name",
+            )
+        tenant = caller.tenant
+        staging = self.store.staging_dir / uuid.uuid4().hex
+        staging.mkdir()
+        try:
+            for file_name in (CONFIG, WEIGHTS):
+                (staging / file_name).write_bytes(files[file_name])
+            info = self.scheduler.info
+            # Every runner check, before anything reaches a runner (and off the event loop).
+            await asyncio.to_thread(
+                load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
+            )
+            version = self.store.next_version(tenant.id, name)
+            final = self.store.adapter_dir / str(tenant.id) / name / f"v{version}"
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(staging, final)
+        except AdapterError as exc:
+            raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        key = _key(tenant.id, name)
+        try:
+            runner_info = await self.scheduler.register_adapter(key, final)
+        except AdapterError as exc:
+            shutil.rmtree(final, ignore_errors=True)
+            raise ApiError(400, exc.code, str(exc)) from None
+        size = sum(p.stat().st_size for p in final.iterdir())
+        record = self.store.add_adapter(
+            tenant.id,
+            name,
+            version,
+            runner_info.rank,
+            runner_info.target_modules,
+            runner_info.sha256,
+            size,
+            final,
+        )
+        self._versions[record.id] = runner_info.version
+        for old in self.store.older_versions(tenant.id, name, version):
+            self.store.mark_deleted(old)
+            self._retire(old)
+        return record
+
+    def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
+        return self.store.adapters(caller.tenant.id)
+
+    def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
+        record = self.store.current_adapter(caller.tenant.id, name)
+        if record is None:
+            raise not_found("adapter_not_found", f"adapter {name!r} does not exist")
+        return record
+
+    async def delete_adapter(self, caller: Caller, name: str) -> AdapterRecord:
+        record = self.get_adapter(caller, name)
+        self.store.mark_deleted(record)
+        with contextlib.suppress(UnknownAdapterError):  # a failed start-up restore
+            await self.scheduler.unregister_adapter(_key(caller.tenant.id, name))
+        self._retire(record)
+        return record
+
+    def _retire(self, record: AdapterRecord) -> None:
+        """Delete the files once no request holds the version any more."""
+        version = self._versions.pop(record.id, None)
+        self._trash.append((version if version is not None else -1, record.path))
+        self.collect_garbage()
+
+    def collect_garbage(self) -> None:
+        keep = []
+        for version, path in self._trash:
+            if version >= 0 and self.scheduler.has_version(version):
+                keep.append((version, path))
+            else:
+                self.store.remove_files(path)
+        self._trash = keep
+
+    def model_ids(self, caller: Caller) -> list[tuple[str, float]]:
+        return [(self.model_id, 0.0)] + [(a.name, a.created) for a in self.list_adapters(caller)]
+
+    def resolve_model(self, caller: Caller, model) -> str | None:
+        """Runner adapter key of `model` (None = the base model); 404 if not the caller's."""
+        if not isinstance(model, str) or not model:
+            raise bad_request(
+                "missing_model", "`model` must name the base model or one of your adapters", "model"
+            )
+        if model == self.model_id:
+            return None
+        if self.store.current_adapter(caller.tenant.id, model) is None:
+            raise ApiError(404, "model_not_found", f"the model {model!r} does not exist", "model")
+        return _key(caller.tenant.id, model)
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode_text(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad_request(
+                    "invalid_prompt", "token ids must be within the vocabulary", "prompt"
+                )
+        else:
+            raise bad_request(
+                "invalid_prompt", "prompt must be a string or a list of token ids", "prompt"
+            )
+        return self._check_length(ids, "prompt")
+
+    def encode_chat(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("invalid_messages", "`messages` must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                raise bad_request(
+                    "invalid_messages",
+                    f"messages[{i}] needs a role of system, user or assistant",
+                    "messages",
+                )
+            clean.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(
+                "chat_template_missing", "this model has no chat template; use /v1/completions"
+            )
+        text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+        return self._check_length(
+            self.tokenizer(text, add_special_tokens=False).input_ids, "messages"
+        )
+
+    def _check_length(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request("invalid_prompt", "the prompt is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                "context_length_exceeded",
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
+                param,
+            )
+        return ids
+
+    def sampling(
+        self, body: dict, prompt_len: int, max_tokens_field: str = "max_tokens"
+    ) -> SamplingParams:
+        for unsupported in (
+            "logprobs",
+            "top_logprobs",
+            "logit_bias",
+            "suffix",
+            "tools",
+            "functions",
+        ):
+            if body.get(unsupported) not in (None, False, 0):
+                raise bad_request(
+                    "unsupported_parameter", f"`{unsupported}` is not supported", unsupported
+                )
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            if body.get(penalty) not in (None, 0, 0.0):
+                raise bad_request("unsupported_parameter", f"`{penalty}` is not supported", penalty)
+        room = self.max_model_len - prompt_len
+        max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = min(room, self.limits.max_tokens)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise bad_request(
+                "invalid_value", "max_tokens must be a positive integer", max_tokens_field
+            )
+        if max_tokens > self.limits.max_tokens:
+            raise bad_request(
+                "max_tokens_too_large",
+                f"max_tokens is capped at {self.limits.max_tokens}",
+                max_tokens_field,
+            )
+        if max_tokens > room:
+            raise bad_request(
+                "context_length_exceeded",
+                f"prompt ({prompt_len} tokens) + max_tokens "
+                f"({max_tokens}) exceeds the context of {self.max_model_len}",
+                max_tokens_field,
+            )
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (
+            not isinstance(stop, list)
+            or len(stop) > 4
+            or not all(isinstance(s, str) and s for s in stop)
+        ):
+            raise bad_request(
+                "invalid_value", "stop must be a string or up to 4 non-empty strings", "stop"
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_number(body, "temperature", 1.0),
+                top_p=_number(body, "top_p", 1.0),
+                top_k=int(_number(body, "top_k", 0)),
+                seed=body.get("seed"),
+                stop=tuple(stop or ()),
+                ignore_eos=bool(body.get("ignore_eos", False)),
+            )
+        except (ValueError, TypeError) as exc:
+            raise bad_request("invalid_value", str(exc)) from None
+
+    def n_choices(self, body: dict) -> int:
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.limits.max_n:
+            raise bad_request(
+                "invalid_value", f"n must be an integer in [1, {self.limits.max_n}]", "n"
+            )
+        return n
+
+    # -- generation ---------------------------------------------------------------------------
+    def check_capacity(self) -> None:
+        if not self.scheduler.ready():
+            raise ApiError(503, "not_ready", "no runner can take work", retry_after=5)
+        if self.scheduler.stats().waiting >= self.limits.max_queue:
+            raise ApiError(
+                503, "overloaded", "the server is at capacity; retry shortly", retry_after=1
+            )
+
+    def admit(self, caller: Caller, stream: bool) -> None:
+        self.check_capacity()
+        self.admission.admit(caller.tenant, caller.key_hash, stream)
+
+    def release(self, caller: Caller, stream: bool) -> None:
+        self.admission.release(caller.tenant, caller.key_hash, stream)
+
+    async def open(
+        self,
+        caller: Caller,
+        model: str,
+        adapter: str | None,
+        prompt: list[int],
+        sampling: SamplingParams,
+    ) -> AsyncIterator[RequestOutput]:
+        """Start one generation (refusals raise ApiError here) and return its outputs, with
+        metrics and token accounting. The caller has admitted the request; closing the
+        iterator aborts the generation."""
+        try:
+            stream = await self.scheduler.open(prompt, sampling, adapter, f"req-{uuid.uuid4().hex}")
+        except UnknownAdapterError:
+            raise ApiError(
+                404, "model_not_found", f"the model {model!r} does not exist", "model"
+            ) from None
+        except ValueError as exc:
+            raise bad_request("invalid_prompt", str(exc)) from None
+        return self._observe(caller, model, prompt, stream)
+
+    async def _observe(
+        self, caller: Caller, model: str, prompt: list[int], stream
+    ) -> AsyncIterator[RequestOutput]:
+        labels = (caller.tenant.name, model)
+        self.admission.record_tokens(caller.tenant, len(prompt))
+        self.metrics.prompt_tokens.labels(*labels).inc(len(prompt))
+        start = last = time.monotonic()
+        status = "abort"
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                if out.new_token_ids:
+                    hist = self.metrics.ttft if last == start else self.metrics.itl
+                    hist.labels(*labels).observe(now - last)
+                    last = now
+                    self.metrics.generated_tokens.labels(*labels).inc(len(out.new_token_ids))
+                    self.admission.record_tokens(caller.tenant, len(out.new_token_ids))
+                if out.finished:
+                    status = out.finish_reason.value if out.finish_reason else "stop"
+                yield out
+        finally:
+            await stream.aclose()
+            self.metrics.requests.labels(*labels, status).inc()
+
+
+def _key(tenant_id: int, name: str) -> str:
+    return f"t{tenant_id}/{name}"
+
+
+def _number(body: dict, field: str, default: float) -> float:
+    value = body.get(field, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request("invalid_value", f"{field} must be a number", field)
+    return float(value)
+
+
+def _text_content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise bad_request("invalid_messages", f"messages[{i}].content must be text", "messages")

@@ -1,0 +1,68 @@
+"""Prometheus metrics: per tenant and adapter request/token counters and latency histograms;
+runner gauges (queue, batch, KV blocks, adapter loads) read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LABELS = ("tenant", "adapter")
+
+
+class RunnerCollector:
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        gauges = {
+            "queue_length": ("requests waiting for a batch slot", s.waiting),
+            "batch_size": ("requests in the running batch", s.running),
+            "kv_blocks_used": ("KV cache blocks in use", s.kv_blocks_used),
+            "kv_blocks_free": ("free KV cache blocks", s.kv_blocks_free),
+            "adapter_device_bytes": (
+                "bytes of adapters resident on the device",
+                s.adapter_device_bytes,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"punica_x_{name}", doc, value=value)
+        counters = {
+            "adapter_loads": ("adapter loads onto the device", s.adapter_loads),
+            "adapter_evictions": ("adapters evicted from the device", s.adapter_evictions),
+            "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
+
+
+class Metrics:
+    def __init__(self, stats) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "punica_x_requests", "requests by outcome", LABELS + ("status",), registry=r
+        )
+        self.prompt_tokens = Counter("punica_x_prompt_tokens", "prompt tokens", LABELS, registry=r)
+        self.generated_tokens = Counter(
+            "punica_x_generation_tokens", "generated tokens", LABELS, registry=r
+        )
+        self.ttft = Histogram(
+            "punica_x_time_to_first_token_seconds",
+            "time to first token",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "punica_x_inter_token_latency_seconds",
+            "time between streamed tokens",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(RunnerCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

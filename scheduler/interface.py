@@ -1,0 +1,49 @@
+"""What the control plane needs from a runner, whether in-process or a Ray actor."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from punica_x.core import RequestOutput, SamplingParams
+from punica_x.lora.pool import AdapterInfo
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    adapter_loads: int
+    adapter_evictions: int
+    adapter_device_bytes: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    model_dir: Path
+
+
+class RunnerHandle(Protocol):
+    runner_id: str
+    model: ModelInfo
+
+    async def open(
+        self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request (refusals raise here) and return its output stream; closing the
+        stream aborts the request."""
+
+    async def register_adapter(self, name: str, path: Path) -> AdapterInfo: ...
+
+    async def unregister_adapter(self, name: str) -> None: ...
+
+    def stats(self) -> RunnerStats: ...
+
+    def alive(self) -> bool: ...

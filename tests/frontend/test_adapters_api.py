@@ -1,0 +1,162 @@
+"""Adapter upload as a first-class API: files or archives, versions swapped atomically,
+deferred deletes, and tenant isolation."""
+
+from __future__ import annotations
+
+import io
+import threading
+import zipfile
+
+from conftest import tar_gz
+
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def complete(server, key, model, prompt="hello world", n=12):
+    with server.http(key) as c:
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_upload_files_and_read_back(server, adapter_dirs):
+    key = server.create_tenant("uploader")
+    r = server.upload(key, "alpha", adapter_dirs["a"])
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert set(body) >= {"id", "name", "version", "rank", "target_modules", "sha256", "size_bytes"}
+    assert (body["name"], body["version"], body["rank"]) == ("alpha", 1, 4)
+    assert body["target_modules"] == ["q_proj", "v_proj"]
+    assert body["size_bytes"] == sum((adapter_dirs["a"] / f).stat().st_size for f in FILES)
+    with server.http(key) as c:
+        assert c.get("/v1/adapters/alpha").json() == body
+        assert [a["name"] for a in c.get("/v1/adapters").json()["data"]] == ["alpha"]
+        assert "alpha" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+    assert complete(server, key, "alpha") != complete(server, key, server.model_id)
+
+
+def test_upload_archives(server, adapter_dirs):
+    key = server.create_tenant("archiver")
+    members = {f"adapter/{f}": (adapter_dirs["b"] / f).read_bytes() for f in FILES}
+    members["adapter/README.md"] = b"# PEFT card, ignored"
+    zbuf = io.BytesIO()
+    with zipfile.ZipFile(zbuf, "w") as zf:
+        for f in FILES:
+            zf.writestr(f, (adapter_dirs["b"] / f).read_bytes())
+    with server.http(key) as c:
+        for name, data in (("from-tar", tar_gz(members)), ("from-zip", zbuf.getvalue())):
+            r = c.post("/v1/adapters", data={"name": name}, files={"archive": ("a.bin", data)})
+            assert r.status_code == 201, r.text
+            assert r.json()["rank"] == 8
+    assert complete(server, key, "from-tar") == complete(server, key, "from-zip")
+
+
+def test_new_version_swaps_atomically(server, adapter_dirs):
+    key = server.create_tenant("versioner")
+    assert server.upload(key, "x", adapter_dirs["a"]).status_code == 201
+    old = complete(server, key, "x", n=400)
+    started, result = threading.Event(), {}
+
+    def long_stream():
+        text = []
+        with (
+            server.http(key) as c,
+            c.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": "x",
+                    "prompt": "hello world",
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    text.append(chunk["choices"][0]["text"])
+                    started.set()
+        result["text"] = "".join(text)
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(30)
+    r = server.upload(key, "x", adapter_dirs["b"])  # replaces "x" while the stream runs
+    assert r.status_code == 201 and r.json()["version"] == 2
+    new = complete(server, key, "x", n=400)
+    t.join(60)
+    assert result["text"] == old  # the running request finished on version 1
+    assert new != old  # new requests use version 2
+    with server.http(key) as c:
+        assert c.get("/v1/adapters/x").json()["version"] == 2
+
+
+def test_delete_is_deferred_for_running_requests(server, adapter_dirs):
+    key = server.create_tenant("deleter")
+    assert server.upload(key, "gone", adapter_dirs["a"]).status_code == 201
+    expected = complete(server, key, "gone", n=300)
+    started, result = threading.Event(), {}
+
+    def long_request():
+        with server.http(key) as c:
+            started.set()
+            r = c.post(
+                "/v1/completions",
+                json={
+                    "model": "gone",
+                    "prompt": "hello world",
+                    "max_tokens": 300,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            result["r"] = r
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    started.wait(10)
+    import time
+
+    time.sleep(0.3)
+    with server.http(key) as c:
+        assert c.delete("/v1/adapters/gone").status_code == 200
+        r = c.post("/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert c.get("/v1/adapters/gone").status_code == 404
+    t.join(60)
+    assert result["r"].status_code == 200
+    assert result["r"].json()["choices"][0]["text"] == expected
+
+
+def test_tenants_cannot_see_each_others_adapters(server, adapter_dirs):
+    owner = server.create_tenant("owner")
+    other = server.create_tenant("other")
+    assert server.upload(owner, "private", adapter_dirs["a"]).status_code == 201
+    with server.http(other) as c:
+        missing = c.get("/v1/adapters/does-not-exist").json()
+        for r in (c.get("/v1/adapters/private"), c.delete("/v1/adapters/private")):
+            assert r.status_code == 404
+            assert r.json()["error"]["code"] == missing["error"]["code"]
+        assert c.get("/v1/adapters").json()["data"] == []
+        assert "private" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+        r = c.post("/v1/completions", json={"model": "private", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404
+        same = c.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+        assert r.json()["error"]["code"] == same.json()["error"]["code"] == "model_not_found"
+    # the other tenant may use the same name for its own adapter
+    assert server.upload(other, "private", adapter_dirs["b"]).status_code == 201
+    assert complete(server, owner, "private") != complete(server, other, "private")
