@@ -87,9 +87,9 @@ def test_cli_creates_lists_and_revokes_tenants(server):
         assert c.get("/v1/models").status_code == 401
 
 
-def test_state_survives_a_restart(tiny_model_dir, adapter_dirs, tmp_path):
+def test_state_survives_a_restart(srv_model_dir, adapter_dirs, tmp_path):
     data = tmp_path / "data"
-    first = start_server(tiny_model_dir, data)
+    first = start_server(srv_model_dir, data)
     try:
         key = first.create_tenant("durable")
         assert first.upload(key, "mine", adapter_dirs["a"]).status_code == 201
@@ -98,7 +98,7 @@ def test_state_survives_a_restart(tiny_model_dir, adapter_dirs, tmp_path):
             before = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
     finally:
         first.stop()
-    second = start_server(tiny_model_dir, data)
+    second = start_server(srv_model_dir, data)
     try:
         with second.http(key) as c:
             names = [m["id"] for m in c.get("/v1/models").json()["data"]]

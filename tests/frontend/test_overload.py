@@ -1,0 +1,128 @@
+"""Overload: a bounded queue answers 503 + Retry-After; per-tenant limits give that tenant
+429 + Retry-After while other tenants are unaffected; per-key stream caps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import start_server
+
+LONG = {"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def hold_stream(server, key, started: threading.Event, stop: threading.Event):
+    """Keep a streaming request open until `stop` is set."""
+
+    def run():
+        with (
+            server.http(key) as c,
+            c.stream("POST", "/v1/completions", json={"model": server.model_id, **LONG}) as r,
+        ):
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def short(server, key):
+    with server.http(key) as c:
+        return c.post(
+            "/v1/completions", json={"model": server.model_id, "prompt": "hi", "max_tokens": 4}
+        )
+
+
+@pytest.fixture(scope="module")
+def small_server(srv_model_dir, tmp_path_factory):
+    srv = start_server(
+        srv_model_dir,
+        tmp_path_factory.mktemp("small") / "data",
+        "--max-batch-size",
+        "1",
+        "--limit",
+        "max_queue=1",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_bounded_queue_answers_503_with_retry_after(small_server):
+    srv = small_server
+    a, b = srv.create_tenant("q1"), srv.create_tenant("q2")
+    stop = threading.Event()
+    first, second = threading.Event(), threading.Event()
+    threads = [hold_stream(srv, a, first, stop)]
+    assert first.wait(30)
+    threads.append(hold_stream(srv, b, second, stop))  # waits: the batch holds one request
+    deadline = time.monotonic() + 10
+    while srv.metric("punica_x_queue_length") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = short(srv, b)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+    assert int(r.headers["Retry-After"]) >= 1
+    stop.set()
+    for t in threads:
+        t.join(30)
+    srv.wait_idle()
+    assert short(srv, b).status_code == 200
+
+
+def test_streams_per_key_are_capped(server):
+    """The session server allows 2 concurrent streams per key."""
+    key = server.create_tenant("streamer")
+    stop = threading.Event()
+    started = [threading.Event(), threading.Event()]
+    threads = [hold_stream(server, key, e, stop) for e in started]
+    assert all(e.wait(30) for e in started)
+    with server.http(key) as c:
+        r = c.post("/v1/completions", json={"model": server.model_id, **LONG})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_streams"
+        assert "Retry-After" in r.headers
+        plain = c.post(
+            "/v1/completions", json={"model": server.model_id, "prompt": "x", "max_tokens": 2}
+        )
+        assert plain.status_code == 200  # the cap is on streams, not requests
+    stop.set()
+    for t in threads:
+        t.join(30)
+
+
+def test_tenant_concurrency_limit_is_per_tenant(server):
+    limited = server.create_tenant("limited", max_concurrent=1)
+    free = server.create_tenant("unlimited")
+    stop, started = threading.Event(), threading.Event()
+    t = hold_stream(server, limited, started, stop)
+    assert started.wait(30)
+    r = short(server, limited)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
+    assert int(r.headers["Retry-After"]) >= 1
+    assert short(server, free).status_code == 200  # other tenants are unaffected
+    stop.set()
+    t.join(30)
+
+
+def test_tokens_per_minute(server):
+    thrifty = server.create_tenant("thrifty", tokens_per_minute=40)
+    other = server.create_tenant("spender")
+    with server.http(thrifty) as c:
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": server.model_id,
+                "prompt": "hello",
+                "max_tokens": 40,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200
+        r = c.post(
+            "/v1/completions", json={"model": server.model_id, "prompt": "hi", "max_tokens": 4}
+        )
+    assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute_exceeded"
+    assert 1 <= int(r.headers["Retry-After"]) <= 60
+    assert short(server, other).status_code == 200

@@ -1,0 +1,203 @@
+"""Bad uploads get a 4xx with a stable error code before anything reaches a runner, and the
+server keeps streaming to other tenants meanwhile."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import zipfile
+
+import pytest
+import torch
+from conftest import tar_gz
+from helpers import make_peft_adapter, make_tiny_llama
+from safetensors.torch import load_file, save_file
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def key(server):
+    return server.create_tenant("refused")
+
+
+def files_of(folder):
+    return {f: (folder / f).read_bytes() for f in (CONFIG, WEIGHTS)}
+
+
+def post(server, key, name="bad", files=None, archive=None):
+    with server.http(key) as c:
+        if archive is not None:
+            return c.post("/v1/adapters", data={"name": name}, files={"archive": ("x", archive)})
+        return c.post(
+            "/v1/adapters", data={"name": name}, files={k: (k, v) for k, v in files.items()}
+        )
+
+
+def refused(r, status, code):
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code, r.text
+
+
+def test_pickles_are_refused(server, key, adapter_dirs):
+    files = files_of(adapter_dirs["a"])
+    pickled = io.BytesIO()
+    torch.save(load_file(adapter_dirs["a"] / WEIGHTS), pickled)
+    refused(
+        post(server, key, files={CONFIG: files[CONFIG], WEIGHTS: pickled.getvalue()}),
+        400,
+        "bad_weights",
+    )  # a pickle renamed to .safetensors
+    refused(
+        post(server, key, files={CONFIG: files[CONFIG], "adapter_model.bin": pickled.getvalue()}),
+        400,
+        "invalid_upload",
+    )
+    archive = tar_gz({CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS], "adapter_model.bin": b"x"})
+    refused(post(server, key, archive=archive), 400, "pickle_not_allowed")
+
+
+def test_body_cap_refused_without_reading_the_body(server, key):
+    # A Content-Length over the cap is answered at once, with almost nothing sent.
+    with socket.create_connection(
+        ("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10
+    ) as s:
+        s.sendall(
+            b"POST /v1/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + key.encode()
+            + b"\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: 999999999\r\n\r\n--b\r\n"
+        )
+        reply = b""
+        while b"payload_too_large" not in reply and (chunk := s.recv(65536)):
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413") and "payload_too_large" in reply
+
+    # Without a Content-Length (chunked), the cap is enforced while streaming.
+    def chunks():
+        yield b'--b\r\nContent-Disposition: form-data; name="name"\r\n\r\nbig\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="archive"; filename="x"\r\n\r\n'
+        for _ in range(10):
+            yield b"\0" * 1_000_000
+
+    with server.http(key) as c:
+        r = c.post(
+            "/v1/adapters",
+            content=chunks(),
+            headers={"Content-Type": "multipart/form-data; boundary=b"},
+        )
+    refused(r, 413, "payload_too_large")
+
+
+@pytest.mark.parametrize(
+    ("members", "links", "code"),
+    [
+        ({"../adapter_config.json": b"{}", WEIGHTS: b"x"}, None, "unsafe_archive"),
+        ({"/etc/adapter_config.json": b"{}", WEIGHTS: b"x"}, None, "unsafe_archive"),
+        ({CONFIG: b"{}"}, {WEIGHTS: "/etc/passwd"}, "unsafe_archive"),
+        ({f"d{i}/README.md": b"" for i in range(12)}, None, "too_many_entries"),
+        ({CONFIG: b"{}", WEIGHTS: b"x", "evil.py": b"import os"}, None, "unexpected_file"),
+        ({CONFIG: b"{}"}, None, "missing_file"),
+    ],
+)
+def test_unsafe_archives_are_refused(server, key, members, links, code):
+    refused(post(server, key, archive=tar_gz(members, links)), 400, code)
+
+
+def test_zip_symlink_and_bombs_are_refused(server, key):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        info = zipfile.ZipInfo(WEIGHTS)
+        info.external_attr = 0o120777 << 16  # a symlink
+        zf.writestr(info, "/etc/passwd")
+        zf.writestr(CONFIG, "{}")
+    refused(post(server, key, archive=buf.getvalue()), 400, "unsafe_archive")
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(CONFIG, "{}")
+        zf.writestr(WEIGHTS, b"\0" * 5_000_000)  # a few KB compressed, over the unpacked cap
+    assert len(bomb.getvalue()) < 100_000
+    refused(post(server, key, archive=bomb.getvalue()), 413, "archive_too_large")
+    refused(post(server, key, archive=b"not an archive"), 400, "invalid_archive")
+
+
+def test_runner_checks_apply_before_the_runner(server, key, adapter_dirs, tmp_path):
+    files = files_of(adapter_dirs["b"])
+    config = json.loads(files[CONFIG])
+    refused(
+        post(server, key, files={**files, CONFIG: json.dumps({**config, "r": 999}).encode()}),
+        400,
+        "rank_too_large",
+    )
+    refused(
+        post(
+            server, key, files={**files, CONFIG: json.dumps({**config, "use_dora": True}).encode()}
+        ),
+        400,
+        "dora_not_supported",
+    )
+    weights = load_file(adapter_dirs["b"] / WEIGHTS)
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name][0, 0] = float("inf")
+    save_file(weights, tmp_path / "nan.safetensors")
+    refused(
+        post(server, key, files={**files, WEIGHTS: (tmp_path / "nan.safetensors").read_bytes()}),
+        400,
+        "non_finite",
+    )
+    from transformers import AutoModelForCausalLM
+
+    other = make_tiny_llama(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    wrong = make_peft_adapter(
+        AutoModelForCausalLM.from_pretrained(other), tmp_path / "w", 4, ["q_proj"], 3
+    )
+    refused(post(server, key, files=files_of(wrong)), 400, "shape_mismatch")
+    refused(post(server, key, files={CONFIG: b"{nope", WEIGHTS: files[WEIGHTS]}), 400, "bad_config")
+    refused(post(server, key, name="../escape", files=files), 400, "invalid_name")
+    with server.http(key) as c:
+        assert c.get("/v1/adapters").json()["data"] == []  # nothing half-registered
+
+
+def test_config_code_fields_are_never_acted_on(server, key, adapter_dirs, tmp_path):
+    marker = tmp_path / "pwned"
+    files = files_of(adapter_dirs["a"])
+    config = json.loads(files[CONFIG])
+    config["auto_map"] = {"AutoModel": "evil.Model"}
+    config["base_model_name_or_path"] = f"/nonexistent; touch {marker}"
+    r = post(server, key, name="automap", files={**files, CONFIG: json.dumps(config).encode()})
+    assert r.status_code == 201, r.text
+    assert not marker.exists()
+
+
+def test_other_tenants_keep_streaming_during_refusals(server, adapter_dirs):
+    key = server.create_tenant("bystander")
+    bad = server.create_tenant("attacker")
+    chunks = []
+    body = {
+        "model": server.model_id,
+        "prompt": "hello",
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+
+    def stream():
+        with server.http(key) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            chunks.extend(
+                json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")
+            )
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _ in range(5):
+        refused(post(server, bad, archive=tar_gz({"../x": b""})), 400, "unsafe_archive")
+        refused(post(server, bad, files={CONFIG: b"{", WEIGHTS: b"junk"}), 400, "bad_config")
+    t.join(60)
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"

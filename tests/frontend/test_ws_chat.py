@@ -1,0 +1,116 @@
+"""WS /v1/chat/ws: auth before accept, streamed token frames, turns, cancel, bad frames,
+oversize frames (1009) and disconnects (the KV cache returns to its baseline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+
+@pytest.fixture(scope="module")
+def key(server):
+    return server.create_tenant("ws-user")
+
+
+def ws_url(server, token=None):
+    url = server.url.replace("http://", "ws://") + "/v1/chat/ws"
+    return f"{url}?token={token}" if token else url
+
+
+def chat(ws, server, content="hello", max_tokens=8, model=None):
+    ws.send(
+        json.dumps(
+            {
+                "type": "chat",
+                "model": model or server.model_id,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": content}],
+            }
+        )
+    )
+
+
+def read_reply(ws):
+    frames = []
+    while True:
+        frame = json.loads(ws.recv(timeout=30))
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            return frames
+
+
+def test_auth_happens_before_accept(server, key):
+    for url, headers in (
+        (ws_url(server), None),
+        (ws_url(server, "pxk-wrong"), None),
+        (ws_url(server), {"Authorization": "Bearer pxk-wrong"}),
+    ):
+        with pytest.raises(InvalidStatus) as e, connect(url, additional_headers=headers):
+            pass
+        assert e.value.response.status_code == 403
+    with connect(ws_url(server), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        chat(ws, server)
+        assert read_reply(ws)[-1]["type"] == "done"
+
+
+def test_tokens_stream_then_done_over_several_turns(server, key):
+    with connect(ws_url(server, key)) as ws:
+        for turn in range(2):
+            chat(ws, server, content=f"turn {turn}", max_tokens=10)
+            frames = read_reply(ws)
+            assert {f["type"] for f in frames[:-1]} == {"token"} and len(frames) > 2
+            done = frames[-1]
+            assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
+            assert done["usage"]["completion_tokens"] <= 10 and done["usage"]["prompt_tokens"] > 0
+
+
+def test_cancel_stops_generation(server, key):
+    with connect(ws_url(server, key)) as ws:
+        chat(ws, server, max_tokens=3000)
+        assert json.loads(ws.recv(timeout=30))["type"] == "token"
+        ws.send(json.dumps({"type": "cancel"}))
+        done = read_reply(ws)[-1]
+        assert done == {**done, "type": "done", "finish_reason": "cancelled"}
+        assert done["usage"]["completion_tokens"] < 3000
+        chat(ws, server)  # still usable
+        assert read_reply(ws)[-1]["type"] == "done"
+    server.wait_idle()
+
+
+def test_bad_frames_get_errors_and_the_socket_stays_usable(server, key):
+    with connect(ws_url(server, key)) as ws:
+        for raw, code in (
+            ("not json", "invalid_frame"),
+            ("[1, 2]", "invalid_frame"),
+            ('{"type": "dance"}', "unknown_type"),
+        ):
+            ws.send(raw)
+            frame = json.loads(ws.recv(timeout=10))
+            assert frame["type"] == "error" and frame["code"] == code
+        chat(ws, server, model="missing-adapter")
+        error = read_reply(ws)[-1]
+        assert error["type"] == "error" and error["code"] == "model_not_found"
+        chat(ws, server)
+        assert read_reply(ws)[-1]["type"] == "done"
+
+
+def test_oversize_frames_close_with_1009(server, key):
+    with connect(ws_url(server, key), max_size=None) as ws:
+        ws.send("x" * (2 << 20))
+        with pytest.raises(ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd.code == 1009
+
+
+def test_disconnect_aborts_and_frees_kv(server, key):
+    server.wait_idle()
+    ws = connect(ws_url(server, key))
+    chat(ws, server, max_tokens=3000)
+    assert json.loads(ws.recv(timeout=30))["type"] == "token"
+    assert server.metric("punica_x_kv_blocks_used") > 0
+    ws.close()
+    server.wait_idle(timeout=10)
