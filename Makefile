@@ -14,6 +14,7 @@ serve: $(STAMP)
 	$(VENV)/bin/punica-x serve $(SERVE_ARGS)
 
 test: $(STAMP)
+	./scripts/test-deps.sh
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -361,18 +361,19 @@ class FrontendManager:
         self, caller: Caller, model: str, prompt: list[int], stream
     ) -> AsyncIterator[RequestOutput]:
         labels = (caller.tenant.name, model)
+        ttft, itl = self.metrics.ttft.labels(*labels), self.metrics.itl.labels(*labels)
+        generated = self.metrics.generated_tokens.labels(*labels)
         self.admission.record_tokens(caller.tenant, len(prompt))
         self.metrics.prompt_tokens.labels(*labels).inc(len(prompt))
         start = last = time.monotonic()
         status = "abort"
         try:
             async for out in stream:
-                now = time.monotonic()
                 if out.new_token_ids:
-                    hist = self.metrics.ttft if last == start else self.metrics.itl
-                    hist.labels(*labels).observe(now - last)
+                    now = time.monotonic()
+                    (ttft if last == start else itl).observe(now - last)
                     last = now
-                    self.metrics.generated_tokens.labels(*labels).inc(len(out.new_token_ids))
+                    generated.inc(len(out.new_token_ids))
                     self.admission.record_tokens(caller.tenant, len(out.new_token_ids))
                 if out.finished:
                     status = out.finish_reason.value if out.finish_reason else "stop"

@@ -11,6 +11,7 @@ request: it leaves the batch at the next step and its KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -31,6 +32,8 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
+        # outputs of the current step, handed to the event loops in one wake-up per loop
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
         self._thread = threading.Thread(target=self._loop, name="punica-x-engine", daemon=True)
         self._thread.start()
 
@@ -47,8 +50,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        def on_output(out: RequestOutput) -> None:  # on the engine thread, during a step
+            self._outbox.append((loop, outputs, out))
 
         req = await self.call(
             lambda: self.engine.add_request(
@@ -107,8 +110,21 @@ class AsyncEngine:
                 break
             if self.engine.has_unfinished():
                 self._step()
+            self._flush()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue_, out in self._outbox:
+            by_loop.setdefault(loop, []).append((queue_, out))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _run_commands(self, block: float | None) -> None:
         try:
@@ -164,3 +180,8 @@ class RequestStream:
             self._done = True
             rid = self.request_id
             self.engine.submit(lambda: self.engine.engine.abort(rid))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)

@@ -56,6 +56,7 @@ void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torc
       CHECK_ARG(bt[b] >= 0 && bt[b] < kv.size(0), "block id ", bt[b], " out of range");
   }
   const punica_x::PagedSeqs ps{row, rows, len, ts, bt, static_cast<int>(s)};
+  pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   punica_x::paged_attention_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), q.data_ptr<float>(),
                                 static_cast<int>(q.size(1)), kvl, ps, static_cast<float>(scale));
 }
@@ -76,6 +77,7 @@ void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v,
   for (int64_t t = 0; t < k.size(0); ++t)
     CHECK_ARG(b[t] >= 0 && b[t] < kv.size(0) && o[t] >= 0 && o[t] < kvl.block_size, "row ", t,
               ": slot (", b[t], ", ", o[t], ") out of range");
+  pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   punica_x::write_kv_cpu(kv.data_ptr<float>(), kvl, k.data_ptr<float>(), v.data_ptr<float>(),
                          static_cast<int>(k.size(0)), b, o);
 }

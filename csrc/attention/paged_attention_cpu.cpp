@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "../common/parallel.h"
 #include "../common/simd.h"
 #include "paged_attention.h"
 
@@ -126,8 +127,8 @@ void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads
     for (int h = 0; h < kv.num_kv_heads; ++h)
       for (int r0 = 0; r0 < seqs.num_rows[s]; r0 += kRowBlock)
         items.push_back({s, h, r0, std::min(kRowBlock, seqs.num_rows[s] - r0)});
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], scale);
+  parallel_items(int64_t(items.size()), [&](int64_t i) {
+    attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], scale);
   });
 }
 

@@ -21,6 +21,7 @@ torch::Tensor pack(torch::Tensor weight) {
             weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
   auto packed = torch::empty({panels(n), k, punica_x::kDensePanel}, weight.options());
+  pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   punica_x::dense_pack_cpu(packed.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0), int(k), int(n),
                            true);
   return packed;
@@ -45,6 +46,7 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
     CHECK_ARG(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be [", n, "]");
     b = bias->data_ptr<float>();
   }
+  pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   punica_x::dense_gemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
                            packed.data_ptr<float>(), b, int(m), int(k), int(n));
 }

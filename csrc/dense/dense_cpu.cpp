@@ -11,6 +11,7 @@
 #include <array>
 #include <utility>
 
+#include "../common/parallel.h"
 #include "../common/simd.h"
 #include "dense.h"
 
@@ -53,38 +54,36 @@ const std::array<TileFn, kMB> kTiles = tiles(std::make_integer_sequence<int, kMB
 
 void dense_pack_cpu(float* packed, const float* w, int64_t ws, int k, int n, bool w_is_out_by_in) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int kk = 0; kk < k; ++kk)
-        for (int c = 0; c < kDensePanel; ++c) {
-          const int col = int(p) * kDensePanel + c;
-          float v = 0.f;
-          if (col < n) v = w_is_out_by_in ? w[col * ws + kk] : w[kk * ws + col];
-          packed[(p * k + kk) * kDensePanel + c] = v;
-        }
+  parallel_items(panels, [&](int64_t p) {
+    for (int kk = 0; kk < k; ++kk)
+      for (int c = 0; c < kDensePanel; ++c) {
+        const int col = int(p) * kDensePanel + c;
+        float v = 0.f;
+        if (col < n) v = w_is_out_by_in ? w[col * ws + kk] : w[kk * ws + col];
+        packed[(p * k + kk) * kDensePanel + c] = v;
+      }
   });
 }
 
 void dense_gemm_cpu(float* y, int64_t ys, const float* x, int64_t xs, const float* packed, const float* bias,
                     int m, int k, int n) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(panels, [&](int64_t p) {
     alignas(64) float edge[kMB * kDensePanel];  // the last, partial panel goes through here
-    for (int64_t p = begin; p < end; ++p) {
-      const float* w = packed + p * int64_t(k) * kDensePanel;
-      const int c0 = int(p) * kDensePanel;
-      const int cols = std::min(kDensePanel, n - c0);
-      for (int m0 = 0; m0 < m; m0 += kMB) {
-        const int mb = std::min(kMB, m - m0);
-        float* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
-        const int64_t os = cols == kDensePanel ? ys : kDensePanel;
-        kTiles[mb - 1](x + m0 * xs, xs, w, k, out, os);
-        if (cols < kDensePanel)
-          for (int r = 0; r < mb; ++r) std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
-        if (bias)
-          for (int r = 0; r < mb; ++r)
-            for (int c = 0; c < cols; ++c) y[(m0 + r) * ys + c0 + c] += bias[c0 + c];
-      }
+    const float* w = packed + p * int64_t(k) * kDensePanel;
+    const int c0 = int(p) * kDensePanel;
+    const int cols = std::min(kDensePanel, n - c0);
+    for (int m0 = 0; m0 < m; m0 += kMB) {
+      const int mb = std::min(kMB, m - m0);
+      float* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
+      const int64_t os = cols == kDensePanel ? ys : kDensePanel;
+      kTiles[mb - 1](x + m0 * xs, xs, w, k, out, os);
+      if (cols < kDensePanel)
+        for (int r = 0; r < mb; ++r)
+          std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
+      if (bias)
+        for (int r = 0; r < mb; ++r)
+          for (int c = 0; c < cols; ++c) y[(m0 + r) * ys + c0 + c] += bias[c0 + c];
     }
   });
 }

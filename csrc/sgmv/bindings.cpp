@@ -106,6 +106,7 @@ void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::T
   const int h_in = static_cast<int>(x.size(1));
   if (x.device().is_cpu()) {
     CHECK_ARG(x.scalar_type() == at::kFloat, "x must be float32 on CPU, got ", x.scalar_type());
+    pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
     punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(), x.stride(0),
                               h_in, p);
     return;
@@ -147,6 +148,7 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
   if (y.device().is_cpu()) {
     CHECK_ARG(y.scalar_type() == at::kFloat, "y must be float32 on CPU, got ", y.scalar_type());
+    pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
     punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(), v.stride(0),
                               h_out32, p);
     return;

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "../common/parallel.h"
 #include "../common/simd.h"
 #include "sgmv.h"
 
@@ -137,8 +138,8 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const float* x, int64_t x_strid
       for (int j0 = 0; j0 < rank; j0 += jb)
         items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0)});
   }
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  parallel_items(int64_t(items.size()), [&](int64_t i) {
+    {  // one shrink tile
       const ShrinkItem& it = items[i];
       const int rank = rank_sum(p, it.seg);
       const float* a = reinterpret_cast<const float*>(p.w_ptr[it.seg]) +
@@ -162,8 +163,8 @@ void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_strid
         items.push_back({s, j, c0, std::min(width, h_out[j] - c0)});
     }
   }
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  parallel_items(int64_t(items.size()), [&](int64_t i) {
+    {  // one expand column block, all rows of its segment
       const ExpandItem& it = items[i];
       const int32_t* ranks = p.ranks + it.seg * p.num_slices;
       int64_t layer_size = 0, b_off = 0, v_off = 0, y_off = 0;

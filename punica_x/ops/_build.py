@@ -22,7 +22,7 @@ from punica_x.env import cache_dir
 CSRC_ROOT = Path(__file__).resolve().parents[2] / "csrc"
 CSRC = CSRC_ROOT / "sgmv"
 CUDA_ARCHS = ("80", "90")
-COMMON_HEADERS = ("common/simd.h",)
+COMMON_HEADERS = ("common/simd.h", "common/parallel.h")
 # kind: (sources, headers), paths relative to csrc/
 EXTENSIONS = {
     "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h",)),

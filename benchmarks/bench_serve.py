@@ -1,0 +1,234 @@
+"""How much does the HTTP server add on top of the engine? (throughput, TTFT, inter-token latency)
+
+Starts `punica-x serve` (default model) on 127.0.0.1, uploads rank-16 adapters, and runs N
+concurrent streaming clients (the official openai client) over a Zipf-1.5 mix of the
+adapters and the base model. Then runs the same requests through the offline engine
+(LLM.generate) in this process and reports the throughput ratio server / offline (target
+>= 0.9). Client and server share the machine's cores, as they would on one box.
+
+    python benchmarks/bench_serve.py [--clients 32] [--requests 64] [--max-tokens 64] [--adapters 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_generate import make_adapters, make_prompts
+from harness import print_table, save_plot, write_json
+
+from punica_x import LLM, SamplingParams
+from punica_x.workloads import assign_adapters
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(data_dir: Path, port: int) -> subprocess.Popen:
+    log = (data_dir.parent / "server.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--limit",
+            "max_streams_per_key=1024",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def run_clients(
+    url: str, key: str, jobs: list[tuple[str, str]], clients: int, max_tokens: int
+):
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(
+            limits=httpx.Limits(max_connections=clients + 4)
+        ),
+    )
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    ttft, itl, tokens = [], [], [0]
+
+    async def worker():
+        while not queue.empty():
+            model, prompt = queue.get_nowait()
+            last = time.perf_counter()
+            first = True
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    (ttft if first else itl).append(now - last)
+                    first, last = False, now
+                if chunk.usage:
+                    tokens[0] += chunk.usage.completion_tokens
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return elapsed, tokens[0], ttft, itl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    llm = LLM()
+    prompts = make_prompts(llm.tokenizer, args.requests)
+    paths = make_adapters(llm.engine.loaded.model_dir, args.adapters, args.rank, tmp / "adapters")
+    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
+    names = [
+        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
+    ]
+
+    # The offline engine on the same workload (warm-up first).
+    for i, p in enumerate(paths):
+        llm.load_adapter(f"a{i}", str(p))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, names, sp)
+    offline_elapsed = time.perf_counter() - t0
+    offline_tps = sum(len(o.token_ids) for o in outs) / offline_elapsed
+    llm.engine.shutdown()
+    del llm
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp / "data", port)
+    try:
+        token = (tmp / "data" / "admin_token").read_text().strip()
+        admin = {"Authorization": f"Bearer {token}"}
+        key = httpx.post(url + "/admin/tenants", json={"name": "bench"}, headers=admin).json()[
+            "api_key"
+        ]
+        auth = {"Authorization": f"Bearer {key}"}
+        for i, p in enumerate(paths):
+            files = {
+                f: (f, (p / f).read_bytes())
+                for f in ("adapter_config.json", "adapter_model.safetensors")
+            }
+            r = httpx.post(
+                url + "/v1/adapters", data={"name": f"a{i}"}, files=files, headers=auth, timeout=60
+            )
+            r.raise_for_status()
+        model_id = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+        jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
+        asyncio.run(run_clients(url, key, jobs[:4], 4, 4))  # warm-up
+        elapsed, tokens, ttft, itl = asyncio.run(
+            run_clients(url, key, jobs, args.clients, args.max_tokens)
+        )
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    server_tps = tokens / elapsed
+    row = {
+        "clients": args.clients,
+        "requests": args.requests,
+        "req_per_s": args.requests / elapsed,
+        "server_tok_s": server_tps,
+        "offline_tok_s": offline_tps,
+        "ratio": server_tps / offline_tps,
+        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+        "itl_p50_ms": percentile(itl, 0.5) * 1e3,
+        "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+        "itl_mean_ms": statistics.fmean(itl) * 1e3 if itl else float("nan"),
+    }
+    print(
+        f"SmolLM2-135M, {args.requests} streaming requests x {args.max_tokens} tokens from "
+        f"{args.clients} concurrent openai clients, {args.adapters} rank-{args.rank} adapters "
+        "(Zipf 1.5)"
+    )
+    print_table([row], list(row), "Server vs offline engine on the same workload")
+    print(f"\nthroughput ratio server / offline = {row['ratio']:.2f} (target >= 0.9)")
+    path = write_json(
+        "bench_serve",
+        {
+            "args": vars(args),
+            "result": row,
+            "ttft_ms": [t * 1e3 for t in ttft],
+            "itl_ms": [t * 1e3 for t in itl],
+        },
+    )
+    plot(ttft, itl)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(ttft, itl) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, values, title in (
+        (axes[0], ttft, "time to first token"),
+        (axes[1], itl, "inter-token latency"),
+    ):
+        ax.hist([v * 1e3 for v in values], bins=40)
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+    axes[0].set_ylabel("count")
+    save_plot("bench_serve", fig)
+
+
+if __name__ == "__main__":
+    main()
