@@ -7,7 +7,7 @@ import io
 import threading
 import zipfile
 
-from conftest import tar_gz
+from live_server import tar_gz
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 

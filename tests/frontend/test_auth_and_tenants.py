@@ -8,7 +8,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import start_server
+from live_server import start_server
 
 ROUTES = [
     ("GET", "/v1/models"),

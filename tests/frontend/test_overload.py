@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import start_server
+from live_server import start_server
 
 LONG = {"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
 

@@ -11,8 +11,8 @@ import zipfile
 
 import pytest
 import torch
-from conftest import tar_gz
 from helpers import make_peft_adapter, make_tiny_llama
+from live_server import tar_gz
 from safetensors.torch import load_file, save_file
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

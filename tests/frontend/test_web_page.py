@@ -41,18 +41,28 @@ def browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-def chat_in_page(driver, url: str, key: str, model: str, message: str, timeout: float = 60):
-    """Drive the page; returns (final reply element, partial texts seen while streaming)."""
+def chat_in_page(
+    driver,
+    url: str,
+    key: str,
+    model: str,
+    message: str,
+    timeout: float = 60,
+    keep_page: bool = False,
+):
+    """Drive the page (connecting first unless keep_page); returns (final reply element,
+    token-frame counts seen while the reply streamed)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     wait = WebDriverWait(driver, timeout)
-    driver.get(url)
-    driver.find_element(By.ID, "api-key").send_keys(key)
-    driver.find_element(By.ID, "connect").click()
-    wait.until(ec.text_to_be_present_in_element((By.ID, "status"), "connected"))
-    Select(driver.find_element(By.ID, "model")).select_by_value(model)
+    if not keep_page:
+        driver.get(url)
+        driver.find_element(By.ID, "api-key").send_keys(key)
+        driver.find_element(By.ID, "connect").click()
+        wait.until(ec.text_to_be_present_in_element((By.ID, "status"), "connected"))
+        Select(driver.find_element(By.ID, "model")).select_by_value(model)
     driver.find_element(By.ID, "message").send_keys(message)
     driver.find_element(By.ID, "send").click()
     partial, deadline = [], time.monotonic() + timeout
