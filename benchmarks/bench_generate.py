@@ -169,6 +169,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of step timing")
     ap.add_argument(
         "--hf-workloads",
         default="distinct,uniform,skewed,identical",
@@ -191,20 +192,27 @@ def main() -> None:
     }
 
     run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    rows = []
     ours_backbone = run_ours(llm, prompts, [None] * n, sp)
-    backbone_step = decode_step_time(llm, prompts, [None] * n, sp, args.decode_steps)
+    tps = {w: run_ours(llm, prompts, names[w], sp) for w in WORKLOADS}
+    # Step times: configurations interleaved over rounds (the machine's speed drifts over a
+    # run by a few percent), the median over rounds of each round's median.
+    configs = {"backbone": [None] * n, **names}
+    per_round: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(args.rounds):
+        for c, adapters in configs.items():
+            per_round[c].append(decode_step_time(llm, prompts, adapters, sp, args.decode_steps))
+    step = {c: statistics.median(times) for c, times in per_round.items()}
+    backbone_step = step["backbone"]
+    rows = []
     for w in WORKLOADS:
-        tps = run_ours(llm, prompts, names[w], sp)
-        step = decode_step_time(llm, prompts, names[w], sp, args.decode_steps)
         lora_bytes = sum(infos[int(a[1:])].nbytes for a in set(names[w]))
         rows.append(
             {
                 "workload": w,
                 "adapters": len(set(names[w])),
-                "ours_tok_s": tps,
-                "step_ms": step * 1e3,
-                "lora_ms": (step - backbone_step) * 1e3,
+                "ours_tok_s": tps[w],
+                "step_ms": step[w] * 1e3,
+                "lora_ms": (step[w] - backbone_step) * 1e3,
                 "lora_floor_ms": lora_bytes / bandwidth * 1e3,
             }
         )

@@ -117,15 +117,36 @@ async def run_clients(
     return elapsed, tokens[0], ttft, itl
 
 
+def setup_tenant(url: str, data_dir: Path, paths: list[Path]) -> tuple[str, str]:
+    """A tenant with the adapters a0..a{n-1} uploaded; returns (its key, the base model id)."""
+    token = (data_dir / "admin_token").read_text().strip()
+    admin = {"Authorization": f"Bearer {token}"}
+    key = httpx.post(url + "/admin/tenants", json={"name": "bench"}, headers=admin).json()[
+        "api_key"
+    ]
+    auth = {"Authorization": f"Bearer {key}"}
+    for i, p in enumerate(paths):
+        files = {
+            f: (f, (p / f).read_bytes())
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+        }
+        r = httpx.post(
+            url + "/v1/adapters", data={"name": f"a{i}"}, files=files, headers=auth, timeout=60
+        )
+        r.raise_for_status()
+    return key, httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating offline/server rounds")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -137,47 +158,38 @@ def main() -> None:
         None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
     ]
 
-    # The offline engine on the same workload (warm-up first).
     for i, p in enumerate(paths):
         llm.load_adapter(f"a{i}", str(p))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, names, sp)
-    offline_elapsed = time.perf_counter() - t0
-    offline_tps = sum(len(o.token_ids) for o in outs) / offline_elapsed
-    llm.engine.shutdown()
-    del llm
+    llm.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+
+    def offline() -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, names, sp)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(tmp / "data", port)
+    rounds = []
     try:
-        token = (tmp / "data" / "admin_token").read_text().strip()
-        admin = {"Authorization": f"Bearer {token}"}
-        key = httpx.post(url + "/admin/tenants", json={"name": "bench"}, headers=admin).json()[
-            "api_key"
-        ]
-        auth = {"Authorization": f"Bearer {key}"}
-        for i, p in enumerate(paths):
-            files = {
-                f: (f, (p / f).read_bytes())
-                for f in ("adapter_config.json", "adapter_model.safetensors")
-            }
-            r = httpx.post(
-                url + "/v1/adapters", data={"name": f"a{i}"}, files=files, headers=auth, timeout=60
-            )
-            r.raise_for_status()
-        model_id = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+        key, model_id = setup_tenant(url, tmp / "data", paths)
         jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
         asyncio.run(run_clients(url, key, jobs[:4], 4, 4))  # warm-up
-        elapsed, tokens, ttft, itl = asyncio.run(
-            run_clients(url, key, jobs, args.clients, args.max_tokens)
-        )
+        # Offline and server runs alternate (the machine's speed drifts over minutes); the
+        # server process idles while the offline engine runs in this one.
+        for _ in range(args.rounds):
+            offline_tps = offline()
+            elapsed, tokens, ttft, itl = asyncio.run(
+                run_clients(url, key, jobs, args.clients, args.max_tokens)
+            )
+            rounds.append((offline_tps, elapsed, tokens, ttft, itl))
     finally:
         server.terminate()
         server.wait(30)
 
+    ratios = [tokens / elapsed / off for off, elapsed, tokens, _, _ in rounds]
+    offline_tps, elapsed, tokens, ttft, itl = rounds[ratios.index(statistics.median(ratios))]
     server_tps = tokens / elapsed
     row = {
         "clients": args.clients,
@@ -193,6 +205,9 @@ def main() -> None:
         "itl_mean_ms": statistics.fmean(itl) * 1e3 if itl else float("nan"),
     }
     print(
+        "ratios of the rounds: " + ", ".join(f"{r:.3f}" for r in ratios) + " (median round below)"
+    )
+    print(
         f"SmolLM2-135M, {args.requests} streaming requests x {args.max_tokens} tokens from "
         f"{args.clients} concurrent openai clients, {args.adapters} rank-{args.rank} adapters "
         "(Zipf 1.5)"
@@ -202,6 +217,7 @@ def main() -> None:
     path = write_json(
         "bench_serve",
         {
+            "ratios": ratios,
             "args": vars(args),
             "result": row,
             "ttft_ms": [t * 1e3 for t in ttft],

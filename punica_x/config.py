@@ -20,13 +20,14 @@ class ModelConfig:
     """model: a HF directory (config.json + *.safetensors), a .gguf file, or None for the
     default SmolLM2-135M-Instruct. dtype "auto": float32 on CPU, bfloat16 (or float16 where
     bf16 is unsupported) on CUDA. max_model_len: None takes the model's own limit.
-    dense_backend: None chooses by device (punica_x.ops.dense)."""
+    dense_backend / fused_backend: None chooses by device (punica_x.ops.dense, .fused)."""
 
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     dense_backend: str | None = None
+    fused_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

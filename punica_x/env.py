@@ -42,3 +42,6 @@ ATTENTION_BACKEND = EnvVar(
 DENSE_BACKEND = EnvVar(
     "PUNICA_X_DENSE_BACKEND", "", "force the backbone's dense backend: cpu (packed) or torch"
 )
+FUSED_BACKEND = EnvVar(
+    "PUNICA_X_FUSED_BACKEND", "", "force the fused norm/RoPE/SiLU backend: cpu or torch"
+)

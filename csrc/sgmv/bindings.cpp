@@ -164,6 +164,15 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
 #endif
 }
 
+// y += x @ A_s @ B_s per segment: shrink into the float32 workspace v, then expand (one call
+// from Python per projection group instead of two).
+void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Tensor a_ptr,
+                   torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
+                   std::vector<int64_t> h_out, int64_t layer, int64_t max_rows, int64_t max_rank) {
+  sgmv_shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank);
+  sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank);
+}
+
 bool has_cuda() {
 #ifdef PUNICA_X_WITH_CUDA
   return true;
@@ -181,6 +190,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgmv_expand", &sgmv_expand, "SGMV expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
         py::arg("v"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
         py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"));
+  m.def("sgmv_add_lora", &sgmv_add_lora, "shrink then expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
+        py::arg("x"), py::arg("v"), py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"),
+        py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
+        py::arg("max_rank"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
 }

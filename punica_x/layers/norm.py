@@ -1,4 +1,5 @@
-"""RMSNorm, computed exactly as Llama's reference (float32 statistics, weight applied last)."""
+"""RMSNorm, computed as Llama's reference (float32 statistics, weight applied last), through
+the fused-layers backend; add() also folds in the residual add before it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ class RMSNorm(nn.Module):
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.eps = eps
+        self.fused = None  # set by the model once the backend is known
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.fused.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place (the residual stream); returns rms_norm(residual)."""
+        return self.fused.add_rms_norm(x, residual, self.weight, self.eps)

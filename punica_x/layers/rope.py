@@ -57,13 +57,6 @@ class RotaryEmbedding(nn.Module):
             "sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q: [T, H_q, D], k: [T, N_kv, D], positions: [T] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate_(self, x: torch.Tensor, heads: int, positions: torch.Tensor, fused) -> None:
+        """In place on x: [T, heads * head_dim] (a column slice of the fused qkv output)."""
+        fused.rope_(x, heads, self.cos.shape[1], positions, self.cos, self.sin)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from punica_x.core import Batch
 from punica_x.layers.linear import Dense, LoraLinear
@@ -108,14 +107,16 @@ class LlamaAttention(nn.Module):
         kv: torch.Tensor,
         rope: RotaryEmbedding,
         backend: SgmvBackend | None,
+        fused,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x, batch.lora, layer, backend)
+        qkv = self.qkv_proj(x, batch.lora, layer, backend)  # [T, (H_q + 2 N_kv) D]
         q, k, v = qkv.split(self.qkv_proj.out_slices, dim=-1)
+        rope.rotate_(q, self.num_heads, batch.positions, fused)
+        rope.rotate_(k, self.num_kv_heads, batch.positions, fused)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, batch.positions)
         batch.attention.write_kv(kv, layer, k, v)
         out, _ = batch.attention.attend(q, kv, layer, self.scale)
         return self.o_proj(out.reshape(t, -1), batch.lora, layer, backend)
@@ -128,9 +129,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = LoraLinear(d.hidden_size, (i, i), "gate_up", d.mlp_bias, dtype, device)
         self.down_proj = LoraLinear(i, (d.hidden_size,), "down", d.mlp_bias, dtype, device)
 
-    def forward(self, x, batch: Batch, layer: int, backend: SgmvBackend | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch.lora, layer, backend).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch.lora, layer, backend)
+    def forward(
+        self, x, batch: Batch, layer: int, backend: SgmvBackend | None, fused
+    ) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, batch.lora, layer, backend)  # [T, 2 I]
+        return self.down_proj(fused.silu_and_mul(gate_up), batch.lora, layer, backend)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -141,9 +144,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(d, dtype, device)
 
-    def forward(self, h, batch, layer, kv, rope, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, layer, kv, rope, backend)
-        return h + self.mlp(self.post_attention_layernorm(h), batch, layer, backend)
+    def forward(
+        self, normed, residual, next_norm: RMSNorm, batch, layer, kv, rope, backend, fused
+    ) -> torch.Tensor:
+        """normed = input_layernorm(residual). Adds this layer's attention and MLP outputs to
+        the residual stream in place; returns next_norm(residual) for what comes next."""
+        attn = self.self_attn(normed, batch, layer, kv, rope, backend, fused)
+        normed = self.post_attention_layernorm.add(attn, residual)
+        return next_norm.add(self.mlp(normed, batch, layer, backend, fused), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,21 +168,29 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
 
     @torch.no_grad()
-    def finish_loading(self, dense: DenseBackend) -> None:
-        """Called once the checkpoint is in: tie the head, convert weights for `dense`."""
+    def finish_loading(self, dense: DenseBackend, fused) -> None:
+        """Called once the checkpoint is in: tie the head, convert weights for `dense`, pick
+        the fused element-wise layers."""
         if self.dims.tie_word_embeddings:
             self.lm_head.weight.copy_(self.embed_tokens.weight)
+        self.fused = fused
         for module in self.modules():
             if isinstance(module, Dense):
                 module.prepare(dense)
+            elif isinstance(module, RMSNorm):
+                module.fused = fused
 
     @torch.inference_mode()
     def forward(
         self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None
     ) -> torch.Tensor:
         """Run every row of the batch; returns logits [B, vocab] float32 of batch.sample_rows."""
-        h = self.embed_tokens(batch.input_ids)
+        residual = self.embed_tokens(batch.input_ids)  # [T, hidden], updated in place
+        normed = self.layers[0].input_layernorm(residual)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, i, kv, self.rope, backend)
-        h = self.norm(h[batch.sample_rows])
-        return self.lm_head.dense(h).float()
+            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            normed = layer(
+                normed, residual, next_norm, batch, i, kv, self.rope, backend, self.fused
+            )
+        return self.lm_head.dense(normed[batch.sample_rows]).float()

@@ -26,6 +26,7 @@ from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.ops.dense import get_dense_backend
+from punica_x.ops.fused import get_fused_backend
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                         raise ValueError(f"unexpected tensor {name!r} in {path.name}")
                     seen.add(name)
     _check_complete(dims, seen)
-    model.finish_loading(get_dense_backend(device, dtype, cfg.dense_backend))
+    model.finish_loading(
+        get_dense_backend(device, dtype, cfg.dense_backend),
+        get_fused_backend(device, dtype, cfg.fused_backend),
+    )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = set(_as_list(hf_config.eos_token_id))

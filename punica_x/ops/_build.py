@@ -35,6 +35,7 @@ EXTENSIONS = {
         ("attention/paged_attention.h",),
     ),
     "dense_cpu": (("dense/bindings.cpp", "dense/dense_cpu.cpp"), ("dense/dense.h",)),
+    "layers_cpu": (("layers/bindings.cpp", "layers/fused_cpu.cpp"), ("layers/fused.h",)),
 }
 
 

@@ -136,6 +136,10 @@ class SgmvBackend(Protocol):
 
     def expand(self, y: torch.Tensor, v: torch.Tensor, w: SgmvWeights, layer: int) -> None: ...
 
+    def add_lora(
+        self, y: torch.Tensor, x: torch.Tensor, v: torch.Tensor, w: SgmvWeights, layer: int
+    ) -> None: ...
+
 
 class CompiledBackend:
     """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
@@ -149,7 +153,12 @@ class CompiledBackend:
 
     def expand(self, y, v, w, layer) -> None:
         self.module.sgmv_expand(
-            y, v, w.b_ptr, w.ranks, w.seg, list(w.h_out), layer, w.max_rows, w.max_rank
+            y, v, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank
+        )
+
+    def add_lora(self, y, x, v, w, layer) -> None:
+        self.module.sgmv_add_lora(
+            y, x, v, w.a_ptr, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank
         )
 
 
@@ -162,6 +171,10 @@ class TorchRefBackend:
         _ref.shrink(v, x, w, layer)
 
     def expand(self, y, v, w, layer) -> None:
+        _ref.expand(y, v, w, layer)
+
+    def add_lora(self, y, x, v, w, layer) -> None:
+        _ref.shrink(v, x, w, layer)
         _ref.expand(y, v, w, layer)
 
 
@@ -245,6 +258,7 @@ def add_lora_sgmv(
     ``workspace``: optional float32 [T, >= max_rank] buffer reused across calls."""
     if w.max_rank == 0:
         return y
-    backend = backend or get_backend(x.device)
-    v = sgmv_shrink(x, w, layer, out=workspace, backend=backend)
-    return sgmv_expand(y, v, w, layer, backend=backend)
+    if workspace is None:
+        workspace = torch.zeros(x.shape[0], w.max_rank, dtype=torch.float32, device=x.device)
+    (backend or get_backend(x.device)).add_lora(y, x, workspace, w, layer)
+    return y

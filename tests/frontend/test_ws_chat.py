@@ -114,3 +114,12 @@ def test_disconnect_aborts_and_frees_kv(server, key):
     assert server.metric("punica_x_kv_blocks_used") > 0
     ws.close()
     server.wait_idle(timeout=10)
+
+
+def test_query_token_is_never_logged(server, key):
+    with connect(ws_url(server, key)) as ws:
+        chat(ws, server)
+        read_reply(ws)
+    log = server.log.read_text()
+    assert "/v1/chat/ws" in log  # the access line is there, without its query string
+    assert key not in log

@@ -1,0 +1,81 @@
+"""Fused element-wise layers: RMSNorm (+ residual add), in-place RoPE, SiLU-and-mul.
+
+Two implementations with one interface: ``cpu`` (csrc/layers, float32 on CPU: one pass and
+one call per layer instead of 5-16 PyTorch ops, which also keeps the engine thread off the
+GIL) and ``torch`` (the reference, any device and dtype). Shapes: rows are tokens [T, ...].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from punica_x.env import FUSED_BACKEND
+
+
+class TorchFused:
+    """The reference, written as the Llama reference model computes it."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, H] -> w * x / rms(x), statistics in float32."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    def add_rms_norm(self, x, residual, w, eps) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual)."""
+        residual.add_(x)
+        return self.rms_norm(residual, w, eps)
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, positions, cos, sin) -> None:
+        """Rotate-half RoPE in place; x: [T, heads * head_dim] (rows may be strided)."""
+        v = x.view(x.shape[0], heads, head_dim)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        half = head_dim // 2
+        rotated = torch.cat((-v[..., half:], v[..., :half]), dim=-1)
+        v.copy_(v * c + rotated * s)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * I] -> silu(gate) * up, [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuFused:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from punica_x.ops._build import load_extension
+
+        self.ext = load_extension("layers_cpu")
+
+    def rms_norm(self, x, w, eps):
+        return self.ext.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        return self.ext.add_rms_norm(x.contiguous(), residual, w, eps)
+
+    def rope_(self, x, heads, head_dim, positions, cos, sin) -> None:
+        self.ext.rope_(x, heads, head_dim, positions, cos, sin)
+
+    def silu_and_mul(self, gate_up):
+        return self.ext.silu_and_mul(gate_up.contiguous())
+
+
+_instances: dict[str, object] = {}
+
+
+def get_fused_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None):
+    """`name`, else $PUNICA_X_FUSED_BACKEND, else cpu for float32 on CPU and torch otherwise."""
+    device = torch.device(device)
+    default = "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    name = name or FUSED_BACKEND.get() or default
+    if name not in ("cpu", "torch"):
+        raise ValueError(f"unknown fused backend {name!r}; choose cpu or torch")
+    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"the cpu fused backend needs float32 on the CPU, not {dtype} on {device}")
+    if name not in _instances:
+        _instances[name] = CpuFused() if name == "cpu" else TorchFused()
+    return _instances[name]

@@ -1,0 +1,73 @@
+"""Fused CPU layers against their PyTorch reference on fresh random inputs."""
+
+import os
+
+import pytest
+import torch
+
+from punica_x.ops.fused import CpuFused, TorchFused, get_fused_backend
+
+REF = TorchFused()
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return get_fused_backend("cpu", torch.float32)
+
+
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("hidden", [64, 576, 1000])
+def test_rms_norm_and_residual_add(cpu, rows, hidden):
+    g = gen()
+    x = torch.randn(rows, hidden, generator=g) * 3
+    w = torch.randn(hidden, generator=g)
+    torch.testing.assert_close(
+        cpu.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5
+    )
+    strided = torch.randn(rows, hidden + 7, generator=g)[:, 3 : 3 + hidden]
+    torch.testing.assert_close(cpu.rms_norm(strided, w, 1e-6), REF.rms_norm(strided, w, 1e-6))
+    r1, r2 = torch.randn(rows, hidden, generator=g), None
+    r2 = r1.clone()
+    out = cpu.add_rms_norm(x, r1, w, 1e-5)
+    ref = REF.add_rms_norm(x, r2, w, 1e-5)
+    torch.testing.assert_close(r1, r2)  # the residual stream is updated in place
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [(9, 64), (3, 64), (4, 32)])
+def test_rope_in_place_on_a_column_slice(cpu, heads, head_dim):
+    g = gen()
+    rows, width = 7, 1000
+    qkv = torch.randn(rows, width, generator=g)
+    positions = torch.randint(0, 300, (rows,), generator=g)
+    ang = torch.rand(400, head_dim // 2, generator=g) * 6
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    ours, ref = qkv.clone(), qkv.clone()
+    lo, hi = 100, 100 + heads * head_dim
+    cpu.rope_(ours[:, lo:hi], heads, head_dim, positions, cos, sin)
+    REF.rope_(ref[:, lo:hi], heads, head_dim, positions, cos, sin)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[:, :lo], qkv[:, :lo]) and torch.equal(ours[:, hi:], qkv[:, hi:])
+
+
+def test_silu_and_mul(cpu):
+    g = gen()
+    gate_up = torch.randn(9, 2 * 1536, generator=g) * 4
+    torch.testing.assert_close(
+        cpu.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_inputs_are_checked(cpu):
+    with pytest.raises(RuntimeError, match="position 500 outside the table"):
+        cpu.rope_(
+            torch.zeros(1, 64), 1, 64, torch.tensor([500]), torch.zeros(10, 64), torch.zeros(10, 64)
+        )
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu.rms_norm(torch.zeros(2, 10), torch.ones(12), 1e-5)
+    assert isinstance(cpu, CpuFused) and cpu.ext.__file__.endswith(".so")
