@@ -66,7 +66,7 @@ class FrontendManager:
                     _key(record.tenant_id, record.name), record.path
                 )
                 self._versions[record.id] = info.version
-            except (AdapterError, OSError) as exc:
+            except Exception as exc:  # one broken adapter must not keep the server from starting
                 log.error(
                     "stored adapter %s (tenant %d) is unusable: %s",
                     record.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from punica_x.async_engine import AsyncEngine, RequestStream
@@ -27,11 +28,12 @@ class LocalRunner:
         return await self.async_engine.open(prompt, sampling, adapter, request_id)
 
     async def register_adapter(self, name: str, path: Path) -> AdapterInfo:
-        # validation reads the files: run it on the engine thread's executor, not the event loop
-        return await self.async_engine.call(lambda: self.engine.adapters.register(name, path))
+        # Parsing and validating read the files: a worker thread does it, so neither the event
+        # loop nor the engine's step loop waits (the pool is thread-safe).
+        return await asyncio.to_thread(self.engine.adapters.register, name, path)
 
     async def unregister_adapter(self, name: str) -> None:
-        await self.async_engine.call(lambda: self.engine.adapters.unregister(name))
+        self.engine.adapters.unregister(name)
 
     def has_version(self, version: int) -> bool:
         return self.engine.adapters.has_version(version)

@@ -7,11 +7,10 @@ device), "flashinfer" (CUDA, the [gpu] extra)."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from punica_x.env import ATTENTION_BACKEND
+from punica_x.ops.registry import Registry
 
 
 def _torch():
@@ -32,20 +31,15 @@ def _flashinfer():
     return FlashInferAttention()
 
 
-_REGISTRY = {"cpu": _cpu, "torch": _torch, "flashinfer": _flashinfer}
-
-
-@cache
-def _instantiate(name: str):
-    return _REGISTRY[name]()
+BACKENDS = Registry(
+    "attention",
+    ATTENTION_BACKEND,
+    {"cpu": _cpu, "torch": _torch, "flashinfer": _flashinfer},
+    default=lambda device, dtype: "flashinfer" if device.type == "cuda" else "cpu",
+    needs={"cpu": ("cpu", None), "flashinfer": ("cuda", None)},
+)
 
 
 def get_attention_backend(device: torch.device | str, name: str | None = None):
     """`name`, else $PUNICA_X_ATTENTION_BACKEND, else cpu / flashinfer by device type."""
-    device = torch.device(device)
-    name = name or ATTENTION_BACKEND.get() or ("flashinfer" if device.type == "cuda" else "cpu")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"the cpu attention backend cannot run on {device}")
-    return _instantiate(name)
+    return BACKENDS.get(device, None, name)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from punica_x.env import DENSE_BACKEND
+from punica_x.ops.registry import Registry
 
 
 class DenseBackend(Protocol):
@@ -56,19 +57,18 @@ class PackedCpuDense:
         return y
 
 
-_instances: dict[str, DenseBackend] = {}
+BACKENDS: Registry[DenseBackend] = Registry(
+    "dense",
+    DENSE_BACKEND,
+    {"cpu": PackedCpuDense, "torch": TorchDense},
+    default=lambda device, dtype: (
+        "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    ),
+    needs={"cpu": ("cpu", torch.float32)},
+)
 
 
 def get_dense_backend(
     device: torch.device | str, dtype: torch.dtype, name: str | None = None
 ) -> DenseBackend:
-    device = torch.device(device)
-    default = "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
-    name = name or DENSE_BACKEND.get() or default
-    if name not in ("cpu", "torch"):
-        raise ValueError(f"unknown dense backend {name!r}; choose cpu or torch")
-    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"the cpu dense backend needs float32 on the CPU, not {dtype} on {device}")
-    if name not in _instances:
-        _instances[name] = PackedCpuDense() if name == "cpu" else TorchDense()
-    return _instances[name]
+    return BACKENDS.get(device, dtype, name)

@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from punica_x.env import FUSED_BACKEND
+from punica_x.ops.registry import Registry
 
 
 class TorchFused:
@@ -64,18 +65,17 @@ class CpuFused:
         return self.ext.silu_and_mul(gate_up.contiguous())
 
 
-_instances: dict[str, object] = {}
+BACKENDS: Registry = Registry(
+    "fused",
+    FUSED_BACKEND,
+    {"cpu": CpuFused, "torch": TorchFused},
+    default=lambda device, dtype: (
+        "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    ),
+    needs={"cpu": ("cpu", torch.float32)},
+)
 
 
 def get_fused_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None):
     """`name`, else $PUNICA_X_FUSED_BACKEND, else cpu for float32 on CPU and torch otherwise."""
-    device = torch.device(device)
-    default = "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
-    name = name or FUSED_BACKEND.get() or default
-    if name not in ("cpu", "torch"):
-        raise ValueError(f"unknown fused backend {name!r}; choose cpu or torch")
-    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"the cpu fused backend needs float32 on the CPU, not {dtype} on {device}")
-    if name not in _instances:
-        _instances[name] = CpuFused() if name == "cpu" else TorchFused()
-    return _instances[name]
+    return BACKENDS.get(device, dtype, name)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Protocol
 
 import torch
 
 from punica_x.env import SGMV_BACKEND
 from punica_x.ops import _ref
+from punica_x.ops.registry import Registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,33 +184,28 @@ def _compiled(name: str, with_cuda: bool) -> SgmvBackend:
     return CompiledBackend(name, load_sgmv_extension(with_cuda))
 
 
-_REGISTRY = {
-    "cpu": lambda: _compiled("cpu", with_cuda=False),
-    "cuda": lambda: _compiled("cuda", with_cuda=True),
-    "torch_ref": TorchRefBackend,
-}
+BACKENDS: Registry[SgmvBackend] = Registry(
+    "SGMV",
+    SGMV_BACKEND,
+    {
+        "cpu": lambda: _compiled("cpu", with_cuda=False),
+        "cuda": lambda: _compiled("cuda", with_cuda=True),
+        "torch_ref": TorchRefBackend,
+    },
+    default=lambda device, dtype: "cuda" if device.type == "cuda" else "cpu",
+    needs={"cpu": ("cpu", None), "cuda": ("cuda", None)},
+)
 
 
 def available_backends() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-@cache
-def _instantiate(name: str) -> SgmvBackend:
-    return _REGISTRY[name]()
+    return BACKENDS.names
 
 
 def get_backend(device: torch.device | str, name: str | None = None) -> SgmvBackend:
     """The SGMV backend for ``device``: ``name``, else $PUNICA_X_SGMV_BACKEND, else by device.
 
     Raises KernelBuildError when the compiled kernels cannot be built (no silent fallback)."""
-    device = torch.device(device)
-    name = name or SGMV_BACKEND.get() or ("cuda" if device.type == "cuda" else "cpu")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown SGMV backend {name!r}; choose one of {available_backends()}")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"the cpu SGMV backend cannot run on {device}")
-    return _instantiate(name)
+    return BACKENDS.get(device, None, name)
 
 
 def sgmv_shrink(

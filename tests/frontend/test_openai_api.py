@@ -69,7 +69,7 @@ def test_chat_completions_stream_with_usage(client):
 
 
 def test_n_and_batched_prompts(client, server):
-    out = client.completions.create(
+    kwargs = dict(
         model=server.model_id,
         prompt=["hello", "world"],
         n=2,
@@ -78,17 +78,10 @@ def test_n_and_batched_prompts(client, server):
         seed=7,
         extra_body={"ignore_eos": True},
     )
+    out = client.completions.create(**kwargs)
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 4 * 6
-    again = client.completions.create(
-        model=server.model_id,
-        prompt=["hello", "world"],
-        n=2,
-        max_tokens=6,
-        temperature=1.0,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**kwargs)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
 
 

@@ -46,5 +46,5 @@ def test_compiled_backends_are_the_defaults_on_cpu():
     assert isinstance(get_dense_backend("cpu", torch.bfloat16), TorchDense)
     attention = get_attention_backend("cpu")
     assert isinstance(attention, CpuAttention) and attention.ext.__file__.endswith(".so")
-    with pytest.raises(ValueError, match="needs float32 on the CPU"):
+    with pytest.raises(ValueError, match="the cpu dense backend needs torch.float32 on cpu"):
         get_dense_backend("cpu", torch.float16, "cpu")
