@@ -1,0 +1,157 @@
+"""Where does a decode step's time go? (per component, at batch 32)
+
+SmolLM2-135M-Instruct, --requests requests all decoding (prompts of ~40 tokens plus a few
+generated ones), without adapters and with rank-16 adapters on all 7 projections
+(Distinct: one adapter per request). Every backend call of the engine (dense projections,
+lm_head, SGMV, attention, KV writes, fused element-wise ops) and every step phase
+(scheduling, planning, the model call, sampling, post-processing) is wrapped with a timer;
+CPU kernels are synchronous, so the wall time of a call is its cost. The model's remainder
+(embedding, views, Python between kernels) is the model call minus its timed parts.
+
+    python benchmarks/profile_step.py [--requests 32] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_generate import make_adapters, make_prompts
+from harness import print_table, save_plot, write_json
+
+from punica_x import LLM, SamplingParams
+from punica_x.attention.cpu import CpuAttentionPlan
+from punica_x.workloads import assign_adapters
+
+MODEL_PARTS = ["dense", "lm_head", "sgmv", "attention", "kv_write", "elementwise"]
+STEP_PARTS = ["schedule", "plan", "sample", "postprocess"]
+
+
+class Timers:
+    """Accumulated seconds per component; wrap() times every call of an attribute."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def timed(self, name, fn, key=None):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key(*args, **kwargs) if key else name] += time.perf_counter() - t0
+
+        return wrapper
+
+    def wrap(self, obj, attr: str, name: str, key=None) -> None:
+        setattr(obj, attr, self.timed(name, getattr(obj, attr), key))
+
+
+def instrument(llm: LLM, timers: Timers, vocab: int) -> None:
+    engine = llm.engine
+    model = engine.model
+    dense = model.lm_head.backend
+    timers.wrap(
+        dense, "forward", "dense", key=lambda x, w, n, b: "lm_head" if n == vocab else "dense"
+    )
+    timers.wrap(engine.sgmv, "add_lora", "sgmv")
+    for op in ("rms_norm", "add_rms_norm", "rope_", "silu_and_mul"):
+        timers.wrap(model.fused, op, "elementwise")
+    CpuAttentionPlan.attend = timers.timed("attention", CpuAttentionPlan.attend)
+    CpuAttentionPlan.write_kv = timers.timed("kv_write", CpuAttentionPlan.write_kv)
+    timers.wrap(engine.batcher, "schedule", "schedule")
+    timers.wrap(engine.planner, "plan", "plan")
+    timers.wrap(model, "forward", "model")
+    timers.wrap(engine, "sampler", "sample")
+    timers.wrap(engine, "_postprocess", "postprocess")
+
+
+def profile(llm: LLM, timers: Timers, prompts, adapters, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step of each component, over `steps` steps."""
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for p, a in zip(prompts, adapters):
+        engine.add_request(p, sp, a)
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    timers.seconds.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - t0
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    ms = {k: v / steps * 1e3 for k, v in timers.seconds.items()}
+    ms["model_other"] = ms["model"] - sum(ms.get(k, 0.0) for k in MODEL_PARTS)
+    ms["step"] = total / steps * 1e3
+    ms["step_other"] = ms["step"] - ms["model"] - sum(ms.get(k, 0.0) for k in STEP_PARTS)
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.requests
+
+    llm = LLM()
+    prompts = make_prompts(llm.tokenizer, n)
+    tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
+    for i, p in enumerate(make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)):
+        llm.load_adapter(f"a{i}", str(p))
+    timers = Timers()
+    instrument(llm, timers, llm.engine.model.lm_head.out_features)
+    configs = {
+        "backbone": [None] * n,
+        "distinct": [f"a{i}" for i in assign_adapters("distinct", n, random.Random(7))],
+    }
+    profile(llm, timers, prompts[:4], [None] * 4, 2)  # warm-up
+    results = {c: profile(llm, timers, prompts, a, args.steps) for c, a in configs.items()}
+
+    parts = [*MODEL_PARTS, "model_other", *STEP_PARTS, "step_other"]
+    rows = [
+        {
+            "component": p,
+            **{f"{c}_ms": results[c].get(p, 0.0) for c in configs},
+            **{f"{c}_share": results[c].get(p, 0.0) / results[c]["step"] for c in configs},
+        }
+        for p in [*parts, "step"]
+    ]
+    print(f"SmolLM2-135M, {n} requests decoding, {args.threads} threads, ms per decode step")
+    print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
+    path = write_json("profile_step", {"args": vars(args), "rows": rows})
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    left = {c: 0.0 for c in configs}
+    for i, p in enumerate(parts):
+        values = [results[c].get(p, 0.0) for c in configs]
+        lefts = [left[c] for c in configs]
+        ax.barh(list(configs), values, left=lefts, label=p, color=plt.cm.tab20(i))
+        for c, v in zip(configs, values):
+            left[c] += v
+    ax.set_xlabel("ms per decode step")
+    ax.set_title(f"Where a decode step's time goes (batch {n})")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    print(f"wrote {path} and {save_plot('profile_step', fig)}")
+
+
+if __name__ == "__main__":
+    main()
