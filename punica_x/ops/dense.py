@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from punica_x.env import DENSE_BACKEND
-from punica_x.ops.registry import Registry
+from punica_x.ops.registry import Registry, cpu_float32_else_torch
 
 
 class DenseBackend(Protocol):
@@ -61,9 +61,7 @@ BACKENDS: Registry[DenseBackend] = Registry(
     "dense",
     DENSE_BACKEND,
     {"cpu": PackedCpuDense, "torch": TorchDense},
-    default=lambda device, dtype: (
-        "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
-    ),
+    default=cpu_float32_else_torch,
     needs={"cpu": ("cpu", torch.float32)},
 )
 

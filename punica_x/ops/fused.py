@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from punica_x.env import FUSED_BACKEND
-from punica_x.ops.registry import Registry
+from punica_x.ops.registry import Registry, cpu_float32_else_torch
 
 
 class TorchFused:
@@ -69,9 +69,7 @@ BACKENDS: Registry = Registry(
     "fused",
     FUSED_BACKEND,
     {"cpu": CpuFused, "torch": TorchFused},
-    default=lambda device, dtype: (
-        "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
-    ),
+    default=cpu_float32_else_torch,
     needs={"cpu": ("cpu", torch.float32)},
 )
 

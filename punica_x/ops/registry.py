@@ -16,6 +16,11 @@ T = TypeVar("T")
 Rule = Callable[[torch.device, "torch.dtype | None"], str]
 
 
+def cpu_float32_else_torch(device: torch.device, dtype: torch.dtype | None) -> str:
+    """Default rule of the CPU kernels that only take float32: "cpu" there, else "torch"."""
+    return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+
+
 class Registry(Generic[T]):
     def __init__(
         self,
