@@ -7,6 +7,7 @@ server with many tenants would. Floor = bytes moved (unique adapters' weights + 
 y read and written) / measured copy bandwidth.
 
     python benchmarks/bench_sgmv.py [--threads 2] [--repeats 30]
+    python benchmarks/bench_sgmv.py --device cuda [--dtype float16]   # -> bench_sgmv_cuda.json
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ POOL_BYTES = 256 << 20  # >> last-level cache, so weights come from DRAM
 class AdapterPool:
     """Many rank-R adapters; take() hands out ones not used by recent calls."""
 
-    def __init__(self) -> None:
-        per = 2 * R * H * 4
-        self.a = [torch.randn(1, R, H) * 0.01 for _ in range(POOL_BYTES // per)]  # A^T [1, r, h]
-        self.b = [torch.randn(1, R * H) * 0.01 for _ in range(len(self.a))]  # B [1, r*h]
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        per = 2 * R * H * dtype.itemsize
+        opts = dict(device=device, dtype=dtype)
+        self.a = [torch.randn(1, R, H, **opts) * 0.01 for _ in range(POOL_BYTES // per)]  # A^T
+        self.b = [torch.randn(1, R * H, **opts) * 0.01 for _ in range(len(self.a))]  # B [1, r*h]
         self.next = 0
 
     def take(self, n: int) -> list[int]:
@@ -53,14 +55,14 @@ def methods(pool: AdapterPool, lens: list[int], x: torch.Tensor, y: torch.Tensor
     for n in lens:
         seg.append(seg[-1] + n)
     state: dict = {}
-    backend = get_backend("cpu")
-    workspace = torch.zeros(x.shape[0], R)
+    backend = get_backend(x.device)
+    workspace = torch.zeros(x.shape[0], R, device=x.device)
 
     def pick():
         ids = pool.take(len(lens))
         state["ids"] = ids
         state["w"] = SgmvWeights.build(
-            seg, [pool.a[i] for i in ids], [pool.b[i] for i in ids], [[R]] * len(ids), [H], "cpu"
+            seg, [pool.a[i] for i in ids], [pool.b[i] for i in ids], [[R]] * len(ids), [H], x.device
         )
         state["rows"] = [ids[s] for s, n in enumerate(lens) for _ in range(n)]
 
@@ -80,9 +82,12 @@ def methods(pool: AdapterPool, lens: list[int], x: torch.Tensor, y: torch.Tensor
     return pick, {"loop": loop, "gather_bmm": gather_bmm, "sgmv": sgmv}
 
 
-def check_correct(pool: AdapterPool) -> None:
+def check_correct(pool: AdapterPool, device, dtype) -> None:
     lens = [3, 1, 2]
-    x, y = torch.randn(6, H), torch.zeros(6, H)
+    x, y = (
+        torch.randn(6, H, device=device, dtype=dtype),
+        torch.zeros(6, H, device=device, dtype=dtype),
+    )
     pick, fns = methods(pool, lens, x, y)
     pick()
     outs = {}
@@ -90,8 +95,9 @@ def check_correct(pool: AdapterPool) -> None:
         y.zero_()
         fn()
         outs[name] = y.clone()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     for name in ("gather_bmm", "sgmv"):
-        torch.testing.assert_close(outs[name], outs["loop"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outs[name], outs["loop"], rtol=tol, atol=tol)
 
 
 def main() -> None:
@@ -100,18 +106,25 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, help="float32 on cpu (default), float16 on cuda")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    bandwidth = copy_bandwidth()
-    pool = AdapterPool()
-    check_correct(pool)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
+    bandwidth = copy_bandwidth(device=device)
+    pool = AdapterPool(device, dtype)
+    check_correct(pool, device, dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = dtype.itemsize
     rows = []
     for label, popularity in WORKLOADS.items():
         for batch in BATCHES:
             lens = segment_lengths(assign_adapters(popularity, batch, random.Random(batch)))
-            x, y = torch.randn(batch, H), torch.zeros(batch, H)
+            x = torch.randn(batch, H, device=device, dtype=dtype)
+            y = torch.zeros(batch, H, device=device, dtype=dtype)
             pick, fns = methods(pool, lens, x, y)
-            nbytes = len(lens) * 2 * R * H * 4 + 3 * batch * H * 4
+            nbytes = len(lens) * 2 * R * H * size + 3 * batch * H * size
             row = {
                 "workload": label,
                 "batch": batch,
@@ -119,7 +132,8 @@ def main() -> None:
                 "floor_ms": nbytes / bandwidth * 1e3,
             }
             for name, fn in fns.items():
-                row[f"{name}_ms"] = measure(fn, repeats=args.repeats, between=pick).median * 1e3
+                timed = lambda fn=fn: (fn(), sync())
+                row[f"{name}_ms"] = measure(timed, repeats=args.repeats, between=pick).median * 1e3
             row["sgmv_GBps"] = nbytes / (row["sgmv_ms"] / 1e3) / 1e9
             row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(
                 row["loop_ms"], row["gather_bmm_ms"]
@@ -139,17 +153,20 @@ def main() -> None:
         "sgmv_vs_floor",
     ]
     print(
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} threads, "
-        f"h={H} r={R} float32"
+        f"{args.device}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), "
+        f"{args.threads} threads, h={H} r={R} {dtype}"
     )
     print_table(rows, cols, "SGMV shrink+expand, median ms per call (cold weights)")
     worst = max(r["sgmv_vs_best_baseline"] for r in rows)
     d64 = next(r for r in rows if r["workload"] == "distinct" and r["batch"] == 64)
     print(f"\nworst sgmv / min(loop, gather_bmm) = {worst:.2f} (target <= 1.0)")
     print(f"distinct batch 64: sgmv / floor = {d64['sgmv_vs_floor']:.2f} (target <= 1.3)")
+    name = "bench_sgmv" if device.type == "cpu" else "bench_sgmv_cuda"
     path = write_json(
-        "bench_sgmv",
+        name,
         {
+            "device": args.device,
+            "dtype": str(dtype),
             "copy_bandwidth_GBps": bandwidth / 1e9,
             "h": H,
             "r": R,
@@ -157,11 +174,11 @@ def main() -> None:
             "rows": rows,
         },
     )
-    plot(rows)
+    plot(rows, name)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
-def plot(rows) -> None:
+def plot(rows, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +200,7 @@ def plot(rows) -> None:
         ax.set_yscale("log")
     axes[0].set_ylabel("ms per LoRA add-on (h=4096, r=16)")
     axes[-1].legend()
-    save_plot("bench_sgmv", fig)
+    save_plot(name, fig)
 
 
 if __name__ == "__main__":

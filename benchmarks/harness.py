@@ -49,11 +49,14 @@ def measure(
     )
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
+def copy_bandwidth(
+    nbytes: int = 512 << 20, repeats: int = 10, device: torch.device | str = "cpu"
+) -> float:
     """Bytes per second moved by a large tensor copy, counting the read and the write."""
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    t = measure(lambda: (dst.copy_(src), sync()), warmup=2, repeats=repeats)
     return 2 * nbytes / t.median
 
 
@@ -66,13 +69,17 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {
+    info = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:

@@ -1,11 +1,15 @@
 // CUDA SGMV, Punica sec. 4 schedule (SIMT, no tensor cores):
-//   shrink  grid (segment, split-K chunk): each warp owns rank rows of A^T, reduces its partial
-//           dot products with warp shuffles and adds them into the float32 v with atomics, so a
-//           thin output (r columns) still spreads over many thread blocks.
+//   shrink  grid (segment, split-K chunk, row tile): each warp owns rank rows of A^T and a tile
+//           of up to kRowTile rows of x, so every element of A it loads serves the whole tile;
+//           it reduces its partial dot products with warp shuffles and adds them into the
+//           float32 v with atomics, so a thin output (r columns) still spreads over many blocks.
 //   shrink, one-row segments: the same split-K grid with 16-byte vector loads of A and x, a pure
 //           memory-bound matrix-vector product (the distinct-adapter decode case).
-//   expand  grid (output column block, segment, slice): each thread owns output columns and
-//           streams the r rows of B; reads of B are coalesced across the warp.
+//   expand  grid (output column block, segment, slice x row tile): each thread owns an output
+//           column of a row tile and streams the r rows of B once for the tile; reads of B are
+//           coalesced across the warp.
+// Row tiles let one long segment (the identical-adapter case) spread over many blocks instead
+// of one block walking all its rows in turn.
 // Plain CUDA: no torch headers, so `nvcc -c` alone builds it (tests do, for sm_80 and sm_90).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,6 +25,7 @@ namespace {
 constexpr int kMaxSlices = 4;
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
+constexpr int kRowTile = 8;  // rows of one segment that one block handles
 
 struct Slices {
   int h_out[kMaxSlices];
@@ -73,19 +78,29 @@ __global__ void shrink_kernel(float* v, int64_t vs, const T* x, int64_t xs, int 
   const int s = blockIdx.x;
   const int64_t wp = p.w_ptr[s];
   if (wp == 0) return;
-  const int row0 = p.seg[s], row1 = p.seg[s + 1];
+  const int row0 = p.seg[s] + blockIdx.z * kRowTile;
+  const int rows = min(kRowTile, p.seg[s + 1] - row0);
+  if (rows <= 0) return;
   const int rank = rank_sum(p, s);
   const int k0 = blockIdx.y * k_chunk;
   const int k1 = min(h_in, k0 + k_chunk);
   const T* a = reinterpret_cast<const T*>(wp) + int64_t(p.layer) * rank * h_in;
+  const T* xt = x + int64_t(row0) * xs;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int j = warp; j < rank; j += blockDim.x / kWarp) {
     const T* arow = a + int64_t(j) * h_in;
-    for (int t = row0; t < row1; ++t) {
-      float acc = 0.f;
-      for (int k = k0 + lane; k < k1; k += kWarp) acc += to_f32(x[t * xs + k]) * to_f32(arow[k]);
-      acc = warp_sum(acc);
-      if (lane == 0) atomicAdd(v + t * vs + j, acc);
+    float acc[kRowTile] = {};
+    for (int k = k0 + lane; k < k1; k += kWarp) {
+      const float av = to_f32(arow[k]);
+#pragma unroll
+      for (int r = 0; r < kRowTile; ++r)
+        if (r < rows) acc[r] += to_f32(xt[r * xs + k]) * av;
+    }
+#pragma unroll
+    for (int r = 0; r < kRowTile; ++r) {
+      if (r >= rows) break;  // `rows` is the same for the whole warp: the shuffles stay converged
+      const float sum = warp_sum(acc[r]);
+      if (lane == 0) atomicAdd(v + (row0 + r) * vs + j, sum);
     }
   }
 }
@@ -124,14 +139,17 @@ __global__ void shrink_one_row_kernel(float* v, int64_t vs, const T* x, int64_t 
 template <typename T>
 __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, SgmvSegments p,
                               Slices slices) {
-  const int s = blockIdx.y, slice = blockIdx.z;
+  const int s = blockIdx.y;
+  const int slice = blockIdx.z % p.num_slices, tile = blockIdx.z / p.num_slices;
   const int64_t wp = p.w_ptr[s];
   if (wp == 0) return;
+  const int row0 = p.seg[s] + tile * kRowTile;
+  const int rows = min(kRowTile, p.seg[s + 1] - row0);
   const int32_t* ranks = p.ranks + s * p.num_slices;
   const int r = ranks[slice];
   const int h_out = slices.h_out[slice];
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r == 0 || c >= h_out) return;
+  if (rows <= 0 || r == 0 || c >= h_out) return;
   int64_t layer_size = 0, b_off = 0;
   int v_off = 0, y_off = 0;
   for (int j = 0; j < p.num_slices; ++j) {
@@ -143,20 +161,30 @@ __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, Sgmv
     layer_size += int64_t(ranks[j]) * slices.h_out[j];
   }
   const T* b = reinterpret_cast<const T*>(wp) + p.layer * layer_size + b_off + c;
-  for (int t = p.seg[s]; t < p.seg[s + 1]; ++t) {
-    const float* vrow = v + t * vs + v_off;
-    float acc = 0.f;
-    for (int i = 0; i < r; ++i) acc += vrow[i] * to_f32(b[int64_t(i) * h_out]);
-    T* out = y + t * ys + y_off + c;
-    *out = from_f32<T>(to_f32(*out) + acc);
+  const float* vt = v + int64_t(row0) * vs + v_off;
+  float acc[kRowTile] = {};
+  for (int i = 0; i < r; ++i) {
+    const float bv = to_f32(b[int64_t(i) * h_out]);
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t)
+      if (t < rows) acc[t] += vt[t * vs + i] * bv;
+  }
+#pragma unroll
+  for (int t = 0; t < kRowTile; ++t) {
+    if (t >= rows) break;
+    T* out = y + (row0 + t) * ys + y_off + c;
+    *out = from_f32<T>(to_f32(*out) + acc[t]);
   }
 }
 
-int split_k(int h_in, int num_segments) {
+int row_tiles(int max_rows) { return (max_rows + kRowTile - 1) / kRowTile; }
+
+// K chunks per (segment, row tile): enough blocks for two per SM, each chunk >= 256 wide.
+int split_k(int h_in, int blocks) {
   int device = 0, sms = 108;
   if (cudaGetDevice(&device) == cudaSuccess)
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int want = (2 * sms + num_segments - 1) / num_segments;
+  const int want = (2 * sms + blocks - 1) / blocks;
   const int most = h_in / 256 > 0 ? h_in / 256 : 1;
   return want < 1 ? 1 : (want > most ? most : want);
 }
@@ -164,30 +192,33 @@ int split_k(int h_in, int num_segments) {
 template <typename T>
 void launch_shrink(float* v, int64_t vs, const T* x, int64_t xs, int h_in, const SgmvSegments& p,
                    int max_rows, cudaStream_t stream) {
-  const int splits = split_k(h_in, p.num_segments);
+  const int tiles = row_tiles(max_rows);
+  const int splits = split_k(h_in, p.num_segments * tiles);
   constexpr int kVec = 16 / sizeof(T);
   int k_chunk = (h_in + splits - 1) / splits;
   const bool vectorizable =
       h_in % kVec == 0 && xs % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  const dim3 grid(p.num_segments, splits);
   if (max_rows == 1 && vectorizable) {
     k_chunk = (k_chunk + kVec - 1) / kVec * kVec;
+    const dim3 grid(p.num_segments, splits);
     shrink_one_row_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
   } else {
+    const dim3 grid(p.num_segments, splits, tiles);
     shrink_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
   }
 }
 
 template <typename T>
 void launch_expand(T* y, int64_t ys, const float* v, int64_t vs, const int32_t* h_out,
-                   const SgmvSegments& p, cudaStream_t stream) {
+                   const SgmvSegments& p, int max_rows, cudaStream_t stream) {
   Slices slices{};
   int widest = 0;
   for (int j = 0; j < p.num_slices; ++j) {
     slices.h_out[j] = h_out[j];
     widest = h_out[j] > widest ? h_out[j] : widest;
   }
-  const dim3 grid((widest + kThreads - 1) / kThreads, p.num_segments, p.num_slices);
+  const dim3 grid((widest + kThreads - 1) / kThreads, p.num_segments,
+                  p.num_slices * row_tiles(max_rows));
   expand_kernel<T><<<grid, kThreads, 0, stream>>>(y, ys, v, vs, p, slices);
 }
 
@@ -219,13 +250,13 @@ bool sgmv_expand_cuda(DType dtype, void* y, int64_t y_stride, const float* v, in
   auto st = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case DType::kFloat32:
-      launch_expand(static_cast<float*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      launch_expand(static_cast<float*>(y), y_stride, v, v_stride, h_out_host, p, max_rows, st);
       return true;
     case DType::kFloat16:
-      launch_expand(static_cast<__half*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      launch_expand(static_cast<__half*>(y), y_stride, v, v_stride, h_out_host, p, max_rows, st);
       return true;
     case DType::kBFloat16:
-      launch_expand(static_cast<__nv_bfloat16*>(y), y_stride, v, v_stride, h_out_host, p, st);
+      launch_expand(static_cast<__nv_bfloat16*>(y), y_stride, v, v_stride, h_out_host, p, max_rows, st);
       return true;
   }
   return false;

@@ -18,6 +18,9 @@ import torch
 from punica_x.attention.paged import SeqSpan
 
 WORKSPACE_BYTES = 128 << 20
+# Head sizes FlashInfer's paged prefill kernels are built for; others fail inside the kernel
+# dispatch ("Invalid configuration"), so they are refused up front.
+HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,23 @@ class FlashInferAttention:
 
     def configure(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> None:
-        """Called by the engine once the model is known (plan() needs head counts)."""
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.dtype = dtype
-        self.scale = head_dim**-0.5
+    ) -> FlashInferAttention:
+        """A backend bound to one model's heads (plan() needs them), with wrappers of its own,
+        so engines of different models in one process never share one. Raises ValueError for
+        a head size or dtype FlashInfer has no kernel for."""
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"FlashInfer has no kernel for head_dim {head_dim} (has {HEAD_DIMS})")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FlashInfer attention needs float16 or bfloat16, not {dtype}")
+        bound = FlashInferAttention()
+        bound.num_qo_heads, bound.num_kv_heads, bound.head_dim = (
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        bound.dtype = dtype
+        bound.scale = head_dim**-0.5
+        return bound
 
     def _wrapper(self, device: torch.device):
         if device not in self._wrappers:

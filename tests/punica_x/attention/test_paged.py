@@ -136,11 +136,31 @@ def test_flashinfer_matches_torch_backend(dtype):
     kv = torch.randn(64, layers, 2, nkv, p, d, device=dev, dtype=dtype)
     spans = [SeqSpan(0, 1, 40, [3, 9, 1]), SeqSpan(1, 20, 33, [4, 5, 6]), SeqSpan(21, 1, 7, [8])]
     q = torch.randn(22, hq, d, device=dev, dtype=dtype)
-    fi = FlashInferAttention()
-    fi.configure(hq, nkv, d, dtype)
+    fi = FlashInferAttention().configure(hq, nkv, d, dtype)
     out, lse = fi.plan(spans, p, dev).attend(q, kv, 1, d**-0.5)
     ref_out, ref_lse = (
         get_attention_backend(dev, "torch").plan(spans, p, dev).attend(q, kv, 1, d**-0.5)
     )
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_default_is_flashinfer_only_where_it_has_a_kernel():
+    from punica_x.attention import _default
+
+    cuda = torch.device("cuda")
+    assert _default(cuda, torch.bfloat16, 64) == "flashinfer"
+    assert _default(cuda, torch.float16, 128) == "flashinfer"
+    assert _default(cuda, torch.bfloat16, 16) == "torch"  # no FlashInfer kernel for 16
+    assert _default(cuda, torch.float32, 64) == "torch"
+    assert _default(torch.device("cpu"), torch.float32, 64) == "cpu"
+
+
+def test_flashinfer_refuses_what_it_cannot_run():
+    from punica_x.attention.flashinfer_backend import FlashInferAttention
+
+    fi = object.__new__(FlashInferAttention)  # no flashinfer import needed to check the refusal
+    with pytest.raises(ValueError, match="head_dim 16"):
+        fi.configure(4, 2, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        fi.configure(4, 2, 64, torch.float32)
