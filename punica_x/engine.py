@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from punica_x.attention import get_attention_backend
+from punica_x.attention import choose_attention
 from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
 from punica_x.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
@@ -16,7 +16,7 @@ from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
-from punica_x.ops.sgmv import get_backend
+from punica_x.ops.sgmv import choose_sgmv
 from punica_x.planner import BatchPlanner, ScheduledRequest
 from punica_x.sampler import Sampler
 
@@ -46,13 +46,21 @@ class Engine:
         )
         self.cache = KVCache(spec, num_blocks, device)
         self.batcher = Batcher(self.cache, config.batch)
-        attention = get_attention_backend(device, config.attention_backend, dtype, d.head_dim)
+        attention = choose_attention(
+            device,
+            dtype,
+            d.num_heads,
+            d.num_kv_heads,
+            d.head_dim,
+            config.cache.block_size,
+            config.attention_backend,
+        )
         if hasattr(attention, "configure"):  # backends that plan with head counts (flashinfer)
             attention = attention.configure(d.num_heads, d.num_kv_heads, d.head_dim, dtype)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.sgmv = get_backend(device, config.sgmv_backend)
+        self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
         self.requests: dict[str, Request] = {}
 
     # -- requests -------------------------------------------------------------------------

@@ -45,3 +45,14 @@ DENSE_BACKEND = EnvVar(
 FUSED_BACKEND = EnvVar(
     "PUNICA_X_FUSED_BACKEND", "", "force the fused norm/RoPE/SiLU backend: cpu or torch"
 )
+CPU_ISA = EnvVar(
+    "PUNICA_X_CPU_ISA",
+    "native",
+    "instruction set the CPU kernels are built for: native (best this CPU runs), avx2, avx512",
+)
+AUTOTUNE = EnvVar(
+    "PUNICA_X_AUTOTUNE",
+    "1",
+    "0 turns off the first-load timing of backends (then: compiled kernels where the CPU is "
+    "AVX2/AVX-512, PyTorch elsewhere)",
+)

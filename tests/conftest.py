@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_peft_adapter, make_tiny_llama
+from helpers import CPU_ISAS, make_peft_adapter, make_tiny_llama
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,6 +14,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request) -> str:
+    """An instruction-set level whose kernel builds the test runs (avx2, avx512)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

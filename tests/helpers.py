@@ -6,7 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
+
+from punica_x.ops import isa as isa_mod
+
+# Every compiled CPU kernel is tested in each instruction-set build this CPU can run.
+CPU_ISAS = [
+    pytest.param(
+        level,
+        marks=pytest.mark.skipif(
+            level not in isa_mod.runnable_levels(), reason=f"this CPU cannot run {level} code"
+        ),
+    )
+    for level in ("avx2", "avx512")
+]
 
 TINY_TEXT = [
     "the quick brown fox jumps over the lazy dog",

@@ -1,6 +1,7 @@
 // Torch bindings for CPU paged attention; every input is checked, errors name the tensor.
 #include <torch/extension.h>
 
+#include "../common/simd.h"
 #include "paged_attention.h"
 
 namespace {
@@ -85,6 +86,7 @@ void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("paged_attention", &paged_attention, "paged attention with log-sum-exp (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows into their cache slots (CPU)");
 }

@@ -1,20 +1,35 @@
-// 16-float vectors for the CPU kernels: one AVX-512 register (two AVX2 registers elsewhere,
-// through GCC vector extensions), with the few operations the kernels need.
+// One hardware vector of floats for the CPU kernels, sized by the instruction set the
+// extension is compiled for (PUNICA_X_CPU_ISA, see punica_x/ops/_build.py):
+//   AVX-512: 16 floats (one zmm), 32 vector registers
+//   AVX2   :  8 floats (one ymm), 16 vector registers
+// Register tiles are sized from kLanes and kVecRegs, so a tile that fits AVX-512's 32 zmm
+// registers is not compiled into one that spills on every FMA with AVX2's 16 ymm.
 #pragma once
 
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace punica_x {
 namespace simd {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kVecRegs = 32;
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+constexpr int kVecRegs = 16;
+constexpr const char* kIsa = "avx2";
+#else
+constexpr int kLanes = 4;  // SSE / NEON width through GCC vector extensions
+constexpr int kVecRegs = 16;
+constexpr const char* kIsa = "generic";
+#endif
+
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
 
 inline vf load(const float* p) {
   vf r;
@@ -29,22 +44,21 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
 inline vf splat(float s) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vf>(_mm512_set1_ps(s));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(s));
 #else
   return vf{} + s;
 #endif
 }
 
-// Tree reduction: a chain of 16 scalar adds costs ~4x more latency.
+// Tree reduction: halve the vector until 4 lanes are left (a chain of scalar adds costs
+// several times the latency).
 inline float hsum(vf v) {
-  vf8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(vf8));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(vf8), sizeof(vf8));
-  const vf8 s8 = lo + hi;
-  vf4 a, b;
-  std::memcpy(&a, &s8, sizeof(vf4));
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(vf4), sizeof(vf4));
-  const vf4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(vf));
+  for (int width = kLanes / 2; width >= 4; width /= 2)
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
 }
 
 }  // namespace simd

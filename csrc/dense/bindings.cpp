@@ -1,6 +1,7 @@
 // Torch bindings for the packed dense GEMM; every input is checked, errors name the tensor.
 #include <torch/extension.h>
 
+#include "../common/simd.h"
 #include "dense.h"
 
 namespace {
@@ -54,6 +55,7 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("pack", &pack, "pack an [N, K] weight into panels");
   m.def("gemm", &gemm, "y = x @ W (+ bias) with a packed W");
   m.def("panel", [] { return punica_x::kDensePanel; });

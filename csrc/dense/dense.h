@@ -5,9 +5,16 @@
 
 #include <cstdint>
 
+#include "../common/simd.h"
+
 namespace punica_x {
 
-constexpr int kDensePanel = 48;  // output columns per panel: 3 vectors of 16 floats
+#ifndef PUNICA_X_DENSE_NB
+#define PUNICA_X_DENSE_NB 3
+#endif
+// Output columns per panel: 3 vectors (48 floats on AVX-512, 24 on AVX2).
+constexpr int kDenseVecs = PUNICA_X_DENSE_NB;
+constexpr int kDensePanel = kDenseVecs * simd::kLanes;
 
 // packed must hold ceil(n / kDensePanel) * k * kDensePanel floats.
 void dense_pack_cpu(float* packed, const float* w, int64_t w_row_stride, int k, int n, bool w_is_out_by_in);

@@ -1,10 +1,11 @@
 // Skinny-to-square GEMM for the backbone's projections on the CPU.
 //
 // MKL's unpacked sgemm re-packs W on every call, which dominates for the 8..64-row matrices of
-// decode steps (measured at M = 32: 57 GFLOP/s through F.linear, ~75 through x @ W_t). With W
-// packed once at load, an 8-row x 48-column register tile (24 accumulators) streams each panel
-// once from memory and reuses it from L2 for every row block: ~150 GFLOP/s at M = 32 and
-// ~220 at M = 256 on 2 cores.
+// decode steps. With W packed once at load, an MB-row x 3-vector register tile streams each
+// panel once from memory and reuses it from L2 for every row block. The tile is sized to the
+// register file: 8 x 48 (24 accumulators of 32 zmm) on AVX-512, 4 x 24 (12 of 16 ymm) on AVX2;
+// the AVX-512 tile compiled for AVX2 needs ~56 registers and spills on every FMA (6 GFLOP/s
+// instead of ~150 at M = 32).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,8 +20,13 @@ namespace punica_x {
 namespace {
 
 using namespace simd;
-constexpr int kNB = kDensePanel / kLanes;
-constexpr int kMB = 8;
+constexpr int kNB = kDenseVecs;
+// Rows per tile: accumulators + the panel row + one broadcast must fit the registers.
+#ifndef PUNICA_X_DENSE_MB
+#define PUNICA_X_DENSE_MB (kVecRegs == 32 ? 8 : 4)
+#endif
+constexpr int kMB = PUNICA_X_DENSE_MB;
+static_assert(kMB * kNB + kNB + 1 <= kVecRegs, "dense tile does not fit the vector registers");
 constexpr int kPrefetchRows = 16;  // panel rows ahead of the current k
 
 template <int MB>
@@ -28,8 +34,8 @@ void tile(const float* x, int64_t xs, const float* w, int k, float* y, int64_t y
   vf acc[MB][kNB] = {};
 #pragma GCC unroll 4
   for (int kk = 0; kk < k; ++kk) {
-    __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel);
-    __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + 32);
+    for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(float)))
+      __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + off);
     vf wv[kNB];
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {

@@ -1,6 +1,7 @@
 // Torch bindings for the fused CPU layers; every input is checked, errors name the tensor.
 #include <torch/extension.h>
 
+#include "../common/simd.h"
 #include "fused.h"
 
 namespace {
@@ -79,6 +80,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm, "residual += x, return rms_norm(residual)");
   m.def("rope_", &rope_, "rotate-half RoPE in place");

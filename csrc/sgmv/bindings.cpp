@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "../common/simd.h"
 #include "sgmv.h"
 
 #ifdef PUNICA_X_WITH_CUDA
@@ -184,6 +185,7 @@ bool has_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("sgmv_shrink", &sgmv_shrink, "SGMV shrink (see csrc/sgmv/sgmv.h)", py::arg("v"),
         py::arg("x"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("layer"),
         py::arg("max_rows"), py::arg("max_rank"));

@@ -1,11 +1,12 @@
-// CPU SGMV: register-tiled kernels on 16-float vectors (one AVX-512 register; two AVX2
-// registers elsewhere), work split over (segment, tile) items on the ATen thread pool.
+// CPU SGMV: register-tiled kernels on hardware vectors (simd.h: 16 floats on AVX-512, 8 on
+// AVX2), work split over (segment, tile) items on the ATen thread pool. Tile sizes follow the
+// register file (32 zmm / 16 ymm) so no tile spills; static_asserts below check it.
 //
 // shrink: a tile is MB rows x JB rank rows of A^T; it streams JB rows of A^T once and reuses each
 //         loaded vector for MB input rows. One-row segments (the distinct case) take JB = 8 so
 //         each item keeps eight independent memory streams in flight.
-// expand: a tile is MB rows x NB*16 output columns; it streams the rank rows of B once per row
-//         block. One-row segments take wide column blocks (NB = 16) for long sequential reads.
+// expand: a tile is MB rows x NB vectors of output columns; it streams the rank rows of B once
+//         per row block. One-row segments take wide column blocks for long sequential reads.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -45,7 +46,7 @@ void shrink_tile(const float* x, int64_t xs, const float* a, int h_in, float* v,
   }
 }
 
-// y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * 16; b rows are `ld` long.
+// y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * kLanes; b rows are `ld` long.
 template <int MB, int NB>
 void expand_tile(const float* v, int64_t vs, int r, const float* b, int64_t ld, float* y,
                  int64_t ys) {
@@ -64,7 +65,7 @@ void expand_tile(const float* v, int64_t vs, int r, const float* b, int64_t ld, 
     for (int n = 0; n < NB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
 
-// Scalar columns left over when h_out is not a multiple of 16.
+// Scalar columns left over when h_out is not a multiple of kLanes.
 void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const float* b, int64_t ld,
                         int cols, float* y, int64_t ys) {
   for (int m = 0; m < rows; ++m)
@@ -88,11 +89,17 @@ constexpr std::array<ExpandFn, sizeof...(N)> expand_row(std::integer_sequence<in
   return {&expand_tile<MB, N + 1>...};
 }
 
-constexpr int kShrinkMaxJB = 8;  // one-row tiles
-constexpr int kShrinkJB = 4;     // multi-row tiles
+constexpr bool kWide = kVecRegs >= 32;
+constexpr int kShrinkMaxJB = 8;               // one-row tiles: 8 accumulators
+constexpr int kShrinkJB = kWide ? 4 : 2;      // multi-row tiles: 4 x JB accumulators
 constexpr int kMB = 4;
-constexpr int kExpandNarrowNB = 4;  // multi-row tiles: 4 x 4 accumulators
-constexpr int kExpandWideNB = 16;   // one-row tiles: 1 x 16 accumulators
+constexpr int kExpandNarrowNB = kWide ? 4 : 2;  // multi-row tiles: 4 x NB accumulators
+constexpr int kExpandWideNB = kWide ? 16 : 12;  // one-row tiles: 1 x NB (B read from memory)
+// accumulators + the loaded weight vectors + one input vector must fit the registers
+static_assert(kMB * kShrinkJB + kShrinkJB + 1 <= kVecRegs, "shrink tile spills");
+static_assert(kShrinkMaxJB + 1 <= kVecRegs, "one-row shrink tile spills");  // A read from memory
+static_assert(kMB * kExpandNarrowNB + kExpandNarrowNB + 1 <= kVecRegs, "expand tile spills");
+static_assert(kExpandWideNB + 1 <= kVecRegs, "one-row expand tile spills");
 
 ShrinkFn shrink_kernel(int mb, int jb) {
   using Seq = std::make_integer_sequence<int, kShrinkMaxJB>;

@@ -12,6 +12,8 @@ import logging
 import torch
 
 from punica_x.env import ATTENTION_BACKEND
+from punica_x.ops import autotune
+from punica_x.ops import isa as isa_mod
 from punica_x.ops.registry import Registry
 
 log = logging.getLogger("punica_x.attention")
@@ -46,7 +48,7 @@ BACKENDS = Registry(
 
 def _default(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
     if device.type != "cuda":
-        return "cpu"
+        return "cpu" if isa_mod.tuned() else "torch"
     from punica_x.attention.flashinfer_backend import HEAD_DIMS
 
     fits = dtype in (None, torch.float16, torch.bfloat16) and head_dim in (None, *HEAD_DIMS)
@@ -71,3 +73,54 @@ def get_attention_backend(
     device = torch.device(device)
     name = name or ATTENTION_BACKEND.get() or _default(device, dtype, head_dim)
     return BACKENDS.get(device, None, name)
+
+
+# Timing workload: a decode step of 32 sequences with 128 tokens of context each.
+TIMING_SEQS, TIMING_CONTEXT = 32, 128
+
+
+def choose_attention(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    name: str | None = None,
+):
+    """`name`, else $PUNICA_X_ATTENTION_BACKEND, else: on CUDA by get_attention_backend's
+    rule; on CPU (float32, timing enabled) the faster of cpu/torch on a decode step of the
+    model's heads, timed at first load and cached."""
+    device = torch.device(device)
+    name = name or ATTENTION_BACKEND.get() or None
+    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+        return get_attention_backend(device, name, dtype, head_dim)
+    names = ("cpu", "torch") if isa_mod.tuned() else ("torch",)
+    key = (
+        f"heads={num_heads}/{num_kv_heads}x{head_dim} block={block_size} "
+        f"decode={TIMING_SEQS}x{TIMING_CONTEXT}"
+    )
+    shape = (num_heads, num_kv_heads, head_dim, block_size)
+    tuned = autotune.choose("attention", key, {n: _timing(n, *shape) for n in names})
+    return BACKENDS.get(device, None, tuned.name)
+
+
+def _timing(name: str, hq: int, nkv: int, d: int, p: int) -> autotune.Candidate:
+    from punica_x.attention.paged import SeqSpan
+
+    def setup():
+        backend = BACKENDS.get("cpu", None, name)
+        per_seq = -(-TIMING_CONTEXT // p)
+        kv = torch.randn(TIMING_SEQS * per_seq, 1, 2, nkv, p, d)
+        spans = [
+            SeqSpan(s, 1, TIMING_CONTEXT, list(range(s * per_seq, (s + 1) * per_seq)))
+            for s in range(TIMING_SEQS)
+        ]
+        q = torch.randn(TIMING_SEQS, hq, d)
+
+        def run():
+            backend.plan(spans, p, torch.device("cpu")).attend(q, kv, 0, d**-0.5)
+
+        return run
+
+    return setup

@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 
 from punica_x.attention.paged import PrefillSeq, SeqSpan, prefill_attention
-from punica_x.ops._build import load_attention_extension
+from punica_x.ops._build import load_extension
 
 LONG_PREFILL = 64
 
@@ -52,8 +52,8 @@ class CpuAttentionPlan:
 class CpuAttention:
     name = "cpu"
 
-    def __init__(self) -> None:
-        self.ext = load_attention_extension()
+    def __init__(self, isa: str | None = None) -> None:
+        self.ext = load_extension("attention_cpu", isa)
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> CpuAttentionPlan:
         rows, counts, lens, starts, table = [], [], [], [0], []

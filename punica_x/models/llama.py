@@ -6,6 +6,7 @@ step's SGMV metadata, attention reads each sequence's blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,12 @@ from punica_x.core import Batch
 from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
 from punica_x.layers.rope import RotaryEmbedding
-from punica_x.ops.dense import DenseBackend
+from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend
 from punica_x.ops.sgmv import SgmvBackend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
+DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
 
 
 @dataclass(frozen=True)
@@ -168,15 +171,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
 
     @torch.no_grad()
-    def finish_loading(self, dense: DenseBackend, fused) -> None:
-        """Called once the checkpoint is in: tie the head, convert weights for `dense`, pick
-        the fused element-wise layers."""
+    def finish_loading(self, dense: DenseChooser, fused) -> None:
+        """Called once the checkpoint is in: tie the head, convert every weight for the backend
+        dense(n, k, rows) picks for its [n, k] shape, set the fused element-wise layers."""
         if self.dims.tie_word_embeddings:
             self.lm_head.weight.copy_(self.embed_tokens.weight)
         self.fused = fused
         for module in self.modules():
             if isinstance(module, Dense):
-                module.prepare(dense)
+                rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
+                module.prepare(dense(module.out_features, module.in_features, rows))
             elif isinstance(module, RMSNorm):
                 module.fused = fused
 

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
-from punica_x.ops.dense import get_dense_backend
-from punica_x.ops.fused import get_fused_backend
+from punica_x.ops.dense import choose_dense
+from punica_x.ops.fused import choose_fused
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                     seen.add(name)
     _check_complete(dims, seen)
     model.finish_loading(
-        get_dense_backend(device, dtype, cfg.dense_backend),
-        get_fused_backend(device, dtype, cfg.fused_backend),
+        lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
+        choose_fused(device, dtype, dims, cfg.fused_backend),
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

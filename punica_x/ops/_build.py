@@ -1,16 +1,32 @@
-"""Builds the C++/CUDA extensions (csrc/sgmv, csrc/attention) on first use and caches them.
+"""Builds the C++/CUDA extensions under csrc/ once per build key and caches them.
 
-The build is keyed by the sources, the torch version and this CPU's instruction-set flags
-(CPU kernels are compiled with -march=native), so a cache shared between machines never
-loads a binary built for another CPU.
+Instruction set ($PUNICA_X_CPU_ISA, see punica_x.ops.isa): the CPU kernels size their
+register tiles for the ISA they are compiled for, so one source tree gives an AVX-512 and
+an AVX2 build; `native` (the default) takes the best level this CPU runs. An AVX-512
+machine can build, test and benchmark the AVX2 path with PUNICA_X_CPU_ISA=avx2.
+
+Build directory: <cache>/torch_extensions/punica_x_<kind>_<isa>_<key>, the key hashing the
+sources, the compiler flags, torch's version and install path, the Python executable and
+this CPU's model and flags: two virtual environments or two machines sharing one cache never
+rebuild each other's kernels, and none loads a binary built for another CPU.
+
+Concurrency and interrupted builds: a build holds an fcntl lock on <build dir>.lock, which the
+kernel releases when its holder dies. torch's own lock file (`lock` inside the build
+directory) outlives a killed build and makes every later start wait forever; while holding
+our lock no other punica-x process can be building there, so such a file is stale and is
+removed (with a warning). Build progress goes to the `punica_x.build` logger.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
-import platform
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +34,9 @@ from types import ModuleType
 import torch
 
 from punica_x.env import cache_dir
+from punica_x.ops import isa as isa_mod
+
+log = logging.getLogger("punica_x.build")
 
 CSRC_ROOT = Path(__file__).resolve().parents[2] / "csrc"
 CSRC = CSRC_ROOT / "sgmv"
@@ -37,33 +56,36 @@ EXTENSIONS = {
     "dense_cpu": (("dense/bindings.cpp", "dense/dense_cpu.cpp"), ("dense/dense.h",)),
     "layers_cpu": (("layers/bindings.cpp", "layers/fused_cpu.cpp"), ("layers/fused.h",)),
 }
+CPU_KINDS = ("sgmv_cpu", "attention_cpu", "dense_cpu", "layers_cpu")
 
 
 class KernelBuildError(RuntimeError):
-    """The SGMV extension could not be compiled; the message carries the compiler output."""
+    """An extension could not be compiled; the message carries the compiler output."""
 
 
-def _cpu_fingerprint() -> str:
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
-
-
-def _build_key(sources: list[Path], with_cuda: bool) -> str:
+def build_key(kind: str, isa: str) -> str:
+    """Hash of everything that makes a binary differ: sources, flags, torch, Python, CPU."""
+    names, headers = EXTENSIONS[kind]
     h = hashlib.sha256()
-    for path in sorted(sources):
-        h.update(str(path.relative_to(CSRC_ROOT)).encode())
-        h.update(path.read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(_cpu_fingerprint().encode())
-    h.update(str(with_cuda).encode())
+    for rel in sorted(names + headers + COMMON_HEADERS):
+        h.update(rel.encode())
+        h.update((CSRC_ROOT / rel).read_bytes())
+    for part in (
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+        sys.executable,
+        isa,
+        " ".join(isa_mod.cflags(isa)),
+        isa_mod.cpu_model(),
+        " ".join(sorted(isa_mod.cpu_flags())),
+        str(kind.endswith("_cuda")),
+    ):
+        h.update(part.encode())
     return h.hexdigest()[:16]
+
+
+def extension_name(kind: str, isa: str) -> str:
+    return f"punica_x_{kind}_{isa}_{build_key(kind, isa)}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -82,56 +104,89 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = path
 
 
-def load_sgmv_extension(with_cuda: bool) -> ModuleType:
-    """The SGMV extension; with the CUDA kernels when `with_cuda`."""
-    return load_extension("sgmv_cuda" if with_cuda else "sgmv_cpu")
-
-
-def load_attention_extension() -> ModuleType:
-    return load_extension("attention_cpu")
-
-
-def load_dense_extension() -> ModuleType:
-    return load_extension("dense_cpu")
+def load_extension(kind: str, isa: str | None = None) -> ModuleType:
+    """Compile (once per build key) and import the extension `kind` of EXTENSIONS for `isa`
+    (None: $PUNICA_X_CPU_ISA, default native). Raises KernelBuildError when it cannot be built
+    or this CPU cannot run that instruction set."""
+    return _load(kind, isa_mod.resolve(isa))
 
 
 @cache
-def load_extension(kind: str) -> ModuleType:
-    """Compile (once per build key) and import the extension `kind` of EXTENSIONS."""
-    names, headers = EXTENSIONS[kind]
-    return _build(kind, names, headers + COMMON_HEADERS, with_cuda=kind.endswith("_cuda"))
+def _load(kind: str, isa: str) -> ModuleType:
+    isa_mod.check_runnable(isa)
+    names, _ = EXTENSIONS[kind]
+    return _build(kind, isa, names, with_cuda=kind.endswith("_cuda"))
 
 
-def _build(kind: str, names, headers, with_cuda: bool) -> ModuleType:
+def is_built(kind: str, isa: str | None = None) -> bool:
+    """Whether the extension's binary is already in the cache (a start needs no compiler)."""
+    isa = isa_mod.resolve(isa)
+    name = extension_name(kind, isa)
+    return (cache_dir("torch_extensions") / name / f"{name}.so").exists()
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Exclusive per build directory; released by the OS if this process dies."""
+    with open(build_dir.with_name(build_dir.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process that is building %s", build_dir.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was interrupted", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(kind: str, isa: str, names, with_cuda: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     if not CSRC_ROOT.is_dir():
         raise KernelBuildError(f"kernel sources not found at {CSRC_ROOT} (punica-x needs csrc/)")
     sources = [CSRC_ROOT / n for n in names]
-    key = _build_key(sources + [CSRC_ROOT / h for h in headers], with_cuda)
-    name = f"punica_x_{kind}_{key}"
+    name = extension_name(kind, isa)
     build_dir = cache_dir("torch_extensions", name)
-    cflags = ["-O3", "-march=native", "-fopenmp"]
+    cflags = ["-O3", *isa_mod.cflags(isa), "-fopenmp"]
     cuda_flags = ["-O3"]
     if with_cuda:
         cflags.append("-DPUNICA_X_WITH_CUDA")
         cuda_flags += ["-DPUNICA_X_WITH_CUDA"]
         cuda_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
     _ensure_ninja_on_path()
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in sources],
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            verbose=False,
-        )
-    except Exception as exc:  # the compiler's output is in the message
-        raise KernelBuildError(
-            f"building the {kind} extension {name} failed: {exc}\n"
-            "Set PUNICA_X_SGMV_BACKEND=torch_ref / PUNICA_X_ATTENTION_BACKEND=torch to run the "
-            "(slow) pure-PyTorch references instead."
-        ) from exc
+    with _build_lock(build_dir):
+        fresh = not (build_dir / f"{name}.so").exists()
+        if fresh:
+            log.warning(
+                "building the %s kernels for %s into %s (once per torch/CPU/ISA; ~40 s on 2 cores)",
+                kind,
+                isa,
+                build_dir,
+            )
+        started = time.perf_counter()
+        try:
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                with_cuda=with_cuda,
+                verbose=False,
+            )
+        except Exception as exc:  # the compiler's output is in the message
+            raise KernelBuildError(
+                f"building the {kind} extension {name} failed: {exc}\n"
+                "Set PUNICA_X_SGMV_BACKEND=torch_ref, PUNICA_X_ATTENTION_BACKEND=torch, "
+                "PUNICA_X_DENSE_BACKEND=torch and PUNICA_X_FUSED_BACKEND=torch to run the "
+                "PyTorch paths instead."
+            ) from exc
+        if fresh:
+            log.warning("built %s in %.0f s", kind, time.perf_counter() - started)
+    return module

@@ -1,11 +1,18 @@
 """Dense projections of the shared backbone: y = x @ W^T (+ bias), W given as [N, K].
 
-Backends (chosen once per model, by device and dtype, or $PUNICA_X_DENSE_BACKEND):
-* ``cpu``: W packed into panels [ceil(N/48), K, 48] for the compiled GEMM in csrc/dense
-  (float32 on CPU). MKL's unpacked sgemm re-packs W on every call, which dominates decode
-  steps (8..64 rows): the packed kernel is ~1.6x faster there and no slower for prefill.
-* ``torch``: W stored transposed, [K, N] contiguous, and ``x @ W_t`` (any device/dtype;
-  on CPU this layout is itself 2.5x faster than F.linear's x @ W^T for small M).
+Backends (each converts W once, at load, into the layout its forward() reads):
+* ``cpu``: W packed into panels [ceil(N/P), K, P] for the compiled GEMM in csrc/dense
+  (float32 on CPU; P = 48 columns on AVX-512, 24 on AVX2, register tiles sized per ISA).
+* ``onednn``: oneDNN's linear with W reordered once into its blocked layout (the prepack of
+  torch's CPU freezing path); float32 on CPU where torch has oneDNN.
+* ``torch``: W stored transposed, [K, N] contiguous, and ``x @ W_t`` (any device/dtype; on
+  CPU this layout is itself ~2.5x faster than F.linear's x @ W^T for small M).
+MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) is measured in benchmarks/bench_dense.py
+but not offered: it uses its pack only at the one batch size it was packed for.
+
+Choice (choose_dense): an explicit name, else $PUNICA_X_DENSE_BACKEND, else on CPU float32
+the fastest for each weight shape by a timing at first load (punica_x.ops.autotune), else
+``torch``. A named backend that cannot run raises.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from typing import Protocol
 import torch
 
 from punica_x.env import DENSE_BACKEND
+from punica_x.ops import autotune
+from punica_x.ops import isa as isa_mod
 from punica_x.ops.registry import Registry, cpu_float32_else_torch
+
+# Rows a projection sees: decode steps (8, 32 requests) and a prefill chunk (256 tokens).
+PROJECTION_ROWS = (8, 32, 256)
+# The LM head only sees the rows that are sampled: at most one per running request.
+HEAD_ROWS = (8, 32)
 
 
 class DenseBackend(Protocol):
@@ -43,10 +57,10 @@ class TorchDense:
 class PackedCpuDense:
     name = "cpu"
 
-    def __init__(self) -> None:
-        from punica_x.ops._build import load_dense_extension
+    def __init__(self, isa: str | None = None) -> None:
+        from punica_x.ops._build import load_extension
 
-        self.ext = load_dense_extension()
+        self.ext = load_extension("dense_cpu", isa)
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return self.ext.pack(weight.contiguous())
@@ -57,16 +71,67 @@ class PackedCpuDense:
         return y
 
 
+class OneDnnDense:
+    name = "onednn"
+
+    def __init__(self) -> None:
+        if not torch.backends.mkldnn.is_available():
+            raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn)")
+        self._reorder = torch.ops.mkldnn._reorder_linear_weight
+        self._linear = torch.ops.mkldnn._linear_pointwise
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._reorder(weight.contiguous())
+
+    def forward(self, x, prepared, n, bias):
+        return self._linear(x.contiguous(), prepared, bias, "none", [], "")
+
+
 BACKENDS: Registry[DenseBackend] = Registry(
     "dense",
     DENSE_BACKEND,
-    {"cpu": PackedCpuDense, "torch": TorchDense},
+    {"cpu": PackedCpuDense, "onednn": OneDnnDense, "torch": TorchDense},
     default=cpu_float32_else_torch,
-    needs={"cpu": ("cpu", torch.float32)},
+    needs={"cpu": ("cpu", torch.float32), "onednn": ("cpu", torch.float32)},
 )
 
 
 def get_dense_backend(
     device: torch.device | str, dtype: torch.dtype, name: str | None = None
 ) -> DenseBackend:
+    """`name`, else $PUNICA_X_DENSE_BACKEND, else the static default (no timing)."""
     return BACKENDS.get(device, dtype, name)
+
+
+def choose_dense(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    rows: tuple[int, ...] = PROJECTION_ROWS,
+    name: str | None = None,
+) -> DenseBackend:
+    """The backend for an [n, k] weight: `name`, else $PUNICA_X_DENSE_BACKEND, else (float32
+    on CPU, timing enabled) the fastest over x of `rows` rows, else the static default."""
+    device = torch.device(device)
+    name = name or DENSE_BACKEND.get() or None
+    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+        return BACKENDS.get(device, dtype, name)
+    candidates = {c: _timing(c, n, k, rows) for c in _cpu_candidates()}
+    tuned = autotune.choose("dense", f"{n}x{k} rows={','.join(map(str, rows))}", candidates)
+    return BACKENDS.get(device, dtype, tuned.name)
+
+
+def _cpu_candidates() -> tuple[str, ...]:
+    names = ("cpu", "onednn", "torch") if isa_mod.tuned() else ("onednn", "torch")
+    return tuple(c for c in names if c != "onednn" or torch.backends.mkldnn.is_available())
+
+
+def _timing(name: str, n: int, k: int, rows: tuple[int, ...]) -> autotune.Candidate:
+    def setup():
+        backend = BACKENDS.get("cpu", torch.float32, name)
+        prepared = backend.prepare(torch.randn(n, k) * k**-0.5)
+        xs = [torch.randn(m, k) for m in rows]
+        return lambda: [backend.forward(x, prepared, n, None) for x in xs]
+
+    return setup

@@ -3,6 +3,8 @@
 Two implementations with one interface: ``cpu`` (csrc/layers, float32 on CPU: one pass and
 one call per layer instead of 5-16 PyTorch ops, which also keeps the engine thread off the
 GIL) and ``torch`` (the reference, any device and dtype). Shapes: rows are tokens [T, ...].
+choose_fused: a named backend, else $PUNICA_X_FUSED_BACKEND, else on CPU float32 the faster
+on the model's shapes by a timing at first load (punica_x.ops.autotune), else torch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import torch
 from torch.nn import functional as F
 
 from punica_x.env import FUSED_BACKEND
+from punica_x.ops import autotune
+from punica_x.ops import isa as isa_mod
 from punica_x.ops.registry import Registry, cpu_float32_else_torch
+
+TIMING_ROWS = 32  # a decode step of 32 requests
 
 
 class TorchFused:
@@ -47,10 +53,10 @@ class TorchFused:
 class CpuFused:
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, isa: str | None = None) -> None:
         from punica_x.ops._build import load_extension
 
-        self.ext = load_extension("layers_cpu")
+        self.ext = load_extension("layers_cpu", isa)
 
     def rms_norm(self, x, w, eps):
         return self.ext.rms_norm(x, w, eps)
@@ -77,3 +83,38 @@ BACKENDS: Registry = Registry(
 def get_fused_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None):
     """`name`, else $PUNICA_X_FUSED_BACKEND, else cpu for float32 on CPU and torch otherwise."""
     return BACKENDS.get(device, dtype, name)
+
+
+def choose_fused(device: torch.device | str, dtype: torch.dtype, dims, name: str | None = None):
+    """`name`, else $PUNICA_X_FUSED_BACKEND, else the faster of cpu/torch on one decoder
+    layer's element-wise work for `dims` (a LlamaDims), timed at first load and cached."""
+    device = torch.device(device)
+    name = name or FUSED_BACKEND.get() or None
+    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+        return BACKENDS.get(device, dtype, name)
+    names = ("cpu", "torch") if isa_mod.tuned() else ("torch",)
+    h, i = dims.hidden_size, dims.intermediate_size
+    key = f"hidden={h} inter={i} heads={dims.num_heads}x{dims.head_dim} rows={TIMING_ROWS}"
+    tuned = autotune.choose("fused", key, {n: _timing(n, dims) for n in names})
+    return BACKENDS.get(device, dtype, tuned.name)
+
+
+def _timing(name: str, dims) -> autotune.Candidate:
+    def setup():
+        f = BACKENDS.get("cpu", torch.float32, name)
+        t, h, hd = TIMING_ROWS, dims.hidden_size, dims.head_dim
+        x, res, w = torch.randn(t, h), torch.randn(t, h), torch.ones(h)
+        gate_up = torch.randn(t, 2 * dims.intermediate_size)
+        q = torch.randn(t, dims.num_heads * hd)
+        positions = torch.arange(t)
+        cos, sin = torch.randn(t, hd), torch.randn(t, hd)
+
+        def run():
+            f.rms_norm(x, w, 1e-5)
+            f.add_rms_norm(x, res, w, 1e-5)
+            f.silu_and_mul(gate_up)
+            f.rope_(q, dims.num_heads, hd, positions, cos, sin)
+
+        return run
+
+    return setup

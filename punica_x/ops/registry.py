@@ -17,8 +17,12 @@ Rule = Callable[[torch.device, "torch.dtype | None"], str]
 
 
 def cpu_float32_else_torch(device: torch.device, dtype: torch.dtype | None) -> str:
-    """Default rule of the CPU kernels that only take float32: "cpu" there, else "torch"."""
-    return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    """Static default of the float32-only CPU kernels: "cpu" for float32 on a CPU they are
+    tuned for (x86 AVX2 / AVX-512), else "torch". Timing at first load (autotune) refines it."""
+    from punica_x.ops import isa
+
+    cpu32 = device.type == "cpu" and dtype == torch.float32
+    return "cpu" if cpu32 and isa.tuned() else "torch"
 
 
 class Registry(Generic[T]):

@@ -31,7 +31,8 @@ from typing import Protocol
 import torch
 
 from punica_x.env import SGMV_BACKEND
-from punica_x.ops import _ref
+from punica_x.ops import _ref, autotune
+from punica_x.ops import isa as isa_mod
 from punica_x.ops.registry import Registry
 
 
@@ -178,10 +179,15 @@ class TorchRefBackend:
         _ref.expand(y, v, w, layer)
 
 
-def _compiled(name: str, with_cuda: bool) -> SgmvBackend:
-    from punica_x.ops._build import load_sgmv_extension
+def _compiled(name: str, with_cuda: bool, isa: str | None = None) -> SgmvBackend:
+    from punica_x.ops._build import load_extension
 
-    return CompiledBackend(name, load_sgmv_extension(with_cuda))
+    return CompiledBackend(name, load_extension("sgmv_cuda" if with_cuda else "sgmv_cpu", isa))
+
+
+def cpu_backend(isa: str | None = None) -> SgmvBackend:
+    """The compiled CPU kernels built for `isa` (None: $PUNICA_X_CPU_ISA / native)."""
+    return _compiled("cpu", with_cuda=False, isa=isa)
 
 
 BACKENDS: Registry[SgmvBackend] = Registry(
@@ -192,7 +198,9 @@ BACKENDS: Registry[SgmvBackend] = Registry(
         "cuda": lambda: _compiled("cuda", with_cuda=True),
         "torch_ref": TorchRefBackend,
     },
-    default=lambda device, dtype: "cuda" if device.type == "cuda" else "cpu",
+    default=lambda device, dtype: (
+        "cuda" if device.type == "cuda" else "cpu" if isa_mod.tuned() else "torch_ref"
+    ),
     needs={"cpu": ("cpu", None), "cuda": ("cuda", None)},
 )
 
@@ -257,3 +265,45 @@ def add_lora_sgmv(
         workspace = torch.zeros(x.shape[0], w.max_rank, dtype=torch.float32, device=x.device)
     (backend or get_backend(x.device)).add_lora(y, x, workspace, w, layer)
     return y
+
+
+TIMING_ROWS, TIMING_RANK = 32, 16
+
+
+def choose_sgmv(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    lora_shapes: dict[str, tuple[int, int]],
+    name: str | None = None,
+) -> SgmvBackend:
+    """`name`, else $PUNICA_X_SGMV_BACKEND, else: cuda on CUDA; on CPU (float32, timing
+    enabled) the faster of cpu/torch_ref on the model's widest projection at rank 16, with
+    32 rows of 32 adapters and 32 rows of one adapter, timed at first load and cached."""
+    device = torch.device(device)
+    name = name or SGMV_BACKEND.get() or None
+    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+        return get_backend(device, name)
+    h_in, h_out = max(lora_shapes.values(), key=lambda s: s[0] * s[1])
+    names = ("cpu", "torch_ref") if isa_mod.tuned() else ("torch_ref",)
+    key = f"{h_in}x{h_out} rank={TIMING_RANK} rows={TIMING_ROWS}"
+    tuned = autotune.choose("sgmv", key, {n: _timing(n, h_in, h_out) for n in names})
+    return BACKENDS.get(device, None, tuned.name)
+
+
+def _timing(name: str, h_in: int, h_out: int) -> autotune.Candidate:
+    def setup():
+        backend = BACKENDS.get("cpu", None, name)
+        r, t = TIMING_RANK, TIMING_ROWS
+        a = [torch.randn(1, r, h_in) * 0.01 for _ in range(t)]
+        b = [torch.randn(1, r * h_out) * 0.01 for _ in range(t)]
+        distinct = SgmvWeights.build(list(range(t + 1)), a, b, [[r]] * t, [h_out], "cpu")
+        one = SgmvWeights.build([0, t], a[:1], b[:1], [[r]], [h_out], "cpu")
+        x, y, v = torch.randn(t, h_in), torch.zeros(t, h_out), torch.zeros(t, r)
+
+        def run():
+            backend.add_lora(y, x, v, distinct, 0)
+            backend.add_lora(y, x, v, one, 0)
+
+        return run
+
+    return setup

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import CPU_ISAS
 
 from punica_x.attention import get_attention_backend
 from punica_x.attention.cpu import CpuAttention
@@ -28,14 +29,15 @@ def dense_attention(q, k, v, first_pos, scale):
     return out, lse.t()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [*CPU_ISAS, "torch"])  # the compiled kernel per ISA, torch
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-def test_paged_attention_matches_dense(backend, block_size, heads):
+@pytest.mark.parametrize("d", [32, 64, 40])
+def test_paged_attention_matches_dense(backend, block_size, heads, d):
     seed = int.from_bytes(os.urandom(4), "little")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, nkv = heads
-    d, layers, num_blocks = 32, 2, 400
+    layers, num_blocks = 2, 400
     kv = torch.zeros(num_blocks, layers, 2, nkv, block_size, d)
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -59,7 +61,8 @@ def test_paged_attention_matches_dense(backend, block_size, heads):
         ks.append(k)
         vs.append(v)
         row += n
-    plan = get_attention_backend("cpu", backend).plan(spans, block_size, torch.device("cpu"))
+    impl = get_attention_backend("cpu", "torch") if backend == "torch" else CpuAttention(backend)
+    plan = impl.plan(spans, block_size, torch.device("cpu"))
     q = torch.randn(row, hq, d, generator=gen)
     new_k = torch.cat([k[sp.kv_len - sp.num_rows :] for k, sp in zip(ks, spans)])
     new_v = torch.cat([v[sp.kv_len - sp.num_rows :] for v, sp in zip(vs, spans)])

@@ -13,24 +13,28 @@ from punica_x.ops.dense import PackedCpuDense, TorchDense, get_dense_backend
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 32, 64, 130])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (100, 50), (1536, 576), (7, 1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_gemm_matches_torch(m, k, n, bias):
+def test_packed_gemm_matches_torch(m, k, n, bias, cpu_isa):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     w = torch.randn(n, k, generator=gen) * k**-0.5  # outputs O(1) whatever K
     x = torch.randn(m, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    cpu = get_dense_backend("cpu", torch.float32)
+    cpu = PackedCpuDense(cpu_isa)
     y = cpu.forward(x, cpu.prepare(w), n, b)
     ref = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_gemm_checks_inputs():
-    ext = get_dense_backend("cpu", torch.float32).ext
-    packed = ext.pack(torch.randn(96, 32))
+def test_packed_gemm_checks_inputs(cpu_isa):
+    ext = PackedCpuDense(cpu_isa).ext
+    assert ext.isa() == cpu_isa
+    panel = ext.panel()  # 48 columns on AVX-512, 24 on AVX2
+    packed = ext.pack(torch.randn(2 * panel, 32))
     with pytest.raises(RuntimeError, match="packed has K=32, x has 16"):
-        ext.gemm(torch.empty(4, 96), torch.randn(4, 16), packed, 96, None)
-    with pytest.raises(RuntimeError, match="packed has 2 panels, N=200 needs 5"):
+        ext.gemm(torch.empty(4, 2 * panel), torch.randn(4, 16), packed, 2 * panel, None)
+    need = -(-200 // panel)
+    with pytest.raises(RuntimeError, match=f"packed has 2 panels, N=200 needs {need}"):
         ext.gemm(torch.empty(4, 200), torch.randn(4, 32), packed, 200, None)
+    packed = ext.pack(torch.randn(96, 32))
     with pytest.raises(RuntimeError, match="y must be"):
         ext.gemm(torch.empty(3, 96), torch.randn(4, 32), packed, 96, None)
     with pytest.raises(RuntimeError, match="x must be a float32"):

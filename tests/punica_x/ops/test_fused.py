@@ -5,14 +5,14 @@ import os
 import pytest
 import torch
 
-from punica_x.ops.fused import CpuFused, TorchFused, get_fused_backend
+from punica_x.ops.fused import CpuFused, TorchFused
 
 REF = TorchFused()
 
 
-@pytest.fixture(scope="module")
-def cpu():
-    return get_fused_backend("cpu", torch.float32)
+@pytest.fixture
+def cpu(cpu_isa):
+    return CpuFused(cpu_isa)
 
 
 def gen():

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend, sgmv_expand, sgmv_shrink
-from punica_x.ops.sgmv import CompiledBackend
+from punica_x.ops.sgmv import CompiledBackend, cpu_backend
 from punica_x.workloads import POPULARITIES, assign_adapters, segment_lengths
 
 REF = get_backend("cpu", "torch_ref")
 
 
-def compiled():
-    return get_backend("cpu", "cpu")
+def compiled(isa: str | None = None):
+    return cpu_backend(isa)
 
 
 def make_weights(rng, seg_lens, slice_ranks, h_in, h_out, layers, device="cpu"):
@@ -54,7 +54,7 @@ def with_base_rows(lens, pyrng):
 @pytest.mark.parametrize("batch", [1, 7, 32, 64])
 @pytest.mark.parametrize("rank", [8, 16, 32, 64])
 @pytest.mark.parametrize("popularity", POPULARITIES)
-def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
+def test_sgmv_matches_reference(popularity, rank, batch, base_rows, cpu_isa):
     gen, seed = fresh_generator()
     pyrng = random.Random(seed)
     lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
@@ -74,13 +74,13 @@ def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
     layer = pyrng.randrange(layers)
 
     v_ref = sgmv_shrink(x, w, layer, backend=REF)
-    v_our = sgmv_shrink(x, w, layer, backend=compiled())
+    v_our = sgmv_shrink(x, w, layer, backend=compiled(cpu_isa))
     torch.testing.assert_close(
         v_our, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
     )
 
     y_ref = sgmv_expand(y0.clone(), v_ref, w, layer, backend=REF)
-    y_our = sgmv_expand(y0.clone(), v_ref, w, layer, backend=compiled())
+    y_our = sgmv_expand(y0.clone(), v_ref, w, layer, backend=compiled(cpu_isa))
     torch.testing.assert_close(
         y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
     )
@@ -94,7 +94,7 @@ def test_sgmv_matches_reference(popularity, rank, batch, base_rows):
     assert torch.equal(y_our[base], y0[base]), "rows without an adapter must be left untouched"
 
 
-def test_sgmv_several_slices_with_missing_modules():
+def test_sgmv_several_slices_with_missing_modules(cpu_isa):
     """q|k|v in one launch, adapters with different ranks and some slices not targeted."""
     gen, seed = fresh_generator()
     h_in, h_out = 576, [576, 192, 192]
@@ -105,13 +105,13 @@ def test_sgmv_several_slices_with_missing_modules():
     y = torch.randn(rows, sum(h_out), generator=gen)
     for layer in range(4):
         y_ref = add_lora_sgmv(y.clone(), x, w, layer, backend=REF)
-        y_our = add_lora_sgmv(y.clone(), x, w, layer, backend=compiled())
+        y_our = add_lora_sgmv(y.clone(), x, w, layer, backend=compiled(cpu_isa))
         torch.testing.assert_close(
             y_our, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}"
         )
 
 
-def test_sgmv_expand_into_strided_view():
+def test_sgmv_expand_into_strided_view(cpu_isa):
     """y may be a column slice of a wider tensor (a fused projection output)."""
     gen, _ = fresh_generator()
     w = make_weights(gen, [2, 3], [[16], [8]], 128, [64], layers=1)
@@ -119,19 +119,21 @@ def test_sgmv_expand_into_strided_view():
     wide = torch.randn(5, 200, generator=gen)
     ref = wide.clone()
     add_lora_sgmv(ref[:, 100:164], x, w, backend=REF)
-    add_lora_sgmv(wide[:, 100:164], x, w, backend=compiled())
+    add_lora_sgmv(wide[:, 100:164], x, w, backend=compiled(cpu_isa))
     torch.testing.assert_close(wide, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_sgmv_empty_batch_and_no_adapters():
+def test_sgmv_empty_batch_and_no_adapters(cpu_isa):
     w = SgmvWeights.build([0], [], [], [], [64], "cpu")
-    assert add_lora_sgmv(torch.zeros(0, 32), torch.zeros(0, 32), w, backend=compiled()).shape == (
+    assert add_lora_sgmv(
+        torch.zeros(0, 32), torch.zeros(0, 32), w, backend=compiled(cpu_isa)
+    ).shape == (
         0,
         32,
     )
     w = make_weights(torch.Generator(), [4], [None], 32, [64], layers=1)
     y = torch.ones(4, 64)
-    add_lora_sgmv(y, torch.randn(4, 32), w, backend=compiled())
+    add_lora_sgmv(y, torch.randn(4, 32), w, backend=compiled(cpu_isa))
     assert torch.equal(y, torch.ones(4, 64))
 
 
@@ -142,6 +144,10 @@ def test_compiled_kernel_is_the_one_running():
     assert isinstance(backend, CompiledBackend) and backend.name == "cpu"
     assert backend.module.__file__.endswith(".so")
     assert not backend.module.has_cuda()
+
+
+def test_each_isa_build_is_what_it_says(cpu_isa):
+    assert compiled(cpu_isa).module.isa() == cpu_isa
 
 
 def test_binding_checks_inputs():

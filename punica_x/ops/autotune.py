@@ -1,0 +1,152 @@
+"""First-load timing of interchangeable backends, cached per machine.
+
+A backend kind (dense, fused, attention, SGMV) with no backend named by the caller or its
+$PUNICA_X_*_BACKEND variable is chosen by timing every candidate that can run on the model's
+actual shapes: choose() runs each candidate's workload (one warm-up, then the median of
+`repeats` timed runs) and keeps the fastest. Choices and all timings are cached in
+<cache>/autotune/<fingerprint>.json, the fingerprint hashing the CPU model and flags, the
+kernels' ISA level, torch's version, the thread count and the kernel sources, so another
+machine, thread count or kernel version never reuses a stale choice. Every choice is logged
+(INFO, logger punica_x.autotune) with its timings; a candidate that fails to set up is
+logged (WARNING) and left out. $PUNICA_X_AUTOTUNE=0 turns timing off (static defaults).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from punica_x.env import AUTOTUNE, cache_dir
+from punica_x.ops import isa as isa_mod
+
+log = logging.getLogger("punica_x.autotune")
+
+# A candidate: setup() -> run(); setup may build/pack (untimed), run() is the timed workload.
+Candidate = Callable[[], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class Tuned:
+    name: str
+    timings_ms: dict[str, float]
+    cached: bool
+
+
+def enabled() -> bool:
+    return AUTOTUNE.get().strip().lower() not in ("0", "false", "no", "off")
+
+
+@cache
+def _sources_hash() -> str:
+    from punica_x.ops._build import CSRC_ROOT
+
+    h = hashlib.sha256()
+    for path in sorted(CSRC_ROOT.rglob("*")):
+        if path.is_file() and path.suffix in (".h", ".cpp", ".cu"):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def fingerprint() -> str:
+    parts = (
+        isa_mod.cpu_model(),
+        " ".join(sorted(isa_mod.cpu_flags())),
+        isa_mod.resolve(),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        _sources_hash(),
+    )
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _path() -> Path:
+    return cache_dir("autotune") / f"{fingerprint()}.json"
+
+
+_memory: dict[str, dict] = {}
+
+
+def _lookup(key: str) -> dict | None:
+    path = _path()
+    entry = _memory.get(f"{path}:{key}")
+    if entry is None and path.exists():
+        try:
+            entry = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            entry = None
+    return entry
+
+
+def _store(key: str, entry: dict) -> None:
+    path = _path()
+    _memory[f"{path}:{key}"] = entry
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            data = {}
+        data[key] = entry
+        data.setdefault("_about", _about())
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+
+def _about() -> dict:
+    return {
+        "cpu": isa_mod.cpu_model(),
+        "isa": isa_mod.resolve(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def time_candidate(run: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of run() after one untimed warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def choose(kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 5) -> Tuned:
+    """The fastest candidate for (kind, key), from the cache or timed now."""
+    full = f"{kind}:{key}"
+    entry = _lookup(full)
+    if entry is not None and entry.get("name") in candidates:
+        return Tuned(entry["name"], entry["timings_ms"], cached=True)
+    timings: dict[str, float] = {}
+    for name, setup in candidates.items():
+        try:
+            run = setup()
+        except Exception as exc:  # a backend this machine cannot run is left out, loudly
+            log.warning("%s %s: candidate %s cannot run here: %s", kind, key, name, exc)
+            continue
+        timings[name] = round(time_candidate(run, repeats), 4)
+    if not timings:
+        raise RuntimeError(f"{kind} {key}: no candidate backend could run")
+    best = min(timings, key=timings.__getitem__)
+    _store(full, {"name": best, "timings_ms": timings})
+    log.info(
+        "%s %s: %s (%s)",
+        kind,
+        key,
+        best,
+        ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(timings.items(), key=lambda kv: kv[1])),
+    )
+    return Tuned(best, timings, cached=False)

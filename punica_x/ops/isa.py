@@ -1,0 +1,93 @@
+"""Which instruction set the CPU kernels are compiled for ($PUNICA_X_CPU_ISA).
+
+Levels (x86-64 micro-architecture levels, as GCC names them):
+* ``avx512``: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL): 16-float vectors, 32 registers
+* ``avx2``:   x86-64-v3 (AVX2, FMA, BMI1/2, F16C, MOVBE): 8-float vectors, 16 registers
+* ``generic``: any other CPU (ARM, older x86): built with -march/-mcpu=native on request, but
+  the PyTorch paths are the default there (the kernels are tuned for the two levels above)
+``native`` (the default) is the best level this CPU runs, so an AVX-512 machine's native and
+avx512 builds are one build. A level this CPU cannot run is refused before anything loads.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import cache
+from pathlib import Path
+
+from punica_x.env import CPU_ISA
+
+LEVELS = ("avx512", "avx2", "generic")
+CHOICES = ("native", "avx512", "avx2")
+_REQUIRED = {
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"},
+    "avx2": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
+}
+_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
+
+
+@cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) from /proc/cpuinfo (x86 `flags`, ARM `Features`)."""
+    model, flags = "", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and not model:
+                model = value
+            elif key in ("flags", "Features") and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0]
+
+
+def cpu_flags() -> frozenset[str]:
+    return _cpuinfo()[1]
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels this CPU can run, best first (always ends with generic)."""
+    flags = cpu_flags()
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return tuple(lvl for lvl in LEVELS if lvl == "generic" or (x86 and _REQUIRED[lvl] <= flags))
+
+
+def native() -> str:
+    return runnable_levels()[0]
+
+
+def resolve(isa: str | None = None) -> str:
+    """`isa`, else $PUNICA_X_CPU_ISA, else native -> a concrete level."""
+    choice = (isa or CPU_ISA.get() or "native").strip().lower()
+    if choice not in (*CHOICES, "generic"):
+        raise ValueError(f"PUNICA_X_CPU_ISA must be one of {CHOICES}, got {choice!r}")
+    return native() if choice == "native" else choice
+
+
+def check_runnable(isa: str) -> None:
+    if isa not in runnable_levels():
+        from punica_x.ops._build import KernelBuildError
+
+        missing = sorted(_REQUIRED.get(isa, set()) - cpu_flags())
+        raise KernelBuildError(
+            f"PUNICA_X_CPU_ISA={isa}: this CPU ({cpu_model()}) cannot run it "
+            f"(lacks {', '.join(missing) or 'x86-64'}); it runs {', '.join(runnable_levels())}"
+        )
+
+
+def cflags(isa: str) -> list[str]:
+    """Compiler flags of a level; -mtune=native only schedules instructions for this CPU."""
+    if isa in _MARCH:
+        flags = [f"-march={_MARCH[isa]}", "-mtune=native"]
+        return flags + (["-mprefer-vector-width=512"] if isa == "avx512" else [])
+    return ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else ["-march=native"]
+
+
+def tuned() -> bool:
+    """Whether the hand-written CPU kernels are tuned for the native level (x86 AVX2/AVX-512)."""
+    return resolve() in _MARCH
