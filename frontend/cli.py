@@ -1,5 +1,7 @@
-"""`punica-x` command line: `serve` runs the HTTP server; `admin tenant ...` talks to it.
+"""`punica-x` command line: `serve` runs the HTTP server; `admin tenant ...` talks to it;
+`prepare` builds the kernels and converts the default model ahead of the first start.
 
+    punica-x prepare [--isa native|avx2|avx512] [--all-isas] [--no-model]
     punica-x serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]
     punica-x admin tenant list
@@ -128,10 +130,16 @@ def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prepare"]:
+        from punica_x.prepare import main as prepare
+
+        return prepare(argv[1:])
     parser = argparse.ArgumentParser(
         prog="punica-x", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("prepare", help="build the kernels and convert the model (punica-x prepare -h)")
     s = sub.add_parser("serve", help="run the HTTP server (REST, OpenAI API, web chat)")
     s.add_argument(
         "--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)"

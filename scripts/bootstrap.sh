@@ -31,3 +31,5 @@ if not torch.cuda.is_available():
     assert torch.version.cuda is None, f"a CUDA build of torch ({torch.__version__}) landed on a CPU machine"
 print(f"bootstrap: torch {torch.__version__} ready")
 PY
+# Kernels and the default model are prepared here, not on a request path (a line per kernel).
+"$VENV/bin/python" -m punica_x.prepare

@@ -89,11 +89,16 @@ constexpr std::array<ExpandFn, sizeof...(N)> expand_row(std::integer_sequence<in
   return {&expand_tile<MB, N + 1>...};
 }
 
+// Multi-row tiles are MB rows x JB (shrink) or NB (expand) vectors: 4 x 4 of AVX-512's 32
+// registers, 6 x 2 of AVX2's 16 (12 accumulators; 4 x 2 measured ~1.5x slower there).
 constexpr bool kWide = kVecRegs >= 32;
-constexpr int kShrinkMaxJB = 8;               // one-row tiles: 8 accumulators
-constexpr int kShrinkJB = kWide ? 4 : 2;      // multi-row tiles: 4 x JB accumulators
-constexpr int kMB = 4;
-constexpr int kExpandNarrowNB = kWide ? 4 : 2;  // multi-row tiles: 4 x NB accumulators
+#ifndef PUNICA_X_SGMV_MB
+#define PUNICA_X_SGMV_MB (kWide ? 4 : 6)
+#endif
+constexpr int kMB = PUNICA_X_SGMV_MB;
+constexpr int kShrinkMaxJB = 8;                 // one-row tiles: 8 accumulators
+constexpr int kShrinkJB = kWide ? 4 : 2;        // multi-row tiles: MB x JB accumulators
+constexpr int kExpandNarrowNB = kWide ? 4 : 2;  // multi-row tiles: MB x NB accumulators
 constexpr int kExpandWideNB = kWide ? 16 : 12;  // one-row tiles: 1 x NB (B read from memory)
 // accumulators + the loaded weight vectors + one input vector must fit the registers
 static_assert(kMB * kShrinkJB + kShrinkJB + 1 <= kVecRegs, "shrink tile spills");
@@ -101,19 +106,28 @@ static_assert(kShrinkMaxJB + 1 <= kVecRegs, "one-row shrink tile spills");  // A
 static_assert(kMB * kExpandNarrowNB + kExpandNarrowNB + 1 <= kVecRegs, "expand tile spills");
 static_assert(kExpandWideNB + 1 <= kVecRegs, "one-row expand tile spills");
 
-ShrinkFn shrink_kernel(int mb, int jb) {
+template <int... M>
+constexpr auto shrink_table(std::integer_sequence<int, M...>) {
   using Seq = std::make_integer_sequence<int, kShrinkMaxJB>;
-  static const std::array<std::array<ShrinkFn, kShrinkMaxJB>, kMB> table = {
-      shrink_row<1>(Seq{}), shrink_row<2>(Seq{}), shrink_row<3>(Seq{}), shrink_row<4>(Seq{})};
+  return std::array<std::array<ShrinkFn, kShrinkMaxJB>, sizeof...(M)>{shrink_row<M + 1>(Seq{})...};
+}
+
+template <int... M>
+constexpr auto expand_table(std::integer_sequence<int, M...>) {
+  using Seq = std::make_integer_sequence<int, kExpandNarrowNB>;
+  return std::array<std::array<ExpandFn, kExpandNarrowNB>, sizeof...(M)>{
+      expand_row<M + 1>(Seq{})...};
+}
+
+ShrinkFn shrink_kernel(int mb, int jb) {
+  static const auto table = shrink_table(std::make_integer_sequence<int, kMB>{});
   return table[mb - 1][jb - 1];
 }
 
 ExpandFn expand_kernel(int mb, int nb) {
   static const std::array<ExpandFn, kExpandWideNB> wide =
       expand_row<1>(std::make_integer_sequence<int, kExpandWideNB>{});
-  using Seq = std::make_integer_sequence<int, kExpandNarrowNB>;
-  static const std::array<std::array<ExpandFn, kExpandNarrowNB>, kMB> narrow = {
-      expand_row<1>(Seq{}), expand_row<2>(Seq{}), expand_row<3>(Seq{}), expand_row<4>(Seq{})};
+  static const auto narrow = expand_table(std::make_integer_sequence<int, kMB>{});
   return mb == 1 ? wide[nb - 1] : narrow[mb - 1][nb - 1];
 }
 

@@ -73,7 +73,7 @@ def build_key(kind: str, isa: str) -> str:
     for part in (
         torch.__version__,
         str(Path(torch.__file__).resolve().parent),
-        sys.executable,
+        str(Path(sys.prefix).resolve()),
         isa,
         " ".join(isa_mod.cflags(isa)),
         isa_mod.cpu_model(),

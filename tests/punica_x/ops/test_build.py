@@ -1,0 +1,114 @@
+"""Kernel builds: a build killed mid-way, or a stale lock file, never blocks a later start;
+build directories are keyed by ISA and environment; the ISA knob refuses what this CPU
+cannot run. The build runs through punica_x.ops._build with a tiny pybind11 extension (a few
+seconds to compile) in subprocesses, as separate starts would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from punica_x.ops import _build, isa
+
+TOY = """
+#include <pybind11/pybind11.h>
+int answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+
+LOADER = textwrap.dedent(
+    """
+    import logging, sys
+    from pathlib import Path
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    from punica_x.ops import _build
+    _build.CSRC_ROOT = Path(sys.argv[1])
+    _build.COMMON_HEADERS = ()
+    _build.EXTENSIONS = {"toy_cpu": (("toy.cpp",), ())}
+    print("ANSWER", _build.load_extension("toy_cpu").answer(), flush=True)
+    """
+)
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "toy.cpp").write_text(TOY)
+    monkeypatch.setenv("PUNICA_X_CACHE", str(tmp_path / "cache"))
+    return src
+
+
+def load_toy(src: Path, timeout: float = 240) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER, str(src)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ANSWER 42" in proc.stdout
+    return proc.stdout
+
+
+def build_dirs(src: Path) -> list[Path]:
+    root = Path(os.environ["PUNICA_X_CACHE"]) / "torch_extensions"
+    return [p for p in root.glob("punica_x_toy_cpu_*") if p.is_dir()]
+
+
+def test_stale_torch_lock_never_blocks_a_start(toy):
+    assert "building the toy_cpu kernels" in load_toy(toy)
+    (build_dir,) = build_dirs(toy)
+    (build_dir / "lock").write_text("")  # what a killed build leaves behind
+    out = load_toy(toy, timeout=120)  # torch alone would wait on this file forever
+    assert "left by a build that was interrupted" in out
+    assert "building the toy_cpu" not in out, "an intact build is reused, not rebuilt"
+
+
+def test_killing_a_start_mid_build_and_starting_again_works(toy):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOADER, str(toy)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any((d / "lock").exists() for d in build_dirs(toy)):  # the compiler is running
+        assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the start and its compiler die mid-build
+    proc.wait()
+    assert "ANSWER" not in proc.stdout.read().decode()
+    load_toy(toy)
+
+
+def test_build_directories_are_keyed_by_isa_and_environment():
+    key = _build.extension_name("dense_cpu", "avx2")
+    assert key.startswith("punica_x_dense_cpu_avx2_")
+    assert _build.extension_name("dense_cpu", "avx512") != key.replace("avx2", "avx512")
+    assert _build.build_key("dense_cpu", "avx2") != _build.build_key("dense_cpu", "avx512")
+
+
+def test_isa_knob(monkeypatch):
+    monkeypatch.setenv("PUNICA_X_CPU_ISA", "native")
+    assert isa.resolve() == isa.runnable_levels()[0]
+    monkeypatch.setenv("PUNICA_X_CPU_ISA", "avx2")
+    assert isa.resolve() == "avx2"
+    monkeypatch.setenv("PUNICA_X_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="PUNICA_X_CPU_ISA must be one of"):
+        isa.resolve()
+    assert isa.cflags("avx2")[0] == "-march=x86-64-v3"
+    assert isa.cflags("avx512")[0] == "-march=x86-64-v4"
+
+
+@pytest.mark.skipif("avx512" in isa.runnable_levels(), reason="this CPU runs AVX-512")
+def test_a_level_this_cpu_cannot_run_is_refused_before_loading():
+    with pytest.raises(_build.KernelBuildError, match="cannot run it .*lacks avx512"):
+        _build.load_extension("dense_cpu", "avx512")
