@@ -39,18 +39,20 @@ MKL_PACK_M = 32
 def backends(n: int, k: int) -> dict:
     """name -> run(x) for an [n, k] weight (prepared once)."""
     w = torch.randn(n, k) * k**-0.5
+
+    def prepared(backend):
+        p = backend.prepare(w)
+        return lambda x: backend.forward(x, p, n, None)
+
     out = {}
     for level in [lvl for lvl in isa.runnable_levels() if lvl != "generic"]:
-        b = PackedCpuDense(level)
-        out[f"cpu-{level}"] = lambda x, b=b, p=b.prepare(w): b.forward(x, p, n, None)
+        out[f"cpu-{level}"] = prepared(PackedCpuDense(level))
     if torch.backends.mkldnn.is_available():
-        b = OneDnnDense()
-        out["onednn"] = lambda x, b=b, p=b.prepare(w): b.forward(x, p, n, None)
+        out["onednn"] = prepared(OneDnnDense())
     if torch.backends.mkl.is_available():
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_M)
         out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, MKL_PACK_M)
-    t = TorchDense()
-    out["torch"] = lambda x, p=t.prepare(w): t.forward(x, p, n, None)
+    out["torch"] = prepared(TorchDense())
     out["F.linear"] = lambda x: torch.nn.functional.linear(x, w)
     return out
 
@@ -85,12 +87,12 @@ def main() -> None:
                 continue  # the head only sees sampled rows
             x = torch.randn(m, k)
             ref = fns["torch"](x)
-            for name, fn in fns.items():
+            for fn in fns.values():
                 torch.testing.assert_close(fn(x), ref, rtol=1e-3, atol=1e-3)
             samples: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    samples[name].append(timed(lambda fn=fn: fn(x), args.repeats))
+                    samples[name].append(timed(lambda fn=fn, x=x: fn(x), args.repeats))
             row = {"shape": shape, "N": n, "K": k, "M": m}
             flops = 2 * m * n * k
             for name, s in samples.items():
@@ -121,7 +123,6 @@ def plot(rows, names) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from harness import machine
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
