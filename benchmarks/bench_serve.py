@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 from bench_generate import make_adapters, make_prompts
-from harness import print_table, save_plot, write_json
+from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
 from punica_x.workloads import assign_adapters
@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="alternating offline/server rounds")
     args = ap.parse_args()
+    print(describe_machine(), flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     llm = LLM()

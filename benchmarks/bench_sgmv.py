@@ -16,7 +16,7 @@ import argparse
 import random
 
 import torch
-from harness import copy_bandwidth, measure, print_table, save_plot, write_json
+from harness import copy_bandwidth, describe_machine, measure, print_table, save_plot, write_json
 
 from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
 from punica_x.workloads import assign_adapters, segment_lengths
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 on cpu (default), float16 on cuda")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe_machine(), flush=True)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "float16"))
     bandwidth = copy_bandwidth(device=device)

@@ -4,9 +4,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "../common/parallel.h"
@@ -30,11 +32,43 @@ inline float dot(const float* a, const float* b, int d) {
   return s;
 }
 
-// a[0:d] = a * c + w * v
-inline void scale_add(float* a, float c, float w, const float* v, int d) {
+// a[0:d] = a * c + sum_k w[k] * v[k * d : (k + 1) * d] over `keys` rows of v. The output row
+// is held in registers a chunk of up to kChunk vectors at a time while every key's row is
+// added (one load and store of `a` per chunk, not per key).
+constexpr int kChunk = kVecRegs / 2;
+
+template <int V>
+inline void weighted_rows_chunk(float* a, float c, const float* w, const float* v, int keys,
+                                int d) {
+  vf acc[V];
+  const vf cv = splat(c);
+  for (int j = 0; j < V; ++j) acc[j] = load(a + j * kLanes) * cv;
+  for (int k = 0; k < keys; ++k) {
+    const vf wk = splat(w[k]);
+    for (int j = 0; j < V; ++j) acc[j] += wk * load(v + int64_t(k) * d + j * kLanes);
+  }
+  for (int j = 0; j < V; ++j) store(a + j * kLanes, acc[j]);
+}
+
+template <int... V>
+constexpr auto chunk_table(std::integer_sequence<int, V...>) {
+  using Fn = void (*)(float*, float, const float*, const float*, int, int);
+  return std::array<Fn, sizeof...(V)>{&weighted_rows_chunk<V + 1>...};
+}
+
+inline void weighted_rows(float* a, float c, const float* w, const float* v, int keys, int d) {
+  static const auto table = chunk_table(std::make_integer_sequence<int, kChunk>{});
   int e = 0;
-  for (; e + kLanes <= d; e += kLanes) store(a + e, load(a + e) * c + load(v + e) * w);
-  for (; e < d; ++e) a[e] = a[e] * c + w * v[e];
+  while (e + kLanes <= d) {
+    const int vecs = std::min(kChunk, (d - e) / kLanes);
+    table[vecs - 1](a + e, c, w, v + e, keys, d);
+    e += vecs * kLanes;
+  }
+  for (; e < d; ++e) {  // head sizes that are not a multiple of the vector width
+    float x = a[e] * c;
+    for (int k = 0; k < keys; ++k) x += w[k] * v[int64_t(k) * d + e];
+    a[e] = x;
+  }
 }
 
 constexpr int kRowBlock = 4;
@@ -97,13 +131,17 @@ void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout&
       const float new_m = std::max(m[i], block_max);
       const float c = std::exp(m[i] - new_m);
       float sum = 0.f;
-      for (int k = 0; k < visible; ++k) {
+      int k = 0;
+      for (; k + kLanes <= visible; k += kLanes) {
+        const vf e = simd::exp(load(sc + k) - splat(new_m));
+        store(sc + k, e);
+        sum += hsum(e);
+      }
+      for (; k < visible; ++k) {
         sc[k] = std::exp(sc[k] - new_m);
         sum += sc[k];
       }
-      float* a = acc + i * d;
-      scale_add(a, c, sc[0], vb, d);
-      for (int k = 1; k < visible; ++k) scale_add(a, 1.f, sc[k], vb + k * d, d);
+      weighted_rows(acc + i * d, c, sc, vb, visible, d);
       l[i] = l[i] * c + sum;
       m[i] = new_m;
     }

@@ -50,6 +50,29 @@ inline vf splat(float s) {
 #endif
 }
 
+typedef int vi __attribute__((vector_size(kLanes * sizeof(int))));
+
+// exp(x) per lane: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), a degree-6
+// polynomial for exp(r) (Cephes expf), times 2^n built in the exponent bits. Within 2 ulp of
+// std::exp; inputs are clamped to [-87.3, 88.7], so exp of a very negative x is ~1e-38, not 0.
+inline vf exp(vf x) {
+  const vf lo = splat(-87.3f), hi = splat(88.7f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf shifter = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * splat(1.44269504f) + shifter) - shifter;
+  const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const vf y = p * r * r + r + splat(1.f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return y * reinterpret_cast<const vf&>(e);
+}
+
 // Tree reduction: halve the vector until 4 lanes are left (a chain of scalar adds costs
 // several times the latency).
 inline float hsum(vf v) {

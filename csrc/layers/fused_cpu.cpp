@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "../common/parallel.h"
+#include "../common/simd.h"
 #include "fused.h"
 
 namespace punica_x {
@@ -77,7 +78,12 @@ void silu_and_mul_cpu(float* out, const float* gate_up, int64_t rows, int inter)
     const float* g = gate_up + t * 2 * int64_t(inter);
     const float* u = g + inter;
     float* o = out + t * inter;
-    for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    int i = 0;
+    for (; i + simd::kLanes <= inter; i += simd::kLanes) {
+      const simd::vf gv = simd::load(g + i);
+      simd::store(o + i, gv / (simd::splat(1.f) + simd::exp(-gv)) * simd::load(u + i));
+    }
+    for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   });
 }
 

@@ -2,8 +2,9 @@
 
 A backend kind (dense, fused, attention, SGMV) with no backend named by the caller or its
 $PUNICA_X_*_BACKEND variable is chosen by timing every candidate that can run on the model's
-actual shapes: choose() runs each candidate's workload (one warm-up, then the median of
-`repeats` timed runs) and keeps the fastest. Choices and all timings are cached in
+actual shapes: choose() runs each candidate's workload once to warm up, then times them in
+turn, round-robin, `repeats` times (so a drift of the machine's speed hits all candidates
+alike) and keeps the one with the smallest median. Choices and all timings are cached in
 <cache>/autotune/<fingerprint>.json, the fingerprint hashing the CPU model and flags, the
 kernels' ISA level, torch's version, the thread count and the kernel sources, so another
 machine, thread count or kernel version never reuses a stale choice. Every choice is logged
@@ -34,6 +35,8 @@ log = logging.getLogger("punica_x.autotune")
 
 # A candidate: setup() -> run(); setup may build/pack (untimed), run() is the timed workload.
 Candidate = Callable[[], Callable[[], object]]
+# Bumped whenever the timing workloads change, so no choice timed the old way is reused.
+TIMING_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ def _sources_hash() -> str:
 
 def fingerprint() -> str:
     parts = (
+        TIMING_VERSION,
         isa_mod.cpu_model(),
         " ".join(sorted(isa_mod.cpu_flags())),
         isa_mod.resolve(),
@@ -113,33 +117,34 @@ def _about() -> dict:
     }
 
 
-def time_candidate(run: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of run() after one untimed warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def time_round_robin(runs: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each run(), after one untimed warm-up each, timed in turn."""
+    for run in runs.values():
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
 
 
-def choose(kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 5) -> Tuned:
+def choose(kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 7) -> Tuned:
     """The fastest candidate for (kind, key), from the cache or timed now."""
     full = f"{kind}:{key}"
     entry = _lookup(full)
     if entry is not None and entry.get("name") in candidates:
         return Tuned(entry["name"], entry["timings_ms"], cached=True)
-    timings: dict[str, float] = {}
+    runs: dict[str, Callable[[], object]] = {}
     for name, setup in candidates.items():
         try:
-            run = setup()
+            runs[name] = setup()
         except Exception as exc:  # a backend this machine cannot run is left out, loudly
             log.warning("%s %s: candidate %s cannot run here: %s", kind, key, name, exc)
-            continue
-        timings[name] = round(time_candidate(run, repeats), 4)
-    if not timings:
+    if not runs:
         raise RuntimeError(f"{kind} {key}: no candidate backend could run")
+    timings = time_round_robin(runs, repeats)
     best = min(timings, key=timings.__getitem__)
     _store(full, {"name": best, "timings_ms": timings})
     log.info(

@@ -28,6 +28,11 @@ from punica_x.ops.registry import Registry, cpu_float32_else_torch
 
 # Rows a projection sees: decode steps (8, 32 requests) and a prefill chunk (256 tokens).
 PROJECTION_ROWS = (8, 32, 256)
+# A model's weights stream from memory every step (they do not fit a CPU's caches), so the
+# timing cycles through copies of the weight adding up to more than a last-level cache:
+# timed on one hot weight, a backend that computes fast but streams slowly wins wrongly.
+COLD_BYTES = 96 << 20
+MAX_COPIES = 16
 # The LM head only sees the rows that are sampled: at most one per running request.
 HEAD_ROWS = (8, 32)
 
@@ -130,8 +135,9 @@ def _cpu_candidates() -> tuple[str, ...]:
 def _timing(name: str, n: int, k: int, rows: tuple[int, ...]) -> autotune.Candidate:
     def setup():
         backend = BACKENDS.get("cpu", torch.float32, name)
-        prepared = backend.prepare(torch.randn(n, k) * k**-0.5)
+        copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // (4 * n * k))))
+        weights = [backend.prepare(torch.randn(n, k) * k**-0.5) for _ in range(copies)]
         xs = [torch.randn(m, k) for m in rows]
-        return lambda: [backend.forward(x, prepared, n, None) for x in xs]
+        return lambda: [backend.forward(x, w, n, None) for w in weights for x in xs]
 
     return setup
