@@ -180,6 +180,11 @@ def main() -> None:
     )
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
     ap.add_argument("--peer-dtype", default="float32", help="the peer's dtype (ours: float32)")
+    ap.add_argument(
+        "--peer-bind",
+        default="all,auto",
+        help="vLLM thread binding(s): all (OpenMP on all --threads cores), auto (its default)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
@@ -223,12 +228,14 @@ def main() -> None:
             }
         )
 
-    peer = {}
+    peer: dict[str, dict[str, float]] = {}
     if args.peer == "vllm":
-        peer = run_vllm(args, llm, prompts, paths, names, tmp)
-        for row in rows:
-            row["vllm_tok_s"] = peer[row["workload"]]
-            row["x_vllm"] = row["ours_tok_s"] / row["vllm_tok_s"]
+        for bind in args.peer_bind.split(","):
+            peer[bind] = run_vllm(args, llm, prompts, paths, names, tmp, bind)
+            suffix = "" if bind == "all" else f"_{bind}"
+            for row in rows:
+                row[f"vllm{suffix}_tok_s"] = peer[bind][row["workload"]]
+                row[f"x_vllm{suffix}"] = row["ours_tok_s"] / row[f"vllm{suffix}_tok_s"]
 
     hf_workloads = [w for w in args.hf_workloads.split(",") if w]
     hf = HFBaselines(llm.engine.loaded.model_dir, paths)
@@ -259,6 +266,8 @@ def main() -> None:
             "x_hf_one_at_a_time",
             "vllm_tok_s",
             "x_vllm",
+            "vllm_auto_tok_s",
+            "x_vllm_auto",
             "step_ms",
             "lora_ms",
             "lora_floor_ms",
@@ -271,9 +280,10 @@ def main() -> None:
         "backbone_ratio": ours_backbone / hf_backbone,
         "backbone_step_ms": backbone_step * 1e3,
     }
-    if peer:
-        summary["vllm_backbone_tok_s"] = peer["backbone"]
-        summary["backbone_x_vllm"] = ours_backbone / peer["backbone"]
+    for bind, result in peer.items():
+        suffix = "" if bind == "all" else f"_{bind}"
+        summary[f"vllm{suffix}_backbone_tok_s"] = result["backbone"]
+        summary[f"backbone_x_vllm{suffix}"] = ours_backbone / result["backbone"]
         summary["vllm_dtype"] = args.peer_dtype
     by = {r["workload"]: r for r in rows}
     summary["identical_over_backbone_step"] = (
@@ -286,10 +296,12 @@ def main() -> None:
         f"\nbackbone: ours {ours_backbone:.1f} tok/s, HF {hf_backbone:.1f} tok/s -> "
         f"{summary['backbone_ratio']:.2f}x (target >= 1.5)"
     )
-    if peer:
+    for bind in peer:
+        suffix = "" if bind == "all" else f"_{bind}"
         print(
-            f"vLLM CPU ({args.peer_dtype}): distinct {by['distinct']['x_vllm']:.2f}x "
-            f"(target >= 3), backbone {summary['backbone_x_vllm']:.2f}x (target >= 1.5)"
+            f"vLLM CPU ({args.peer_dtype}, threads bound {bind}): distinct "
+            f"{by['distinct'][f'x_vllm{suffix}']:.2f}x (target >= 3), backbone "
+            f"{summary[f'backbone_x_vllm{suffix}']:.2f}x (target >= 1.5)"
         )
     if "x_hf_mixed" in by["distinct"]:
         print(
@@ -317,7 +329,7 @@ def main() -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
-def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path) -> dict[str, float]:
+def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dict[str, float]:
     """tok/s of vLLM CPU on the same prompts and adapters: one engine with LoRA for the
     workloads, one without for the backbone (each in its own process)."""
     import peer_vllm
@@ -349,7 +361,7 @@ def plot(rows, summary) -> None:
     labels = [r["workload"] for r in rows] + ["backbone"]
     series = {
         "punica-x": [r["ours_tok_s"] for r in rows] + [summary["ours_backbone_tok_s"]],
-        "vLLM CPU": [r.get("vllm_tok_s", 0) for r in rows]
+        "vLLM CPU (all cores)": [r.get("vllm_tok_s", 0) for r in rows]
         + [summary.get("vllm_backbone_tok_s", 0)],
         "HF+PEFT mixed batch": [r.get("hf_mixed_tok_s", 0) for r in rows]
         + [summary["hf_backbone_tok_s"]],

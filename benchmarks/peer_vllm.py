@@ -77,19 +77,20 @@ def preload(venv: Path) -> str:
     return f"{tcmalloc}:{iomp}"
 
 
-def run(job: dict, threads: int, timeout: float = 3600) -> dict:
-    """Run one job in the peer venv; returns the worker's results."""
+def run(job: dict, threads: int, bind: str = "all", timeout: float = 3600) -> dict:
+    """Run one job in the peer venv; returns the worker's results. bind "all": vLLM's OpenMP
+    threads on cores 0..threads-1; "auto": vLLM's default (VLLM_CPU_OMP_THREADS_BIND=auto,
+    which keeps a core for its frontend process: on 2 cores, one compute thread)."""
     python = ensure_venv()
     venv = python.parent.parent
-    out = Path(job["out_dir"]) / f"vllm-{job['name']}.json"
+    out = Path(job["out_dir"]) / f"vllm-{job['name']}-{bind}.json"
     job_file = out.with_suffix(".job.json")
     job_file.write_text(json.dumps(job))
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
         "LD_PRELOAD": preload(venv),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if bind == "all" else "auto",
         "VLLM_CPU_KVCACHE_SPACE": "2",
-        "OMP_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONPATH": "",

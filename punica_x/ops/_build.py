@@ -152,8 +152,11 @@ def _build(kind: str, isa: str, names, with_cuda: bool) -> ModuleType:
     sources = [CSRC_ROOT / n for n in names]
     name = extension_name(kind, isa)
     build_dir = cache_dir("torch_extensions", name)
-    cflags = ["-O3", *isa_mod.cflags(isa), "-fopenmp"]
-    cuda_flags = ["-O3"]
+    # Hidden visibility (pybind11's advice): every ISA build defines the same punica_x::
+    # functions, and a process that loads two builds (tests do) must never bind one build's
+    # calls to the other's definitions; only PyInit_* is exported.
+    cflags = ["-O3", *isa_mod.cflags(isa), "-fopenmp", "-fvisibility=hidden"]
+    cuda_flags = ["-O3", "-Xcompiler", "-fvisibility=hidden"]
     if with_cuda:
         cflags.append("-DPUNICA_X_WITH_CUDA")
         cuda_flags += ["-DPUNICA_X_WITH_CUDA"]

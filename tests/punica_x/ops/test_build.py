@@ -112,3 +112,21 @@ def test_isa_knob(monkeypatch):
 def test_a_level_this_cpu_cannot_run_is_refused_before_loading():
     with pytest.raises(_build.KernelBuildError, match="cannot run it .*lacks avx512"):
         _build.load_extension("dense_cpu", "avx512")
+
+
+def test_extensions_export_only_their_module_init():
+    """Each ISA build defines the same punica_x:: functions with ISA-specific layouts (an AVX2
+    dense panel is 24 columns, an AVX-512 one 48); a process that loads both (tests do) must
+    never bind one build's calls to the other's definitions."""
+    import shutil
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm is not installed")
+    module = _build.load_extension("dense_cpu")
+    symbols = subprocess.run(
+        [nm, "-D", "-C", "--defined-only", module.__file__], capture_output=True, text=True
+    ).stdout
+    exported = [line for line in symbols.splitlines() if "punica_x::" in line]
+    assert not exported, exported[:5]
+    assert "PyInit_" in symbols
