@@ -24,6 +24,7 @@ from frontend.auth import Authenticator, ensure_admin_token
 from frontend.config import ServerConfig
 from frontend.errors import ApiError
 from frontend.manager import Caller, FrontendManager
+from frontend.recovery import recover
 from frontend.store import Store
 from frontend.uploads import read_upload
 from frontend.ws_chat import ws_chat
@@ -39,6 +40,7 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.store = Store(config.data_dir)
+        recover(self.store)  # before anything is served: finish or undo what a kill cut short
         token, self.admin_token_path, self.admin_token_created = ensure_admin_token(config.data_dir)
         self.auth = Authenticator(self.store, token)
         self.manager: FrontendManager | None = None

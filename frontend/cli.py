@@ -31,6 +31,7 @@ def serve(args) -> int:
 
     from frontend.app import create_app
     from frontend.config import Limits, ServerConfig
+    from frontend.store import StoreError
     from punica_x.config import EngineConfig, ModelConfig
 
     logging.basicConfig(
@@ -50,7 +51,11 @@ def serve(args) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, data_dir=Path(args.data_dir), engine=engine, limits=limits
     )
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except StoreError as exc:
+        print(f"punica-x: cannot start: {exc}", file=sys.stderr)
+        return 1
     state = app.state.server
     url = f"http://{args.host}:{args.port}/"
     print(f"punica-x: web chat at {url}", flush=True)

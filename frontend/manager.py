@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ import torch
 
 from frontend.auth import hash_key, new_api_key
 from frontend.config import ServerConfig
+from frontend.durable import StorageFull
 from frontend.errors import ApiError, bad_request, not_found
 from frontend.limits import Admission
 from frontend.metrics import Metrics
@@ -34,6 +34,15 @@ from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)
 
+# AdapterError codes that mean the stored files are not what the row committed.
+UNTRUSTED_FILES = (
+    "sha256_mismatch",
+    "not_found",
+    "missing_file",
+    "bad_config",
+    "bad_weights",
+    "non_finite",
+)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -56,19 +65,48 @@ class FrontendManager:
         self.metrics = Metrics(scheduler.stats)
         self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
         self._versions: dict[int, int] = {}  # store adapter id -> runner version
+        self._locks: dict[str, asyncio.Lock] = {}  # adapter key -> its uploads/deletes
 
     # -- start-up -----------------------------------------------------------------------------
     async def restore_adapters(self) -> None:
-        """Register the stored adapters with the runners (after a restart)."""
+        """Register the stored live adapters with the runners (after a restart). Files that
+        are missing or do not match the row's sha256 are never served: the row becomes
+        `broken` and the files are quarantined, each with an error line."""
         for record in self.store.adapters():
+            key = _key(record.tenant_id, record.name)
             try:
-                info = await self.scheduler.register_adapter(
-                    _key(record.tenant_id, record.name), record.path
-                )
+                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
                 self._versions[record.id] = info.version
+            except AdapterError as exc:
+                if exc.code in UNTRUSTED_FILES:
+                    self.store.set_state(record, "broken")
+                    moved = (
+                        self.store.quarantine(record.path, str(exc))
+                        if record.path.exists()
+                        else None
+                    )
+                    log.error(
+                        "stored adapter %r v%d (tenant %d) is not served (%s): %s; files "
+                        "quarantined at %s",
+                        record.name,
+                        record.version,
+                        record.tenant_id,
+                        exc.code,
+                        exc,
+                        moved,
+                    )
+                else:
+                    log.error(
+                        "stored adapter %r v%d (tenant %d) is not served (%s): %s",
+                        record.name,
+                        record.version,
+                        record.tenant_id,
+                        exc.code,
+                        exc,
+                    )
             except Exception as exc:  # one broken adapter must not keep the server from starting
                 log.error(
-                    "stored adapter %s (tenant %d) is unusable: %s",
+                    "stored adapter %r (tenant %d) is unusable: %s",
                     record.name,
                     record.tenant_id,
                     exc,
@@ -105,6 +143,11 @@ class FrontendManager:
     async def upload_adapter(
         self, caller: Caller, name: str, files: dict[str, bytes]
     ) -> AdapterRecord:
+        """Store and serve a new version of `name`. Write order (see store.py): staged files
+        (fsynced) -> a `pending` row reserving the version -> rename into the version's own
+        directory -> the runners load it, checking the sha256 -> the row committed `live`
+        (older versions `deleted` in the same transaction). A kill anywhere leaves nothing
+        that is served without a commit; recovery.py cleans the rest at start."""
         if not NAME.match(name) or name == self.model_id:
             raise bad_request(
                 "invalid_name",
@@ -112,46 +155,84 @@ class FrontendManager:
                 "name",
             )
         tenant = caller.tenant
-        staging = self.store.staging_dir / uuid.uuid4().hex
-        staging.mkdir()
-        try:
-            for file_name in (CONFIG, WEIGHTS):
-                (staging / file_name).write_bytes(files[file_name])
-            info = self.scheduler.info
-            # Every runner check, before anything reaches a runner (and off the event loop).
-            await asyncio.to_thread(
-                load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
-            )
-            version = self.store.next_version(tenant.id, name)
-            final = self.store.adapter_dir / str(tenant.id) / name / f"v{version}"
-            final.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(staging, final)
-        except AdapterError as exc:
-            raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         key = _key(tenant.id, name)
-        try:
-            runner_info = await self.scheduler.register_adapter(key, final)
-        except AdapterError as exc:
-            shutil.rmtree(final, ignore_errors=True)
-            raise ApiError(400, exc.code, str(exc)) from None
-        size = sum(p.stat().st_size for p in final.iterdir())
-        record = self.store.add_adapter(
-            tenant.id,
-            name,
-            version,
-            runner_info.rank,
-            runner_info.target_modules,
-            runner_info.sha256,
-            size,
-            final,
-        )
+        async with self._lock(key):
+            staging = await _storage(asyncio.to_thread(self.store.stage, files))
+            try:
+                info = self.scheduler.info
+                # Every runner check, before anything reaches a runner (and off the event loop).
+                parsed = await asyncio.to_thread(
+                    load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
+                )
+                size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))
+                pending = await _storage(
+                    asyncio.to_thread(
+                        self.store.reserve_adapter,
+                        tenant.id,
+                        name,
+                        parsed.rank,
+                        parsed.target_modules,
+                        parsed.sha256,
+                        size,
+                    )
+                )
+                try:
+                    await _storage(asyncio.to_thread(self.store.install, staging, pending))
+                except BaseException:
+                    await asyncio.to_thread(self._abort, pending)
+                    raise
+            except AdapterError as exc:
+                raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
+            finally:
+                await asyncio.to_thread(self.store.remove_files, staging)
+            previous = self.store.current_adapter(tenant.id, name)
+            try:
+                runner_info = await self.scheduler.register_adapter(
+                    key, pending.path, pending.sha256
+                )
+            except BaseException as exc:
+                await asyncio.to_thread(self._abort, pending)
+                if isinstance(exc, AdapterError):
+                    raise ApiError(400, exc.code, str(exc)) from None
+                raise
+            try:
+                record, replaced = await _storage(
+                    asyncio.to_thread(self.store.commit_adapter, pending)
+                )
+            except BaseException:
+                # The runners serve the new files, but the store could not commit them: put
+                # the runners back on what the store says, and undo the reservation.
+                await self._serve(key, previous)
+                await asyncio.to_thread(self._abort, pending)
+                raise
         self._versions[record.id] = runner_info.version
-        for old in self.store.older_versions(tenant.id, name, version):
-            self.store.mark_deleted(old)
+        for old in replaced:
             self._retire(old)
         return record
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        """Uploads and deletes of one adapter name run one at a time, so the runners and the
+        store agree on which version is current."""
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    def _abort(self, pending: AdapterRecord) -> None:
+        """Undo a reservation (best effort: recovery finishes it at start if this fails)."""
+        try:
+            self.store.remove_files(pending.path)
+            self.store.set_state(pending, "aborted")
+        except Exception:
+            log.exception("could not abort pending adapter %r v%d", pending.name, pending.version)
+
+    async def _serve(self, key: str, record: AdapterRecord | None) -> None:
+        """Make the runners serve `record` under `key` again (None: nothing)."""
+        try:
+            if record is None:
+                await self.scheduler.unregister_adapter(key)
+            else:
+                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
+                self._versions[record.id] = info.version
+        except Exception:
+            log.exception("could not restore the runners' version of %s", key)
 
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
         return self.store.adapters(caller.tenant.id)
@@ -163,10 +244,15 @@ class FrontendManager:
         return record
 
     async def delete_adapter(self, caller: Caller, name: str) -> AdapterRecord:
-        record = self.get_adapter(caller, name)
-        self.store.mark_deleted(record)
-        with contextlib.suppress(UnknownAdapterError):  # a failed start-up restore
-            await self.scheduler.unregister_adapter(_key(caller.tenant.id, name))
+        """The row is marked deleted (durably) first, then the runners drop the name, then
+        the files go once no request holds them (recovery.py removes them at start if a
+        kill came first)."""
+        key = _key(caller.tenant.id, name)
+        async with self._lock(key):
+            record = self.get_adapter(caller, name)
+            await _storage(asyncio.to_thread(self.store.mark_deleted, record))
+            with contextlib.suppress(UnknownAdapterError):  # a failed start-up restore
+                await self.scheduler.unregister_adapter(key)
         self._retire(record)
         return record
 
@@ -381,6 +467,19 @@ class FrontendManager:
         finally:
             await stream.aclose()
             self.metrics.requests.labels(*labels, status).inc()
+
+
+async def _storage(work):
+    """Await `work`; a full disk becomes the API's 507."""
+    try:
+        return await work
+    except StorageFull as exc:
+        log.error("out of disk space: %s", exc)
+        raise ApiError(
+            507,
+            "insufficient_storage",
+            "the server is out of disk space; nothing was stored, retry later",
+        ) from None
 
 
 def _key(tenant_id: int, name: str) -> str:

@@ -45,8 +45,10 @@ class Scheduler:
         """Place a request on a runner; see RunnerHandle.open."""
         return await self._pick().open(prompt, sampling, adapter, request_id)
 
-    async def register_adapter(self, key: str, path: Path) -> AdapterInfo:
-        infos = [await r.register_adapter(key, path) for r in self.runners]
+    async def register_adapter(
+        self, key: str, path: Path, sha256: str | None = None
+    ) -> AdapterInfo:
+        infos = [await r.register_adapter(key, path, sha256) for r in self.runners]
         return infos[0]
 
     async def unregister_adapter(self, key: str) -> None:

@@ -40,7 +40,11 @@ class RunnerHandle(Protocol):
         """Add a request (refusals raise here) and return its output stream; closing the
         stream aborts the request."""
 
-    async def register_adapter(self, name: str, path: Path) -> AdapterInfo: ...
+    async def register_adapter(
+        self, name: str, path: Path, sha256: str | None = None
+    ) -> AdapterInfo:
+        """Install `path` as the current version of `name`; with `sha256`, files with another
+        digest are refused (AdapterError "sha256_mismatch")."""
 
     async def unregister_adapter(self, name: str) -> None: ...
 

@@ -27,10 +27,12 @@ class LocalRunner:
     ) -> RequestStream:
         return await self.async_engine.open(prompt, sampling, adapter, request_id)
 
-    async def register_adapter(self, name: str, path: Path) -> AdapterInfo:
+    async def register_adapter(
+        self, name: str, path: Path, sha256: str | None = None
+    ) -> AdapterInfo:
         # Parsing and validating read the files: a worker thread does it, so neither the event
         # loop nor the engine's step loop waits (the pool is thread-safe).
-        return await asyncio.to_thread(self.engine.adapters.register, name, path)
+        return await asyncio.to_thread(self.engine.adapters.register, name, path, sha256)
 
     async def unregister_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)

@@ -114,11 +114,18 @@ class AdapterPool:
         self.stats = PoolStats()
 
     # -- registry -----------------------------------------------------------------------
-    def register(self, name: str, path: str | Path) -> AdapterInfo:
-        """Validate and install `path` as the new current version of `name`."""
+    def register(self, name: str, path: str | Path, sha256: str | None = None) -> AdapterInfo:
+        """Validate and install `path` as the new current version of `name`. With `sha256`,
+        files whose digest differs (see load_peft_adapter) are refused ("sha256_mismatch")
+        and the current version stays."""
         if not name or len(name) > 256:
             raise AdapterError("bad_name", "adapter names must be 1..256 characters")
         adapter = self._parse(Path(path))
+        if sha256 is not None and adapter.sha256 != sha256:
+            raise AdapterError(
+                "sha256_mismatch",
+                f"the files at {path} have sha256 {adapter.sha256}, expected {sha256}",
+            )
         if adapter.nbytes > self.config.device_bytes:
             raise AdapterError(
                 "too_large",

@@ -156,3 +156,16 @@ def test_host_cache_eviction_reloads_from_disk(tiny_model_dir, tiny_adapters, tm
     out = llm.generate(["hello world"], ["r8"], SP)[0]  # r8 must reload: the file changed
     assert out.finish_reason is FinishReason.ERROR and "changed on disk" in out.error
     assert run(llm, "hello world", "r4") == expected["r4"]
+
+
+def test_register_with_sha256_refuses_other_files(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir)
+    pool = llm.engine.adapters
+    first = pool.register("x", tiny_adapters["r4"])
+    assert pool.register("x", tiny_adapters["r4"], first.sha256).sha256 == first.sha256
+    expected = run(llm, "hello world", "x")
+    with pytest.raises(AdapterError, match="expected " + first.sha256) as info:
+        pool.register("x", tiny_adapters["r8"], first.sha256)
+    assert info.value.code == "sha256_mismatch"
+    assert pool.info("x").sha256 == first.sha256  # the current version stays
+    assert run(llm, "hello world", "x") == expected
