@@ -11,8 +11,9 @@ from pathlib import Path
 
 from starlette.requests import HTTPConnection
 
+from frontend import durable
 from frontend.errors import ApiError
-from frontend.store import Store, Tenant
+from frontend.store import Store, StoreError, Tenant
 
 KEY_PREFIX = "pxk-"
 ADMIN_TOKEN_FILE = "admin_token"
@@ -28,14 +29,23 @@ def hash_key(key: str) -> str:
 
 
 def ensure_admin_token(data_dir: Path) -> tuple[str, Path, bool]:
-    """(token, its file, created now). The file is created with mode 0600."""
+    """(token, its file, created now). The file is created with mode 0600, written whole
+    (a temporary file, fsynced, then renamed), so a kill never leaves an empty token."""
     path = data_dir / ADMIN_TOKEN_FILE
     if path.exists():
-        return path.read_text().strip(), path, False
+        token = path.read_text().strip()
+        if not token:
+            raise StoreError(f"the admin token file {path} is empty; delete it to make a new one")
+        return token, path, False
     token = "pxa-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    durable.fsync_dir(path.parent)
     return token, path, True
 
 

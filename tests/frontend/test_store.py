@@ -159,3 +159,16 @@ def test_databases_from_before_states_migrate(tmp_path):
         (2, "live"),
     ]
     assert _reserve(store, 1).version == 3
+
+
+def test_admin_token_is_written_whole(tmp_path):
+    from frontend.auth import ensure_admin_token
+
+    token, path, created = ensure_admin_token(tmp_path)
+    assert created and path.read_text() == token + "\n"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert ensure_admin_token(tmp_path) == (token, path, False)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+    path.write_text("")  # what a kill between create and write left before
+    with pytest.raises(StoreError, match="is empty; delete it"):
+        ensure_admin_token(tmp_path)
