@@ -162,7 +162,7 @@ def main() -> None:
     d64 = next(r for r in rows if r["workload"] == "distinct" and r["batch"] == 64)
     print(f"\nworst sgmv / min(loop, gather_bmm) = {worst:.2f} (target <= 1.0)")
     print(f"distinct batch 64: sgmv / floor = {d64['sgmv_vs_floor']:.2f} (target <= 1.3)")
-    name = "bench_sgmv" if device.type == "cpu" else "bench_sgmv_cuda"
+    name, group = "bench_sgmv", (None if device.type == "cpu" else "cuda")
     path = write_json(
         name,
         {
@@ -174,12 +174,13 @@ def main() -> None:
             "threads": args.threads,
             "rows": rows,
         },
+        group,
     )
-    plot(rows, name)
+    plot(rows, name, group)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
-def plot(rows, name: str) -> None:
+def plot(rows, name: str, group: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,7 +202,7 @@ def plot(rows, name: str) -> None:
         ax.set_yscale("log")
     axes[0].set_ylabel("ms per LoRA add-on (h=4096, r=16)")
     axes[-1].legend()
-    save_plot(name, fig)
+    save_plot(name, fig, group)
 
 
 if __name__ == "__main__":

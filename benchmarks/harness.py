@@ -105,15 +105,24 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def results_dir(group: str | None = None) -> Path:
+    """benchmarks/results/<group>: one folder per kind of machine, so figures from an AVX2
+    and an AVX-512 CPU never overwrite each other. group: None = the ISA the CPU kernels
+    are built for (avx2, avx512, generic); "cuda" for GPU runs."""
+    from punica_x.ops import isa
+
+    path = RESULTS / (group or isa.resolve())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(name: str, payload: dict, group: str | None = None) -> Path:
+    path = results_dir(group) / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
 
 
-def save_plot(name: str, fig) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
+def save_plot(name: str, fig, group: str | None = None) -> Path:
+    path = results_dir(group) / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
