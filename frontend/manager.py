@@ -27,7 +27,7 @@ from frontend.limits import Admission
 from frontend.metrics import Metrics
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.uploads import CONFIG, WEIGHTS
-from punica_x.core import RequestOutput, SamplingParams
+from punica_x.core import MAX_LOGPROBS, RequestOutput, SamplingParams
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
 from scheduler.cluster import Scheduler
@@ -336,16 +336,20 @@ class FrontendManager:
         return ids
 
     def sampling(
-        self, body: dict, prompt_len: int, max_tokens_field: str = "max_tokens"
+        self,
+        body: dict,
+        prompt_len: int,
+        max_tokens_field: str = "max_tokens",
+        api: str = "ws",
     ) -> SamplingParams:
-        for unsupported in (
-            "logprobs",
-            "top_logprobs",
-            "logit_bias",
-            "suffix",
-            "tools",
-            "functions",
-        ):
+        """api: "completions" (logprobs: 0-20, echo), "chat" (logprobs: bool, top_logprobs:
+        0-20) or "ws" (no logprobs). With echo, max_tokens 0 scores the prompt without
+        generating: the engine samples one token the caller drops (see openai_api)."""
+        logprobs, prompt_logprobs = _logprobs(body, api)
+        unsupported_fields = ["logit_bias", "suffix", "tools", "functions"]
+        if api == "ws":
+            unsupported_fields += ["logprobs", "top_logprobs"]
+        for unsupported in unsupported_fields:
             if body.get(unsupported) not in (None, False, 0):
                 raise bad_request(
                     "unsupported_parameter", f"`{unsupported}` is not supported", unsupported
@@ -357,6 +361,8 @@ class FrontendManager:
         max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = min(room, self.limits.max_tokens)
+        if max_tokens == 0 and api == "completions" and body.get("echo") is True:
+            max_tokens = 1  # scoring only: the one sampled token is dropped
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise bad_request(
                 "invalid_value", "max_tokens must be a positive integer", max_tokens_field
@@ -394,6 +400,8 @@ class FrontendManager:
                 seed=body.get("seed"),
                 stop=tuple(stop or ()),
                 ignore_eos=bool(body.get("ignore_eos", False)),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request("invalid_value", str(exc)) from None
@@ -480,6 +488,42 @@ async def _storage(work):
             "insufficient_storage",
             "the server is out of disk space; nothing was stored, retry later",
         ) from None
+
+
+def _logprobs(body: dict, api: str) -> tuple[int | None, int | None]:
+    """(SamplingParams.logprobs, .prompt_logprobs) of an OpenAI body."""
+    if api == "completions":
+        n = body.get("logprobs")
+        if n is not None and (
+            not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS
+        ):
+            raise bad_request(
+                "invalid_value", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs"
+            )
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise bad_request("invalid_value", "echo must be a boolean", "echo")
+        return n, (n if echo else None)
+    if api == "chat":
+        wanted = body.get("logprobs", False)
+        if wanted is None:
+            wanted = False
+        if not isinstance(wanted, bool):
+            raise bad_request("invalid_value", "logprobs must be a boolean", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+                raise bad_request(
+                    "invalid_value",
+                    f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                    "top_logprobs",
+                )
+            if not wanted:
+                raise bad_request(
+                    "invalid_value", "top_logprobs needs logprobs: true", "top_logprobs"
+                )
+        return ((top or 0) if wanted else None), None
+    return None, None
 
 
 def _key(tenant_id: int, name: str) -> str:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from frontend.errors import ApiError, bad_request
+from frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
 from frontend.manager import Caller, FrontendManager
 from punica_x.core import RequestOutput, SamplingParams
 
@@ -66,7 +67,10 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
         prompts = [manager.encode_text(p) for p in _prompt_list(body.get("prompt"))]
         max_field = "max_tokens"
     n = manager.n_choices(body)
-    params = [manager.sampling(body, len(p), max_field) for p in prompts]
+    api = "chat" if chat else "completions"
+    params = [manager.sampling(body, len(p), max_field, api) for p in prompts]
+    echo = not chat and body.get("echo") is True
+    texts = [p if isinstance(p, str) else None for p in _raw_prompts(body, chat)]
     stream = bool(body.get("stream", False))
     include_usage = (
         bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
@@ -83,6 +87,13 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
         manager.release(caller, stream)
         raise
     meta = _Meta(chat, model, sum(len(p) * n for p in prompts))
+    meta.text_of = TokenText(manager.tokenizer)
+    meta.echo, meta.score_only = echo, echo and body.get("max_tokens") == 0
+    meta.prompt_texts = [
+        t if t is not None else manager.tokenizer.decode(p)
+        for p, t in zip(prompts, texts)
+        for _ in range(n)
+    ]
     if stream:
         return StreamingResponse(
             _sse(manager, caller, streams, meta, include_usage),
@@ -103,6 +114,46 @@ class _Meta:
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.text_of: TokenText | None = None
+        self.echo = self.score_only = False  # completions: echo; echo with max_tokens 0
+        self.prompt_texts: list[str] = []  # per choice index
+        self._offsets: dict[int, int] = {}  # streaming: text offset of a choice's next token
+
+    def completion_text(self, index: int, out: RequestOutput) -> str:
+        prefix = self.prompt_texts[index] if self.echo else ""
+        return prefix + ("" if self.score_only else out.text)
+
+    def logprobs(self, index: int, out: RequestOutput, new_only: bool = False) -> dict | None:
+        """The choice's logprobs object for `out` (its new tokens only when streaming)."""
+        if out.logprobs is None:
+            return None
+        entries = out.new_logprobs if new_only else out.logprobs
+        if self.chat:
+            return chat_logprobs(self.text_of, entries)
+        ids = out.new_token_ids if new_only else out.token_ids
+        if self.score_only:
+            ids, entries = [], []
+        offset = 0
+        if new_only:  # offsets continue across a choice's chunks
+            start = len(self.prompt_texts[index]) if self.echo else 0
+            offset = self._offsets.get(index, start)
+            self._offsets[index] = offset + sum(len(self.text_of(t)) for t in ids)
+        if self.echo and not new_only:
+            ids = list(out.prompt_token_ids) + list(ids)
+            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(
+                entries
+            )
+        return completion_logprobs(self.text_of, ids, entries, offset)
+
+    def prompt_chunk_logprobs(self, out: RequestOutput) -> dict | None:
+        """Streaming with echo: the prompt's logprobs, sent with the echoed prompt."""
+        if out.logprobs is None:
+            return None
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return completion_logprobs(self.text_of, out.prompt_token_ids, entries, 0)
+
+    def completion_tokens(self, outs) -> int:
+        return 0 if self.score_only else sum(len(o.token_ids) for o in outs)
 
     def usage(self, completion_tokens: int) -> dict:
         return {
@@ -120,13 +171,18 @@ class _Meta:
                     {
                         "index": i,
                         "message": {"role": "assistant", "content": out.text},
-                        "logprobs": None,
+                        "logprobs": self.logprobs(i, out),
                         "finish_reason": reason,
                     }
                 )
             else:
                 choices.append(
-                    {"index": i, "text": out.text, "logprobs": None, "finish_reason": reason}
+                    {
+                        "index": i,
+                        "text": self.completion_text(i, out),
+                        "logprobs": self.logprobs(i, out),
+                        "finish_reason": reason,
+                    }
                 )
         return {
             "id": self.id,
@@ -134,20 +190,32 @@ class _Meta:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": self.usage(sum(len(o.token_ids) for o in finals)),
+            "usage": self.usage(self.completion_tokens(finals)),
         }
 
-    def chunk(self, index: int, text: str | None, reason: str | None, first: bool = False) -> dict:
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None,
+        first: bool = False,
+        logprobs: dict | None = None,
+    ) -> dict:
         if self.chat:
             delta = (
                 {"role": "assistant", "content": ""}
                 if first
                 else ({"content": text} if text else {})
             )
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
             obj = "text_completion"
         return {
             "id": self.id,
@@ -172,12 +240,24 @@ async def _sse(manager: FrontendManager, caller: Caller, streams, meta: _Meta, i
         if meta.chat:
             for i in range(len(streams)):
                 yield _event(meta.chunk(i, None, None, first=True))
+        echoed: set[int] = set()
         async for index, out in _merge(streams):
+            if meta.echo and index not in echoed and (out.new_token_ids or out.finished):
+                echoed.add(index)  # the prompt (and its logprobs) before the first token
+                text = meta.prompt_texts[index]
+                yield _event(
+                    meta.chunk(index, text, None, logprobs=meta.prompt_chunk_logprobs(out))
+                )
+            if meta.score_only:
+                if out.finished:
+                    yield _event(meta.chunk(index, None, _finish_reason(out)))
+                continue
             generated += len(out.new_token_ids)
-            if out.new_text or out.finished:
+            if out.new_text or out.new_token_ids or out.finished:
                 reason = _finish_reason(out) if out.finished else None
-                if out.new_text:
-                    yield _event(meta.chunk(index, out.new_text, None))
+                lp = meta.logprobs(index, out, new_only=True) if out.new_token_ids else None
+                if out.new_text or lp is not None:
+                    yield _event(meta.chunk(index, out.new_text, None, logprobs=lp))
                 if reason:
                     yield _event(meta.chunk(index, None, reason))
         if include_usage:
@@ -259,6 +339,11 @@ async def _until_done_or_disconnect(request: Request, coro):
         return None
     finally:
         watcher.cancel()
+
+
+def _raw_prompts(body: dict, chat: bool) -> list:
+    """The prompts as the client sent them (strings or token-id lists); chat: one, no text."""
+    return [None] if chat else _prompt_list(body.get("prompt"))
 
 
 def _prompt_list(prompt) -> list:

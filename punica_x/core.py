@@ -18,12 +18,30 @@ if TYPE_CHECKING:
     from punica_x.lora.pool import AdapterRef
 
 
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (the raw distribution: log_softmax of the
+    logits, before temperature and top-k/top-p), and the `top` most likely tokens at that
+    position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k <= 0 and top_p = 1 disable those filters. Generation
     stops at max_tokens, at eos (unless ignore_eos), at any of stop_token_ids, or when the
     text contains one of `stop` (the stop string is cut from the text unless
-    include_stop_str_in_output)."""
+    include_stop_str_in_output).
+
+    logprobs: None, or return each generated token's logprob with this many (0..20) top
+    alternatives. prompt_logprobs: likewise for every prompt token after the first (computed
+    from the prefill's own forward pass, only for requests that ask)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -35,6 +53,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +69,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +116,9 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # prompt_logprobs[i]: of prompt token i (None for i = 0), filled as prefill chunks run
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -120,6 +147,12 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    # with SamplingParams.logprobs: of every generated token so far, and of the new ones
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs, once the prompt is computed: entry i for prompt
+    # token i, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,10 +169,15 @@ class Batch:
     """One model invocation: rows of all scheduled requests, grouped by adapter.
 
     input_ids, positions: [T] int64; sample_rows: [B] int64 rows whose logits are sampled
-    (the last row of each request that finishes its prompt or decodes this step)."""
+    (the last row of each request that finishes its prompt or decodes this step).
+    logit_rows: [B + P] int64, sample_rows then the P rows whose logits score prompt tokens
+    (requests with prompt_logprobs), or None when P = 0; prompt_targets: per such request,
+    the prompt positions those rows score, in row order."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: object  # the attention backend's plan: write_kv(...) and attend(...)
     lora: LoraBatchMeta | None
     sample_rows: torch.Tensor
+    logit_rows: torch.Tensor | None = None
+    prompt_targets: tuple[tuple[Request, tuple[int, ...]], ...] = ()

@@ -10,9 +10,17 @@ import torch
 from punica_x.attention import choose_attention
 from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
-from punica_x.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from punica_x.core import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
 from punica_x.detokenizer import Detokenizer
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
+from punica_x.logprobs import record_prompt_logprobs, sampled_logprobs
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
@@ -86,6 +94,8 @@ class Engine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs.append(None)  # the first token has no context to score it
         self.requests[req.request_id] = req
         self.batcher.add(req)
         return req
@@ -138,14 +148,22 @@ class Engine:
             return outputs
         batch, ordered = self.planner.plan(scheduled)
         logits = self.model(batch, self.cache.kv, self.sgmv)
-        tokens = self.sampler(logits, [s.request for s in ordered if s.samples])
-        return outputs + self._postprocess(ordered, tokens)
+        sampling = [s.request for s in ordered if s.samples]
+        sample_logits = logits[: len(sampling)]
+        tokens = self.sampler(sample_logits, sampling)
+        if batch.prompt_targets:
+            record_prompt_logprobs(logits[len(sampling) :], batch.prompt_targets)
+        new_logprobs = sampled_logprobs(sample_logits, sampling, tokens)
+        return outputs + self._postprocess(ordered, tokens, new_logprobs)
 
     def _postprocess(
-        self, ordered: list[ScheduledRequest], tokens: list[int]
+        self,
+        ordered: list[ScheduledRequest],
+        tokens: list[int],
+        new_logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
         outputs = []
-        sampled = iter(tokens)
+        sampled = iter(zip(tokens, new_logprobs))
         now = time.monotonic()
         for s in ordered:
             r = s.request
@@ -153,8 +171,10 @@ class Engine:
             r.num_computed_tokens += s.num_new_tokens
             if not samples:
                 continue
-            token = next(sampled)
+            token, logprob = next(sampled)
             r.output_token_ids.append(token)
+            if logprob is not None:
+                r.logprobs.append(logprob)
             r.first_token_time = r.first_token_time or now
             reason = self._stop_reason(r, token)
             sp = r.sampling
@@ -224,6 +244,18 @@ class Engine:
             finish_reason=r.finish_reason,
             stop_reason=r.stop_reason,
             error=r.error,
+            logprobs=list(r.logprobs) if r.sampling.logprobs is not None else None,
+            new_logprobs=(
+                r.logprobs[len(r.logprobs) - len(new_ids) :]
+                if r.sampling.logprobs is not None
+                else None
+            ),
+            prompt_logprobs=(
+                list(r.prompt_logprobs)
+                if r.sampling.prompt_logprobs is not None
+                and len(r.prompt_logprobs) == len(r.prompt_token_ids)
+                else None
+            ),
         )
 
     @staticmethod

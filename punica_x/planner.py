@@ -48,6 +48,8 @@ class BatchPlanner:
         positions: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[Request, tuple[int, ...]]] = []
         for s in ordered:
             r, start = s.request, s.request.num_computed_tokens
             row = len(ids)
@@ -56,6 +58,14 @@ class BatchPlanner:
             spans.append(SeqSpan(row, s.num_new_tokens, start + s.num_new_tokens, r.block_ids))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
+            if r.sampling.prompt_logprobs is not None:
+                # the row at position p scores prompt token p + 1; tokens scored before a
+                # preemption are not scored again
+                first = max(start + 1, len(r.prompt_logprobs), 1)
+                last = min(start + s.num_new_tokens, len(r.prompt_token_ids) - 1)
+                if first <= last:
+                    prompt_rows.extend(row + t - 1 - start for t in range(first, last + 1))
+                    prompt_targets.append((r, tuple(range(first, last + 1))))
         dev = self.device
         batch = Batch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -63,6 +73,12 @@ class BatchPlanner:
             attention=self.attention.plan(spans, self.block_size, dev),
             lora=self._plan_lora(ordered, len(ids)),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            logit_rows=(
+                torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
+                if prompt_rows
+                else None
+            ),
+            prompt_targets=tuple(prompt_targets),
         )
         return batch, ordered
 

@@ -188,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None
     ) -> torch.Tensor:
-        """Run every row of the batch; returns logits [B, vocab] float32 of batch.sample_rows."""
+        """Run every row of the batch; returns logits float32 [B (+ P), vocab] of
+        batch.sample_rows (then the prompt-scoring rows: batch.logit_rows when set)."""
         residual = self.embed_tokens(batch.input_ids)  # [T, hidden], updated in place
         normed = self.layers[0].input_layernorm(residual)
         last = len(self.layers) - 1
@@ -197,4 +198,5 @@ class LlamaForCausalLM(nn.Module):
             normed = layer(
                 normed, residual, next_norm, batch, i, kv, self.rope, backend, self.fused
             )
-        return self.lm_head.dense(normed[batch.sample_rows]).float()
+        rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
+        return self.lm_head.dense(normed[rows]).float()

@@ -110,7 +110,10 @@ def test_errors_are_openai_shaped(client, server, tenant):
             "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-        r = c.post("/v1/completions", json={"model": server.model_id, "prompt": "x", "logprobs": 2})
+        r = c.post(
+            "/v1/completions",
+            json={"model": server.model_id, "prompt": "x", "logit_bias": {"1": 2}},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
         r = c.post(
             "/v1/completions", json={"model": server.model_id, "prompt": "x", "temperature": "hot"}
