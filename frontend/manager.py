@@ -346,7 +346,7 @@ class FrontendManager:
         0-20) or "ws" (no logprobs). With echo, max_tokens 0 scores the prompt without
         generating: the engine samples one token the caller drops (see openai_api)."""
         logprobs, prompt_logprobs = _logprobs(body, api)
-        unsupported_fields = ["logit_bias", "suffix", "tools", "functions"]
+        unsupported_fields = ["suffix", "tools", "functions"]
         if api == "ws":
             unsupported_fields += ["logprobs", "top_logprobs"]
         for unsupported in unsupported_fields:
@@ -354,9 +354,19 @@ class FrontendManager:
                 raise bad_request(
                     "unsupported_parameter", f"`{unsupported}` is not supported", unsupported
                 )
-        for penalty in ("presence_penalty", "frequency_penalty"):
-            if body.get(penalty) not in (None, 0, 0.0):
-                raise bad_request("unsupported_parameter", f"`{penalty}` is not supported", penalty)
+        logit_bias = self._logit_bias(body.get("logit_bias"))
+        for name, lo, hi in (
+            ("presence_penalty", -2.0, 2.0),
+            ("frequency_penalty", -2.0, 2.0),
+            ("min_p", 0.0, 1.0),
+        ):
+            value = _number(body, name, 0.0)
+            if not lo <= value <= hi:
+                raise bad_request("invalid_value", f"{name} must be in [{lo:g}, {hi:g}]", name)
+        if _number(body, "repetition_penalty", 1.0) <= 0:
+            raise bad_request(
+                "invalid_value", "repetition_penalty must be > 0", "repetition_penalty"
+            )
         room = self.max_model_len - prompt_len
         max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
         if max_tokens is None:
@@ -402,9 +412,44 @@ class FrontendManager:
                 ignore_eos=bool(body.get("ignore_eos", False)),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                presence_penalty=_number(body, "presence_penalty", 0.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0),
+                repetition_penalty=_number(body, "repetition_penalty", 1.0),
+                min_p=_number(body, "min_p", 0.0),
+                logit_bias=logit_bias,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request("invalid_value", str(exc)) from None
+
+    def _logit_bias(self, value) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias in [-100, 100]} (at most 300 entries)."""
+        if value is None:
+            return ()
+        vocab = len(self.tokenizer)
+        if not isinstance(value, dict) or len(value) > 300:
+            raise bad_request(
+                "invalid_value", "logit_bias maps up to 300 token ids to biases", "logit_bias"
+            )
+        out = []
+        for key, bias in value.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                token = -1
+            if not 0 <= token < vocab:
+                raise bad_request(
+                    "invalid_value",
+                    f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1})",
+                    "logit_bias",
+                )
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -100 <= bias <= 100
+            ):
+                raise bad_request(
+                    "invalid_value", "logit_bias values must be in [-100, 100]", "logit_bias"
+                )
+            out.append((token, float(bias)))
+        return tuple(out)
 
     def n_choices(self, body: dict) -> int:
         n = body.get("n", 1)

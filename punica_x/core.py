@@ -39,6 +39,13 @@ class SamplingParams:
     text contains one of `stop` (the stop string is cut from the text unless
     include_stop_str_in_output).
 
+    Before sampling (greedy included), in this order: logit_bias ((token id, bias) pairs,
+    bias in [-100, 100], added to the logits), repetition_penalty (vLLM's: logits of tokens
+    in the prompt or the output divided by it when positive, multiplied when negative),
+    frequency_penalty and presence_penalty (OpenAI's, over the output tokens: minus
+    frequency * count, minus presence if present); after temperature, min_p drops tokens less
+    likely than min_p times the most likely one.
+
     logprobs: None, or return each generated token's logprob with this many (0..20) top
     alternatives. prompt_logprobs: likewise for every prompt token after the first (computed
     from the prefill's own forward pass, only for requests that ask)."""
@@ -55,6 +62,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +81,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -84,6 +84,10 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(ids)
         sampling = sampling or SamplingParams()
+        vocab = self.model.dims.vocab_size
+        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab})")
         ref = self.adapters.acquire(adapter) if adapter is not None else None
         req = Request(prompt_token_ids=ids, sampling=sampling, adapter=ref, on_output=on_output)
         if request_id is not None:

@@ -1,4 +1,6 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling for a batch: logit bias and penalties, greedy, temperature, min-p, top-k,
+top-p, per-request seeds. Every step is a tensor operation over the rows that use it; rows
+that use none of them cost nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] float32, one row per request -> one token id per request."""
+        logits = process_logits(logits, requests)
         tokens = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if random_rows:
@@ -24,9 +27,14 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Temperature, then top-k, then top-p (nucleus) filtering; returns [B, V] probs."""
+        """Temperature, then min-p, top-k and top-p (nucleus) filtering; returns [B, V] probs."""
         temps = torch.tensor([r.sampling.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temps[:, None]
+        min_ps = torch.tensor([r.sampling.min_p for r in requests], dtype=logits.dtype)
+        if (min_ps > 0).any():
+            probs = logits.softmax(dim=-1)
+            floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         vocab = logits.shape[-1]
         ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else vocab for r in requests]
         if min(ks) < vocab:
@@ -42,3 +50,56 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits: [B, V] -> the same with logit_bias, repetition_penalty, frequency_penalty and
+    presence_penalty applied (SamplingParams documents them). Returns `logits` itself when no
+    request uses any, else a processed copy."""
+    bias = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
+    penalized = [i for i, r in enumerate(requests) if _penalized(r)]
+    if not bias and not penalized:
+        return logits
+    logits = logits.clone()
+    if bias:
+        rows, cols, values = zip(*bias)
+        logits.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)),
+            torch.tensor(values, dtype=logits.dtype),
+            accumulate=True,
+        )
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [requests[i] for i in penalized])
+    return logits
+
+
+def _penalized(r: Request) -> bool:
+    sp = r.sampling
+    return sp.repetition_penalty != 1 or sp.frequency_penalty != 0 or sp.presence_penalty != 0
+
+
+def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits: [P, V] of the penalized requests."""
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab, dtype=logits.dtype)
+    rows = [i for i, r in enumerate(requests) for _ in r.output_token_ids]
+    cols = [t for r in requests for t in r.output_token_ids]
+    if rows:
+        counts.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)),
+            torch.ones(len(rows), dtype=logits.dtype),
+            accumulate=True,
+        )
+    seen = counts > 0
+    prompt_rows = [i for i, r in enumerate(requests) for _ in r.prompt_token_ids]
+    prompt_cols = [t for r in requests for t in r.prompt_token_ids]
+    in_prompt = torch.zeros(n, vocab, dtype=torch.bool)
+    in_prompt[torch.tensor(prompt_rows), torch.tensor(prompt_cols)] = True
+    rep = torch.tensor([r.sampling.repetition_penalty for r in requests], dtype=logits.dtype)
+    rep = rep[:, None]
+    logits = torch.where(
+        seen | in_prompt, torch.where(logits > 0, logits / rep, logits * rep), logits
+    )
+    freq = torch.tensor([r.sampling.frequency_penalty for r in requests], dtype=logits.dtype)
+    pres = torch.tensor([r.sampling.presence_penalty for r in requests], dtype=logits.dtype)
+    return logits - freq[:, None] * counts - pres[:, None] * seen.to(logits.dtype)

@@ -112,7 +112,7 @@ def test_errors_are_openai_shaped(client, server, tenant):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = c.post(
             "/v1/completions",
-            json={"model": server.model_id, "prompt": "x", "logit_bias": {"1": 2}},
+            json={"model": server.model_id, "prompt": "x", "suffix": "!"},
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
         r = c.post(

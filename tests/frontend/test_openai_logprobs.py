@@ -1,5 +1,6 @@
-"""Logprobs through the OpenAI API: completions (logprobs, echo, scoring with max_tokens 0,
-streaming) and chat (logprobs, top_logprobs), against HF + PEFT on the server's tiny model."""
+"""Logprobs and sampling controls through the OpenAI API: completions (logprobs, echo,
+scoring with max_tokens 0, streaming), chat (logprobs, top_logprobs), logit_bias and
+penalties, against HF + PEFT on the server's tiny model."""
 
 from __future__ import annotations
 
@@ -140,7 +141,12 @@ def test_chat_logprobs_with_the_openai_client(server, tenant):
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
-        ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": "x"}, "frequency_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
     ],
 )
 def test_bad_logprobs_parameters_name_the_parameter(server, tenant, path, extra, param):
@@ -153,3 +159,19 @@ def test_bad_logprobs_parameters_name_the_parameter(server, tenant, path, extra,
         r = c.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(server, tenant):
+    base = {"model": "lp-a", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    forced = post(server, tenant, "/v1/completions", {**base, "logit_bias": {"42": 100}})
+    lp = post(server, tenant, "/v1/completions", {**base, "logit_bias": {"42": 100}, "logprobs": 0})
+    assert forced["choices"][0]["text"] == lp["choices"][0]["text"]
+    with server.http(tenant) as c:
+        r = c.post("/v1/completions", json={**base, "prompt": [42], "max_tokens": 0, "echo": True})
+    token_42 = r.json()["choices"][0]["text"]
+    assert forced["choices"][0]["text"] == token_42 * 8
+    plain = post(server, tenant, "/v1/completions", {**base, "max_tokens": 24})
+    penalized = post(
+        server, tenant, "/v1/completions", {**base, "max_tokens": 24, "frequency_penalty": 2}
+    )
+    assert plain["choices"][0]["text"] != penalized["choices"][0]["text"]

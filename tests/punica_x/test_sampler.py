@@ -49,3 +49,48 @@ def test_seeded_requests_are_reproducible_in_any_batch():
     rs = [req(seed=42), req(seed=42), req(seed=42)]
     b = s(logits, rs)
     assert a == b
+
+
+def reference_process(logits: torch.Tensor, r: Request) -> torch.Tensor:
+    """One request, the textbook way (a Python loop per token)."""
+    sp, out = r.sampling, logits.clone()
+    for t, b in sp.logit_bias:
+        out[t] += b
+    for t in set(r.prompt_token_ids) | set(r.output_token_ids):
+        out[t] = out[t] / sp.repetition_penalty if out[t] > 0 else out[t] * sp.repetition_penalty
+    for t in set(r.output_token_ids):
+        out[t] -= sp.frequency_penalty * r.output_token_ids.count(t) + sp.presence_penalty
+    return out
+
+
+def test_bias_and_penalties_match_a_reference_per_request():
+    from punica_x.sampler import process_logits
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 40
+    requests = []
+    for i in range(6):
+        ids = torch.randint(0, vocab, (12,), generator=g).tolist()
+        sp = SamplingParams(
+            presence_penalty=[0, 0.5, -1, 0, 2, 0][i],
+            frequency_penalty=[0, 0.3, 0, 1.5, -0.5, 0][i],
+            repetition_penalty=[1, 1.3, 0.8, 1, 2.0, 1][i],
+            logit_bias=[(), ((3, 5.0), (7, -100.0)), (), ((0, 1.5),), (), ()][i],
+        )
+        requests.append(Request(prompt_token_ids=ids[:5], sampling=sp, output_token_ids=ids[5:]))
+    logits = torch.randn(6, vocab, generator=g)
+    got = process_logits(logits, requests)
+    want = torch.stack([reference_process(logits[i], r) for i, r in enumerate(requests)])
+    torch.testing.assert_close(got, want)
+    untouched = logits[5:]  # a request with no bias or penalty: no copy, no work
+    assert process_logits(untouched, requests[5:]) is untouched
+
+
+def test_logit_bias_steers_greedy_and_min_p_filters():
+    s = Sampler()
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert s(logits, [req(temperature=0, logit_bias=((3, 100.0),))]) == [3]
+    assert s(logits, [req(temperature=0, logit_bias=((0, -100.0),))]) == [1]
+    # min_p 0.6: keep tokens with p >= 0.6 * 0.4 = 0.24 -> tokens 0 and 1
+    assert set(draws(300, min_p=0.6)) == {0, 1}
+    assert set(draws(300, min_p=1.0)) == {0}
