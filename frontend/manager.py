@@ -30,6 +30,7 @@ from frontend.uploads import CONFIG, WEIGHTS
 from punica_x.core import MAX_LOGPROBS, RequestOutput, SamplingParams
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
+from punica_x.structured import JSON_OBJECT, canonical_schema, compile_json_schema
 from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)
@@ -417,6 +418,7 @@ class FrontendManager:
                 repetition_penalty=_number(body, "repetition_penalty", 1.0),
                 min_p=_number(body, "min_p", 0.0),
                 logit_bias=logit_bias,
+                json_schema=_response_format(body.get("response_format")),
             )
         except (ValueError, TypeError) as exc:
             raise bad_request("invalid_value", str(exc)) from None
@@ -442,8 +444,10 @@ class FrontendManager:
                     f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1})",
                     "logit_bias",
                 )
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                -100 <= bias <= 100
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not (-100 <= bias <= 100)
             ):
                 raise bad_request(
                     "invalid_value", "logit_bias values must be in [-100, 100]", "logit_bias"
@@ -533,6 +537,37 @@ async def _storage(work):
             "insufficient_storage",
             "the server is out of disk space; nothing was stored, retry later",
         ) from None
+
+
+def _response_format(value) -> str | None:
+    """OpenAI's response_format -> SamplingParams.json_schema (None for plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "invalid_value",
+                'response_format json_schema needs {"json_schema": {"name", "schema": {...}}}',
+                "response_format",
+            )
+        text = canonical_schema(schema)
+        try:
+            compile_json_schema(text)
+        except ValueError as exc:
+            raise bad_request("invalid_value", str(exc), "response_format") from None
+        return text
+    raise bad_request(
+        "invalid_value",
+        "response_format.type must be text, json_object or json_schema",
+        "response_format",
+    )
 
 
 def _logprobs(body: dict, api: str) -> tuple[int | None, int | None]:

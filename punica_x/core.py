@@ -46,6 +46,9 @@ class SamplingParams:
     frequency * count, minus presence if present); after temperature, min_p drops tokens less
     likely than min_p times the most likely one.
 
+    json_schema: a JSON schema (text, see punica_x.structured): the output is JSON valid
+    against it, and generation stops when the JSON is complete.
+
     logprobs: None, or return each generated token's logprob with this many (0..20) top
     alternatives. prompt_logprobs: likewise for every prompt token after the first (computed
     from the prefill's own forward pass, only for requests that ask)."""
@@ -67,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -145,6 +149,7 @@ class Request:
     # prompt_logprobs[i]: of prompt token i (None for i = 0), filled as prefill chunks run
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
+    matcher: object | None = None  # llguidance matcher when sampling.json_schema is set
 
     @property
     def all_token_ids(self) -> list[int]:

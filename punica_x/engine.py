@@ -27,6 +27,7 @@ from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
 from punica_x.planner import BatchPlanner, ScheduledRequest
 from punica_x.sampler import Sampler
+from punica_x.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Engine:
             attention = attention.configure(d.num_heads, d.num_kv_heads, d.head_dim, dtype)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed)
+        self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
         self.requests: dict[str, Request] = {}
@@ -100,9 +102,23 @@ class Engine:
             req.generator = torch.Generator().manual_seed(sampling.seed)
         if sampling.prompt_logprobs is not None:
             req.prompt_logprobs.append(None)  # the first token has no context to score it
+        if sampling.json_schema is not None:
+            try:
+                req.matcher = self._grammars().matcher(sampling.json_schema)
+            except ValueError:
+                if ref is not None:
+                    self.adapters.release(ref)
+                raise
         self.requests[req.request_id] = req
         self.batcher.add(req)
         return req
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            self.grammars = Grammars(
+                self.tokenizer, self.model.dims.vocab_size, self.loaded.eos_token_ids
+            )
+        return self.grammars
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -179,6 +195,8 @@ class Engine:
             r.output_token_ids.append(token)
             if logprob is not None:
                 r.logprobs.append(logprob)
+            if r.matcher is not None:
+                r.matcher.consume_token(token)
             r.first_token_time = r.first_token_time or now
             reason = self._stop_reason(r, token)
             sp = r.sampling
@@ -202,6 +220,8 @@ class Engine:
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         sp = r.sampling
+        if r.matcher is not None and r.matcher.is_stopped():
+            return FinishReason.STOP  # the JSON is complete
         if token in sp.stop_token_ids:
             r.stop_reason = token
             return FinishReason.STOP

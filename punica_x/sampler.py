@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from punica_x.core import Request
+from punica_x.structured import mask_constrained
 
 
 class Sampler:
@@ -53,12 +54,13 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits: [B, V] -> the same with logit_bias, repetition_penalty, frequency_penalty and
-    presence_penalty applied (SamplingParams documents them). Returns `logits` itself when no
-    request uses any, else a processed copy."""
+    """logits: [B, V] -> the same with logit_bias, repetition_penalty, frequency_penalty,
+    presence_penalty and the JSON-schema masks applied (SamplingParams documents them).
+    Returns `logits` itself when no request uses any, else a processed copy."""
     bias = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
     penalized = [i for i, r in enumerate(requests) if _penalized(r)]
-    if not bias and not penalized:
+    constrained = any(r.matcher is not None for r in requests)
+    if not bias and not penalized and not constrained:
         return logits
     logits = logits.clone()
     if bias:
@@ -70,6 +72,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
         )
     if penalized:
         logits[penalized] = _penalize(logits[penalized], [requests[i] for i in penalized])
+    if constrained:
+        mask_constrained(logits, requests)  # last: nothing re-enables a forbidden token
     return logits
 
 
