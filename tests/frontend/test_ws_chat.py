@@ -123,3 +123,34 @@ def test_query_token_is_never_logged(server, key):
     log = server.log.read_text()
     assert "/v1/chat/ws" in log  # the access line is there, without its query string
     assert key not in log
+
+
+def test_response_format_in_the_chat_frame(server, key):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    with connect(ws_url(server, key)) as ws:
+        ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "model": server.model_id,
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "a number"}],
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "n", "schema": schema},
+                    },
+                }
+            )
+        )
+        frames = read_reply(ws)
+    assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "stop"
+    text = "".join(f["text"] for f in frames if f["type"] == "token")
+    jsonschema.validate(json.loads(text), schema)

@@ -186,3 +186,19 @@ def test_bad_requests_are_refused_clearly(llm):
         SamplingParams(max_tokens=0)
     assert not llm.engine.has_unfinished()
     assert llm.generate(["hello"], ["r4"], GREEDY)[0].finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_ignores_the_batch_around_it(llm):
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True)
+    alone = llm.generate(["hello world"], ["r8"], sp)[0].token_ids
+    crowded = llm.generate(
+        ["the lazy dog", "hello world", "numbers 0123"], ["r4", "r8", None], [other, sp, other]
+    )[1].token_ids
+    assert alone == crowded
+    assert (
+        llm.generate(["hello world"], ["r8"], SamplingParams(**{**sp.__dict__, "seed": 7}))[
+            0
+        ].token_ids
+        != alone
+    )
