@@ -10,6 +10,10 @@ through a minimal SSE client (httpx, one json.loads per event): the gap between 
 ratios is what the openai client's parsing costs on the shared cores, not the server.
 
     python benchmarks/bench_serve.py [--clients 32] [--requests 64] [--max-tokens 64] [--adapters 8]
+
+With --features it answers another question on the same server and workload: how much of
+their throughput do plain requests keep when 1 in 8 requests asks for logprobs and 1 in 8 is
+constrained by a JSON schema (server formatting included)? See features().
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ async def run_clients(
 
     async def worker():
         while not queue.empty():
-            model, prompt = queue.get_nowait()
+            model, prompt, *extra = queue.get_nowait()
             last = time.perf_counter()
             first = True
             stream = await client.completions.create(
@@ -106,7 +110,7 @@ async def run_clients(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, **(extra[0] if extra else {})},
             )
             async for chunk in stream:
                 now = time.perf_counter()
@@ -198,8 +202,16 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="alternating offline/server rounds")
+    ap.add_argument(
+        "--features",
+        action="store_true",
+        help="instead: what logprobs and JSON-schema requests cost the plain ones (see features)",
+    )
     args = ap.parse_args()
     print(describe_machine(), flush=True)
+    if args.features:
+        features(args)
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     llm = LLM()
@@ -308,6 +320,69 @@ def main() -> None:
     )
     plot(ttft, itl)
     print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+# An array of many integers: a constrained request keeps decoding until max_tokens, like the
+# plain ones, so both modes do the same number of tokens.
+FEATURE_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
+
+
+def features(args) -> None:
+    """Server rounds alternating `plain` (every request plain) and `mixed` (1 in 8 asks for
+    logprobs with 5 alternatives, 1 in 8 is constrained by FEATURE_SCHEMA). The plain
+    requests are the same in both and every request runs to max_tokens, so elapsed(plain) /
+    elapsed(mixed) is the throughput the plain requests keep (target >= 0.95)."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-features-"))
+    llm = LLM()
+    prompts = make_prompts(llm.tokenizer, args.requests)
+    paths = make_adapters(llm.engine.loaded.model_dir, args.adapters, args.rank, tmp / "adapters")
+    del llm
+    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
+    fmt = {"type": "json_schema", "json_schema": {"name": "ints", "schema": FEATURE_SCHEMA}}
+    extras = [
+        {"logprobs": 5} if i % 8 == 3 else {"response_format": fmt} if i % 8 == 7 else {}
+        for i in range(args.requests)
+    ]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp / "data", port)
+    elapsed: dict[str, list[float]] = {"plain": [], "mixed": []}
+    try:
+        key, model_id = setup_tenant(url, tmp / "data", paths)
+        names = [
+            model_id if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}"
+            for i in picks
+        ]
+        jobs = {
+            "plain": [(n, p, {}) for n, p in zip(names, prompts)],
+            "mixed": [(n, p, e) for n, p, e in zip(names, prompts, extras)],
+        }
+        asyncio.run(run_clients(url, key, jobs["mixed"][:8], 8, 4))  # warm-up, grammar compiled
+        for _ in range(args.rounds):
+            for mode in ("plain", "mixed"):
+                t, *_ = asyncio.run(
+                    run_clients(url, key, jobs[mode], args.clients, args.max_tokens)
+                )
+                elapsed[mode].append(t)
+    finally:
+        server.terminate()
+        server.wait(30)
+    ratios = [p / m for p, m in zip(elapsed["plain"], elapsed["mixed"])]
+    row = {
+        "requests": args.requests,
+        "logprobs_requests": sum("logprobs" in e for e in extras),
+        "constrained_requests": sum("response_format" in e for e in extras),
+        "plain_s": statistics.median(elapsed["plain"]),
+        "mixed_s": statistics.median(elapsed["mixed"]),
+        "plain_kept": statistics.median(ratios),
+    }
+    print_table([row], list(row), "Server: plain requests next to logprobs and JSON-schema ones")
+    print(
+        "rounds: " + ", ".join(f"{r:.3f}" for r in ratios) + " (throughput the plain requests "
+        "keep, target >= 0.95)"
+    )
+    path = write_json("bench_serve_features", {"args": vars(args), "ratios": ratios, "row": row})
+    print(f"wrote {path}")
 
 
 def plot(ttft, itl) -> None:
