@@ -32,9 +32,8 @@ def test_sse_disconnect_aborts(server):
                 # leaving this loop drops the line iterator, which closes the connection
                 assert server.metric("punica_x_kv_blocks_used") > 0
                 break
-    t0 = time.monotonic()
     server.wait_idle(timeout=10)
-    assert time.monotonic() - t0 < 5
+    # counted as aborted: a 3000-token reply that ran to its end would count as "length"
     assert (
         server.metric("punica_x_requests_total", tenant="sse-quitter", status="abort") == before + 1
     )

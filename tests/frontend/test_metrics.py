@@ -30,6 +30,49 @@ def test_metrics_by_tenant_and_adapter(server, adapter_dirs):
     assert server.metric("punica_x_time_to_first_token_seconds_count", **labels) == 2
     assert server.metric("punica_x_inter_token_latency_seconds_count", **labels) == 2 * 8
     assert server.metric("punica_x_adapter_loads_total") >= 1
-    for gauge in ("punica_x_queue_length", "punica_x_batch_size", "punica_x_kv_blocks_used"):
-        assert server.metric(gauge) >= 0
+    for gauge in (
+        "punica_x_queue_length",
+        "punica_x_batch_size",
+        "punica_x_kv_blocks_used",
+        "punica_x_kv_blocks_free",
+        "punica_x_adapter_device_bytes",
+        "punica_x_preemptions_total",
+    ):
+        assert len(samples(server, gauge)) == 1, gauge  # present (metric() reads 0 if absent)
     assert server.metric("punica_x_kv_blocks_free") > 0
+
+
+def samples(server, name: str | None = None) -> list:
+    """The samples of one scrape (named `name`, or all)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.http(server.admin_token) as c:
+        text = c.get("/metrics").text
+    every = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return [s for s in every if name is None or s.name == name]
+
+
+def test_runner_gauges_while_two_requests_run(server):
+    key = server.create_tenant("gauged")
+    server.wait_idle()
+    free = server.metric("punica_x_kv_blocks_free")
+    body = {"model": server.model_id, "prompt": "hi", "max_tokens": 3000, "stream": True}
+    body["ignore_eos"] = True
+    with (
+        server.http(key) as c1,
+        server.http(key) as c2,
+        c1.stream("POST", "/v1/completions", json=body) as r1,
+        c2.stream("POST", "/v1/completions", json=body) as r2,
+    ):
+        # both are decoding once each has streamed a token; the line iterators stay
+        # referenced (dropping one closes its connection, which aborts the request)
+        lines = [r1.iter_lines(), r2.iter_lines()]
+        for it in lines:
+            while not next(it).startswith("data: {"):
+                pass
+        now = {s.name: s.value for s in samples(server)}  # one scrape: decoding goes on
+        assert now["punica_x_batch_size"] == 2 and now["punica_x_queue_length"] == 0
+        used = now["punica_x_kv_blocks_used"]
+        assert used >= 2 and now["punica_x_kv_blocks_free"] == free - used
+    server.wait_idle()
+    assert server.metric("punica_x_batch_size") == 0

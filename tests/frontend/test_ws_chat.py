@@ -108,12 +108,15 @@ def test_oversize_frames_close_with_1009(server, key):
 
 def test_disconnect_aborts_and_frees_kv(server, key):
     server.wait_idle()
+    before = server.metric("punica_x_requests_total", tenant="ws-user", status="abort")
     ws = connect(ws_url(server, key))
     chat(ws, server, max_tokens=3000)
     assert json.loads(ws.recv(timeout=30))["type"] == "token"
     assert server.metric("punica_x_kv_blocks_used") > 0
     ws.close()
     server.wait_idle(timeout=10)
+    # aborted, not run to its end (which would count as "length")
+    assert server.metric("punica_x_requests_total", tenant="ws-user", status="abort") == before + 1
 
 
 def test_query_token_is_never_logged(server, key):

@@ -54,7 +54,10 @@ def test_leaving_the_stream_aborts_and_frees_kv(setup):
         stream = engine.generate(
             "hello world", SamplingParams(max_tokens=500, ignore_eos=True), "r8"
         )
+        request = None
         async for out in stream:
+            # the only request in flight
+            request = request or await engine.call(lambda: next(iter(core.requests.values())))
             if len(out.token_ids) == 3:
                 break
         await stream.aclose()
@@ -62,9 +65,13 @@ def test_leaving_the_stream_aborts_and_frees_kv(setup):
             if not await engine.call(core.has_unfinished):
                 break
             await asyncio.sleep(0.01)
-        return await engine.call(lambda: core.cache.allocator.num_free)
+        return request, await engine.call(lambda: core.cache.allocator.num_free)
 
-    assert asyncio.run(main()) == free
+    request, now_free = asyncio.run(main())
+    # aborted, not finished: 500 tokens would take far longer than the polling above
+    assert request.finish_reason is FinishReason.ABORT
+    assert len(request.output_token_ids) < 100
+    assert now_free == free
     assert not core.requests
 
 
