@@ -124,7 +124,19 @@ def test_zip_symlink_and_bombs_are_refused(server, key):
     refused(post(server, key, archive=b"not an archive"), 400, "invalid_archive")
 
 
+def adapter_rows(server) -> int:
+    """Rows of the adapter table, whatever their state (read-only, beside the server)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{server.data_dir / 'punica-x.sqlite3'}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
+    finally:
+        db.close()
+
+
 def test_runner_checks_apply_before_the_runner(server, key, adapter_dirs, tmp_path):
+    rows = adapter_rows(server)
     files = files_of(adapter_dirs["b"])
     config = json.loads(files[CONFIG])
     refused(
@@ -160,6 +172,10 @@ def test_runner_checks_apply_before_the_runner(server, key, adapter_dirs, tmp_pa
     refused(post(server, key, name="../escape", files=files), 400, "invalid_name")
     with server.http(key) as c:
         assert c.get("/v1/adapters").json()["data"] == []  # nothing half-registered
+    # refused before any version was reserved for the runners (not even a pending row that
+    # was then aborted), and nothing left on disk
+    assert adapter_rows(server) == rows
+    assert list((server.data_dir / "staging").iterdir()) == []
 
 
 def test_config_code_fields_are_never_acted_on(server, key, adapter_dirs, tmp_path):
