@@ -57,7 +57,13 @@ def test_upload_archives(server, adapter_dirs):
             r = c.post("/v1/adapters", data={"name": name}, files={"archive": ("a.bin", data)})
             assert r.status_code == 201, r.text
             assert r.json()["rank"] == 8
-    assert complete(server, key, "from-tar") == complete(server, key, "from-zip")
+        files = {f: (f, (adapter_dirs["b"] / f).read_bytes()) for f in FILES}
+        r = c.post("/v1/adapters", data={"name": "from-files"}, files=files)
+        assert r.status_code == 201, r.text
+    # the archives carry the weights: same output as the plain upload, not the base model's
+    from_files = complete(server, key, "from-files")
+    assert complete(server, key, "from-tar") == complete(server, key, "from-zip") == from_files
+    assert from_files != complete(server, key, server.model_id)
 
 
 def test_new_version_swaps_atomically(server, adapter_dirs):

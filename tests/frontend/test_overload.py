@@ -90,6 +90,11 @@ def test_streams_per_key_are_capped(server):
     stop.set()
     for t in threads:
         t.join(30)
+    server.wait_idle()
+    with server.http(key) as c:  # the slots are free again once the streams ended
+        body = {"model": server.model_id, "prompt": "x", "max_tokens": 2, "stream": True}
+        for _ in range(3):
+            assert c.post("/v1/completions", json=body).status_code == 200
 
 
 def test_tenant_concurrency_limit_is_per_tenant(server):
@@ -104,6 +109,8 @@ def test_tenant_concurrency_limit_is_per_tenant(server):
     assert short(server, free).status_code == 200  # other tenants are unaffected
     stop.set()
     t.join(30)
+    server.wait_idle()
+    assert short(server, limited).status_code == 200  # its slot is free again
 
 
 def test_tokens_per_minute(server):

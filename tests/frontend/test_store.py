@@ -172,3 +172,13 @@ def test_admin_token_is_written_whole(tmp_path):
     path.write_text("")  # what a kill between create and write left before
     with pytest.raises(StoreError, match="is empty; delete it"):
         ensure_admin_token(tmp_path)
+
+
+def test_an_existing_admin_token_with_a_loose_mode_is_reused_as_is(tmp_path):
+    from frontend.auth import ensure_admin_token
+
+    path = tmp_path / "admin_token"
+    path.write_text("pxa-operator-made\n")
+    path.chmod(0o644)
+    assert ensure_admin_token(tmp_path) == ("pxa-operator-made", path, False)
+    assert oct(path.stat().st_mode & 0o777) == "0o644"  # not rewritten, not re-moded
