@@ -67,46 +67,52 @@ def test_upload_archives(server, adapter_dirs):
 
 
 def test_new_version_swaps_atomically(server, adapter_dirs):
+    """A stream that is certainly running when version 2 lands finishes on version 1;
+    requests arriving during the swap get one version or the other, whole, never an error."""
+    import json
+
     key = server.create_tenant("versioner")
     assert server.upload(key, "x", adapter_dirs["a"]).status_code == 201
-    old = complete(server, key, "x", n=400)
-    started, result = threading.Event(), {}
+    n = 1500
+    old = complete(server, key, "x", n=n)
+    old_short = complete(server, key, "x")
+    body = {
+        "model": "x",
+        "prompt": "hello world",
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    pieces, arrivals, stop = [], [], threading.Event()
 
-    def long_stream():
-        text = []
-        with (
-            server.http(key) as c,
-            c.stream(
-                "POST",
-                "/v1/completions",
-                json={
-                    "model": "x",
-                    "prompt": "hello world",
-                    "max_tokens": 400,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                },
-            ) as r,
-        ):
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    import json
+    def arrive():
+        while not stop.is_set():
+            arrivals.append(complete(server, key, "x"))  # asserts 200 itself
 
-                    chunk = json.loads(line[6:])
-                    text.append(chunk["choices"][0]["text"])
-                    started.set()
-        result["text"] = "".join(text)
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(30)
-    r = server.upload(key, "x", adapter_dirs["b"])  # replaces "x" while the stream runs
-    assert r.status_code == 201 and r.json()["version"] == 2
-    new = complete(server, key, "x", n=400)
-    t.join(60)
-    assert result["text"] == old  # the running request finished on version 1
-    assert new != old  # new requests use version 2
+    with server.http(key) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()  # kept referenced: dropping it would close the stream
+        for line in lines:
+            if line.startswith("data: {"):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                break
+        others = [threading.Thread(target=arrive) for _ in range(2)]
+        for t in others:
+            t.start()
+        up = server.upload(key, "x", adapter_dirs["b"])  # replaces "x" while the stream runs
+        assert up.status_code == 201 and up.json()["version"] == 2
+        stop.set()
+        for t in others:
+            t.join(60)
+        # the stream alone is still decoding after the swap returned: it landed mid-request
+        assert server.metric("punica_x_batch_size") == 1
+        for line in lines:
+            if line.startswith("data: {"):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(pieces) == old  # the running request finished on version 1
+    new_short = complete(server, key, "x")
+    assert new_short != old_short  # new requests use version 2
+    assert arrivals and set(arrivals) <= {old_short, new_short}
     with server.http(key) as c:
         assert c.get("/v1/adapters/x").json()["version"] == 2
 
