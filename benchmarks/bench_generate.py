@@ -96,10 +96,12 @@ def run_ours(llm: LLM, prompts, adapters, sp) -> float:
 
 
 def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
-    """Median seconds of a step once every request is decoding."""
+    """Median seconds of a step once every request is decoding. sp: one SamplingParams for
+    all, or one per request."""
     engine = llm.engine
-    for p, a in zip(prompts, adapters):
-        engine.add_request(p, sp, a)
+    sps = sp if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
+    for p, a, one in zip(prompts, adapters, sps):
+        engine.add_request(p, one, a)
     while any(
         r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
         for r in engine.requests.values()

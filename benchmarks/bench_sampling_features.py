@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench_generate import make_adapters, make_prompts
+from bench_generate import decode_step_time, make_adapters, make_prompts
 from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
@@ -51,23 +50,6 @@ def params(n: int, logprobs: int, constrained: int, max_tokens: int) -> list[Sam
     return out
 
 
-def step_time(llm: LLM, prompts, adapters, sps, steps: int) -> float:
-    """Median seconds of a decode step once every request is past its prompt."""
-    engine = llm.engine
-    for p, a, sp in zip(prompts, adapters, sps):
-        engine.add_request(p, sp, a)
-    while any(not r.output_token_ids for r in engine.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -86,12 +68,14 @@ def main() -> None:
         llm.load_adapter(f"a{i}", str(p))
     adapters = [f"a{i % 8}" if i % 9 else None for i in range(n)]
     max_tokens = 20 + args.steps + 8
-    step_time(llm, prompts, adapters, params(n, 8, 8, max_tokens), 2)  # warm: grammar, kernels
+    decode_step_time(
+        llm, prompts, adapters, params(n, 8, 8, max_tokens), 2
+    )  # warm: grammar, kernels
     samples: dict[str, list[float]] = {c: [] for c in CONFIGS}
     for _ in range(args.rounds):
         for name, (lp, cons) in CONFIGS.items():
             sps = params(n, lp, cons, max_tokens)
-            samples[name].append(step_time(llm, prompts, adapters, sps, args.steps))
+            samples[name].append(decode_step_time(llm, prompts, adapters, sps, args.steps))
     plain = statistics.median(samples["plain"])
     rows = []
     for name, (lp, cons) in CONFIGS.items():

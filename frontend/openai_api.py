@@ -86,14 +86,19 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
         await _close_all(streams)
         manager.release(caller, stream)
         raise
-    meta = _Meta(chat, model, sum(len(p) * n for p in prompts))
-    meta.text_of = TokenText(manager.tokenizer)
-    meta.echo, meta.score_only = echo, echo and body.get("max_tokens") == 0
-    meta.prompt_texts = [
-        t if t is not None else manager.tokenizer.decode(p)
-        for p, t in zip(prompts, texts)
-        for _ in range(n)
-    ]
+    meta = _Meta(
+        chat,
+        model,
+        sum(len(p) * n for p in prompts),
+        TokenText(manager.tokenizer),
+        echo=echo,
+        score_only=echo and body.get("max_tokens") == 0,
+        prompt_texts=[
+            t if t is not None else manager.tokenizer.decode(p)
+            for p, t in zip(prompts, texts)
+            for _ in range(n)
+        ],
+    )
     if stream:
         return StreamingResponse(
             _sse(manager, caller, streams, meta, include_usage),
@@ -110,13 +115,23 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
 
 
 class _Meta:
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        prompt_tokens: int,
+        text_of: TokenText,
+        echo: bool = False,
+        score_only: bool = False,
+        prompt_texts: list[str] | None = None,
+    ) -> None:
+        """echo, score_only (echo with max_tokens 0): completions only; prompt_texts: the
+        prompt's text per choice index (what echo returns)."""
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_of: TokenText | None = None
-        self.echo = self.score_only = False  # completions: echo; echo with max_tokens 0
-        self.prompt_texts: list[str] = []  # per choice index
+        self.text_of, self.echo, self.score_only = text_of, echo, score_only
+        self.prompt_texts = prompt_texts or []
         self._offsets: dict[int, int] = {}  # streaming: text offset of a choice's next token
 
     def completion_text(self, index: int, out: RequestOutput) -> str:
