@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from punica_x.core import RequestOutput, SamplingParams
+from punica_x.core import RequestOutput, Resume, SamplingParams
 from punica_x.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,28 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT = 0.005  # seconds to wait for commands while requests wait on adapter loads
 
 
+class RunnerLost(RuntimeError):
+    """The engine stopped (a step raised, with on_step_error="stop") while the request was
+    unfinished; the outputs delivered before this are all it produced."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    """on_step_error: "fail" finishes the batch with ERROR and keeps stepping (one engine on
+    its own); "stop" stops the engine and ends every open stream with RunnerLost, so a
+    scheduler can continue the requests elsewhere."""
+
+    def __init__(self, engine: Engine, on_step_error: str = "fail") -> None:
+        if on_step_error not in ("fail", "stop"):
+            raise ValueError(f"on_step_error must be fail or stop, got {on_step_error!r}")
         self.engine = engine
+        self.on_step_error = on_step_error
+        self.error: str | None = None  # why the engine stopped, if a step raised
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
-        # outputs of the current step, handed to the event loops in one wake-up per loop
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
+        # what the current step produced (outputs, preemption notices), handed to the event
+        # loops in one wake-up per loop
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
+        self._open: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._loop, name="punica-x-engine", daemon=True)
         self._thread.start()
 
@@ -44,21 +60,40 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         adapter: str | None = None,
         request_id: str | None = None,
+        resume: Resume | None = None,
+        on_preempt: Callable[[], None] | None = None,
     ) -> RequestStream:
         """Add a request (raising ValueError / UnknownAdapterError at once if it is refused)
-        and return the stream of its outputs."""
+        and return the stream of its outputs. resume: see Engine.add_request. on_preempt is
+        called on this event loop after a step that preempted the request for KV memory."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
 
         def on_output(out: RequestOutput) -> None:  # on the engine thread, during a step
-            self._outbox.append((loop, outputs, out))
+            self._outbox.append((loop, functools.partial(outputs.put_nowait, out)))
+            if out.finished:
+                self._open.pop(out.request_id, None)
 
-        req = await self.call(
-            lambda: self.engine.add_request(
-                prompt, sampling, adapter, request_id, on_output=on_output
+        def preempted(rid: str) -> None:  # on the engine thread, during a step
+            if on_preempt is not None:
+                self._outbox.append((loop, on_preempt))
+
+        def add():
+            req = self.engine.add_request(
+                prompt, sampling, adapter, request_id, on_output, resume, preempted
             )
-        )
+            self._open[req.request_id] = (loop, outputs)
+            return req
+
+        req = await self.call(add)
         return RequestStream(self, req.request_id, outputs)
+
+    async def take(self, request_id: str) -> Resume | None:
+        """Engine.take on the engine thread: the request leaves without an output. Every
+        output it produced before is already in its stream's queue when this returns."""
+        resume = await self.call(lambda: self.engine.take(request_id))
+        self._open.pop(request_id, None)
+        return resume
 
     async def generate(
         self,
@@ -84,7 +119,7 @@ class AsyncEngine:
     def submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
         if self._stop.is_set():
-            future.set_exception(RuntimeError("the engine is shut down"))
+            future.set_exception(RunnerLost(self.error or "the engine is shut down"))
             return future
         self._commands.put((fn, future))
         return future
@@ -111,16 +146,29 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._step()
             self._flush()
-        for rid in list(self.engine.requests):
-            self.engine.abort(rid)
+        if self.error is not None:  # stopped by a failed step: the streams end with RunnerLost
+            lost = RunnerLost(self.error)
+            for loop, outputs in self._open.values():
+                self._outbox.append((loop, functools.partial(outputs.put_nowait, lost)))
+            self._open.clear()
+        else:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
         self._flush()
+        while True:  # commands that raced the stop get an answer instead of waiting forever
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RunnerLost(self.error or "the engine is shut down"))
 
     def _flush(self) -> None:
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue_, out in self._outbox:
-            by_loop.setdefault(loop, []).append((queue_, out))
+        for loop, fn in self._outbox:
+            by_loop.setdefault(loop, []).append(fn)
         self._outbox = []
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
@@ -148,8 +196,13 @@ class AsyncEngine:
         try:
             self.engine.step()
         except Exception as exc:  # never leave callers waiting on a dead loop
-            log.exception("engine step failed; failing the batch")
-            self.engine.fail_all(f"engine step failed: {exc}")
+            if self.on_step_error == "stop":
+                log.exception("engine step failed; stopping this engine")
+                self.error = f"engine step failed: {type(exc).__name__}: {exc}"
+                self._stop.set()
+            else:
+                log.exception("engine step failed; failing the batch")
+                self.engine.fail_all(f"engine step failed: {exc}")
 
 
 class RequestStream:
@@ -172,8 +225,15 @@ class RequestStream:
         except BaseException:  # cancelled while waiting: the consumer is gone
             await self.aclose()
             raise
+        if isinstance(out, RunnerLost):
+            self._done = True
+            raise out
         self._done = out.finished
         return out
+
+    def detach(self) -> None:
+        """Stop listening without aborting (the request was taken elsewhere)."""
+        self._done = True
 
     async def aclose(self) -> None:
         if not self._done:
@@ -182,6 +242,6 @@ class RequestStream:
             self.engine.submit(lambda: self.engine.engine.abort(rid))
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue_, out in items:
-        queue_.put_nowait(out)
+def _deliver(items: list[Callable[[], None]]) -> None:
+    for fn in items:
+        fn()

@@ -26,6 +26,7 @@ class Batcher:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -93,3 +94,4 @@ class Batcher:
         r.status = RequestStatus.WAITING
         self.waiting.appendleft(r)
         self.num_preemptions += 1
+        self.preempted.append(r)

@@ -135,6 +135,7 @@ class Request:
     adapter: AdapterRef | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_output: Callable[[RequestOutput], None] | None = None
+    on_preempt: Callable[[str], None] | None = None  # told after a step that preempted it
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -143,7 +144,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
     # prompt_logprobs[i]: of prompt token i (None for i = 0), filled as prefill chunks run
@@ -162,6 +162,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request stands when it moves to another runner (migration by recomputation,
+    Punica sec. 5.3): the tokens generated so far (their KV is recomputed on the target with
+    the prompt), their logprobs, the prompt logprobs once complete, and how many characters
+    of text the caller has already been sent. Seeded sampling depends only on the seed and
+    the number of tokens generated (Sampler), so the output continues exactly as it would
+    have on the source."""
+
+    output_token_ids: tuple[int, ...]
+    emitted_chars: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)

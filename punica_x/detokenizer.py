@@ -51,6 +51,20 @@ class Detokenizer:
         st.emitted = upto
         return new, matched
 
+    def prime(
+        self, request_id: str, token_ids: list[int], skip_special: bool, emitted: int
+    ) -> None:
+        """State of a request that continues here (migration): its text so far, of which the
+        caller already has `emitted` characters. A stop string would have ended it, so none is
+        in the text."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+        text = text.rstrip("\ufffd")
+        self.states[request_id] = DetokenizerState(text, emitted)
+
+    def emitted(self, request_id: str) -> int:
+        st = self.states.get(request_id)
+        return st.emitted if st else 0
+
     def text(self, request_id: str) -> str:
         st = self.states.get(request_id)
         return st.text if st else ""

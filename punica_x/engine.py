@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from punica_x.attention import choose_attention
 from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
@@ -15,6 +13,7 @@ from punica_x.core import (
     Request,
     RequestOutput,
     RequestStatus,
+    Resume,
     SamplingParams,
     TokenLogprob,
 )
@@ -81,8 +80,14 @@ class Engine:
         adapter: str | None = None,
         request_id: str | None = None,
         on_output=None,
+        resume: Resume | None = None,
+        on_preempt=None,
     ) -> Request:
-        """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError."""
+        """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError.
+
+        resume: continue a request that ran elsewhere (see Resume): its generated tokens are
+        recomputed with the prompt and generation goes on from there; outputs carry the
+        totals (token_ids, text, logprobs) of the whole request, and new_* only what is new."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(ids)
         sampling = sampling or SamplingParams()
@@ -91,27 +96,80 @@ class Engine:
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab})")
         ref = self.adapters.acquire(adapter) if adapter is not None else None
-        req = Request(prompt_token_ids=ids, sampling=sampling, adapter=ref, on_output=on_output)
+        req = Request(
+            prompt_token_ids=ids,
+            sampling=sampling,
+            adapter=ref,
+            on_output=on_output,
+            on_preempt=on_preempt,
+        )
         if request_id is not None:
             req.request_id = request_id
         if req.request_id in self.requests:
             if ref is not None:
                 self.adapters.release(ref)
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(sampling.seed)
         if sampling.prompt_logprobs is not None:
             req.prompt_logprobs.append(None)  # the first token has no context to score it
-        if sampling.json_schema is not None:
-            try:
+        try:
+            if sampling.json_schema is not None:
                 req.matcher = self._grammars().matcher(sampling.json_schema)
-            except ValueError:
-                if ref is not None:
-                    self.adapters.release(ref)
-                raise
+            if resume is not None:
+                self._resume(req, resume)
+        except ValueError:
+            if ref is not None:
+                self.adapters.release(ref)
+            raise
         self.requests[req.request_id] = req
         self.batcher.add(req)
         return req
+
+    def _resume(self, req: Request, resume: Resume) -> None:
+        tokens = list(resume.output_token_ids)
+        if len(tokens) >= req.sampling.max_tokens:
+            raise ValueError("a resumed request has no tokens left to generate")
+        if len(req.prompt_token_ids) + len(tokens) >= self.max_model_len:
+            raise ValueError("a resumed request has no room left in the model's context")
+        vocab = self.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError("a resumed request has token ids outside the vocabulary")
+        req.output_token_ids = tokens
+        req.num_preemptions = resume.num_preemptions
+        if req.sampling.logprobs is not None:
+            req.logprobs = list(resume.logprobs)
+        if req.sampling.prompt_logprobs is not None and resume.prompt_logprobs is not None:
+            req.prompt_logprobs = list(resume.prompt_logprobs)
+        if req.matcher is not None:
+            for t in tokens:
+                req.matcher.consume_token(t)
+        sp = req.sampling
+        self.detokenizer.prime(req.request_id, tokens, sp.skip_special_tokens, resume.emitted_chars)
+
+    def take(self, request_id: str) -> Resume | None:
+        """Remove an unfinished request without finishing it (no output is emitted) and return
+        where it stands, to continue it on another runner; None if it is not here (finished,
+        aborted, unknown). Its KV blocks and adapter reference are released."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        resume = Resume(
+            output_token_ids=tuple(req.output_token_ids),
+            emitted_chars=self.detokenizer.emitted(request_id),
+            logprobs=tuple(req.logprobs),
+            prompt_logprobs=(
+                tuple(req.prompt_logprobs)
+                if len(req.prompt_logprobs) == len(req.prompt_token_ids)
+                else None
+            ),
+            num_preemptions=req.num_preemptions,
+        )
+        self.batcher.remove(req)
+        req.status = RequestStatus.FINISHED
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)
+        self.detokenizer.drop(request_id)
+        self.requests.pop(request_id, None)
+        return resume
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
@@ -164,6 +222,7 @@ class Engine:
         scheduled, overflow = self.batcher.schedule()
         for r in overflow:
             outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error="KV cache is full"))
+        self._tell_preempted()
         if not scheduled:
             return outputs
         batch, ordered = self.planner.plan(scheduled)
@@ -230,6 +289,15 @@ class Engine:
         if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _tell_preempted(self) -> None:
+        preempted, self.batcher.preempted = self.batcher.preempted, []
+        for r in preempted:
+            if r.on_preempt is not None and not r.finished and r.status is RequestStatus.WAITING:
+                try:
+                    r.on_preempt(r.request_id)
+                except Exception:
+                    log.exception("on_preempt callback of %s failed", r.request_id)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         broken = [r for r in self.batcher.waiting if r.adapter is not None and r.adapter.error]

@@ -9,10 +9,23 @@ import torch
 from punica_x.core import Request
 from punica_x.structured import mask_constrained
 
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the 64-bit seed space
+_MASK = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request's `step`-th sampled token (0-based)."""
+    return ((seed & _MASK) * _GOLDEN + step * 0xBF58476D1CE4E5B9 + 1) & _MASK
+
 
 class Sampler:
+    """Unseeded requests draw from the engine's generator. A request with a seed draws its
+    n-th token from a generator seeded with step_seed(seed, n): its output depends only on
+    its own seed and position, never on the batch it ran in or the runner it moved to."""
+
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self._seeded = torch.Generator()
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] float32, one row per request -> one token id per request."""
@@ -22,7 +35,11 @@ class Sampler:
         if random_rows:
             probs = self._probs(logits[random_rows].cpu(), [requests[i] for i in random_rows])
             for row, i in enumerate(random_rows):
-                gen = requests[i].generator or self.generator
+                r = requests[i]
+                gen = self.generator
+                if r.sampling.seed is not None:
+                    gen = self._seeded
+                    gen.manual_seed(step_seed(r.sampling.seed, len(r.output_token_ids)))
                 tokens[i] = int(torch.multinomial(probs[row], 1, generator=gen))
         return tokens
 

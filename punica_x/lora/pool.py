@@ -175,6 +175,18 @@ class AdapterPool:
         with self._lock:
             return sorted(self._current)
 
+    def resident(self) -> frozenset[str]:
+        """Names whose current version is on the device now (a request for them needs no
+        load)."""
+        with self._lock:
+            return frozenset(n for n, v in self._current.items() if v.device is not None)
+
+    def check(self, name: str) -> None:
+        """Raise UnknownAdapterError unless `name` is registered."""
+        with self._lock:
+            if name not in self._current:
+                raise UnknownAdapterError(name)
+
     # -- requests -----------------------------------------------------------------------
     def acquire(self, name: str) -> AdapterRef:
         with self._lock:

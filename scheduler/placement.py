@@ -1,0 +1,128 @@
+"""Placement policy (Punica sec. 5.1): which runner takes a request, and what the operator
+should do about the cluster's size. Pure functions of snapshots: no runner is started or
+asked anything, so tests and the cluster simulator call the very code the server runs.
+
+Consolidation: a request goes to the runner with the LARGEST working set (requests it
+holds) that still has batch room and KV room for it; only when none has room does it wait
+at the scheduler, first come first served. Packing work onto few runners keeps the others
+idle, so they can be scaled down, and large batches are what the shared backbone is cheap
+for. Among runners that already hold work, one where the request's adapter is resident
+wins (no load, as Ray Serve's multiplexed routing does); an idle runner is only picked when
+no busy one has room, even if it holds the adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ACTIVE = "active"
+STATES = ("starting", "active", "draining", "dead")
+
+
+@dataclass(frozen=True)
+class RunnerSnapshot:
+    """One runner as the scheduler sees it. working_set: requests placed on it and not yet
+    finished (running, or waiting in its own batcher). kv_blocks_committed: blocks those
+    requests need for the tokens they hold now (+1 each for the next), whether allocated
+    yet or not; kv_blocks_total: the runner's pool."""
+
+    runner_id: str
+    state: str
+    working_set: int
+    max_batch_size: int
+    kv_blocks_total: int
+    kv_blocks_committed: int
+    block_size: int
+    resident_adapters: frozenset[str] = frozenset()
+    index: int = 0  # order of creation: the tie-break, so placement is deterministic
+
+    @property
+    def kv_blocks_room(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_committed
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A request to place: its adapter (None: the base model) and the tokens it holds (prompt
+    plus, for a migrated request, those generated so far)."""
+
+    adapter: str | None
+    num_tokens: int
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks a request holding num_tokens needs to compute its next token."""
+    return -(-(num_tokens + 1) // block_size)
+
+
+def has_room(r: RunnerSnapshot, demand: Demand) -> bool:
+    return (
+        r.state == ACTIVE
+        and r.working_set < r.max_batch_size
+        and r.kv_blocks_room >= blocks_for(demand.num_tokens, r.block_size)
+    )
+
+
+def place(
+    runners: Sequence[RunnerSnapshot], demand: Demand, exclude: frozenset[str] = frozenset()
+) -> str | None:
+    """The runner id to take `demand`, or None when no active runner has room (the request
+    waits at the scheduler). `exclude`: runners not to use (the source of a migration)."""
+    fits = [r for r in runners if r.runner_id not in exclude and has_room(r, demand)]
+    if not fits:
+        return None
+
+    def key(r: RunnerSnapshot):
+        resident = demand.adapter is None or demand.adapter in r.resident_adapters
+        return (r.working_set > 0, resident, r.working_set, -r.index)
+
+    return max(fits, key=key).runner_id
+
+
+def fits_alone(r: RunnerSnapshot, demand: Demand) -> bool:
+    """Whether `demand` could ever run on r (an empty r has room for it)."""
+    return blocks_for(demand.num_tokens, r.block_size) <= r.kv_blocks_total
+
+
+@dataclass(frozen=True)
+class Advice:
+    action: str  # "scale_up" | "scale_down" | "none"
+    runner_id: str | None = None  # for scale_down: the runner to drain
+    reason: str = ""
+
+
+def advise(
+    runners: Sequence[RunnerSnapshot],
+    queued: int,
+    idle_seconds: dict[str, float],
+    idle_after: float = 60.0,
+) -> Advice:
+    """scale_up when requests wait at the scheduler because every active runner is full;
+    scale_down when an active runner has been idle for idle_after seconds while the others
+    have room for its share (it is named: the least loaded, newest first); else none.
+    idle_seconds: per runner id, how long it has held no request (0 when busy)."""
+    active = [r for r in runners if r.state == ACTIVE]
+    if queued > 0:
+        return Advice("scale_up", None, f"{queued} requests wait and every runner is full")
+    if len(active) <= 1:
+        return Advice("none")
+    idle = [
+        r for r in active if r.working_set == 0 and idle_seconds.get(r.runner_id, 0) >= idle_after
+    ]
+    if idle:
+        victim = max(idle, key=lambda r: r.index)
+        others = [r for r in active if r.runner_id != victim.runner_id]
+        if any(r.working_set < r.max_batch_size for r in others):
+            return Advice(
+                "scale_down", victim.runner_id, f"{victim.runner_id} idle for {idle_after:g}s"
+            )
+    return Advice("none")
+
+
+def drain_choice(runners: Sequence[RunnerSnapshot]) -> str | None:
+    """The runner `admin scale down` drains when none is named: the least loaded active one
+    (newest on ties); None when it is the last active runner."""
+    active = [r for r in runners if r.state == ACTIVE]
+    if len(active) <= 1:
+        return None
+    return min(active, key=lambda r: (r.working_set, r.kv_blocks_committed, -r.index)).runner_id

@@ -1,0 +1,77 @@
+"""Placement policy: consolidation onto the busiest runner with room, adapter residency among
+busy runners, KV and batch room, scheduler queueing, advice and the drain choice."""
+
+from __future__ import annotations
+
+from scheduler.placement import Demand, RunnerSnapshot, advise, drain_choice, place
+
+
+def snap(rid, working=0, kv_used=0, state="active", adapters=(), index=None, total=100, batch=4):
+    return RunnerSnapshot(
+        runner_id=rid,
+        state=state,
+        working_set=working,
+        max_batch_size=batch,
+        kv_blocks_total=total,
+        kv_blocks_committed=kv_used,
+        block_size=16,
+        resident_adapters=frozenset(adapters),
+        index=int(rid[-1]) if index is None else index,
+    )
+
+
+SMALL = Demand(None, 30)  # 2 blocks
+
+
+def test_consolidates_onto_the_largest_working_set_with_room():
+    runners = [snap("r0", 1), snap("r1", 3), snap("r2", 2)]
+    assert place(runners, SMALL) == "r1"
+    full = [snap("r0", 1), snap("r1", 4), snap("r2", 2)]  # r1's batch is full
+    assert place(full, SMALL) == "r2"
+
+
+def test_kv_room_counts_blocks_for_the_next_token():
+    runners = [snap("r0", 1), snap("r1", 3, kv_used=98)]
+    assert place(runners, Demand(None, 31)) == "r1"  # 32 tokens: 2 blocks, 2 left
+    assert place(runners, Demand(None, 32)) == "r0"  # 33 tokens need 3
+
+
+def test_resident_adapter_wins_among_busy_runners_not_over_an_idle_one():
+    runners = [snap("r0", 1, adapters={"a"}), snap("r1", 3), snap("r2", 0, adapters={"b"})]
+    assert place(runners, Demand("a", 10)) == "r0"  # busy and resident beats busier
+    assert place(runners, Demand("b", 10)) == "r1"  # an idle runner stays idle
+    assert place(runners, Demand("c", 10)) == "r1"
+
+
+def test_only_active_runners_and_not_excluded_ones():
+    runners = [
+        snap("r0", 2, state="draining"),
+        snap("r1", 1, state="starting"),
+        snap("r2", 3, state="dead"),
+        snap("r3", 0),
+    ]
+    assert place(runners, SMALL) == "r3"
+    assert place(runners, SMALL, exclude=frozenset({"r3"})) is None
+
+
+def test_no_room_anywhere_queues():
+    assert place([snap("r0", 4), snap("r1", 1, kv_used=99)], SMALL) is None
+
+
+def test_ties_go_to_the_oldest_runner():
+    assert place([snap("r2", 0), snap("r0", 0), snap("r1", 0)], SMALL) == "r0"
+
+
+def test_advice():
+    busy = [snap("r0", 4), snap("r1", 4)]
+    assert advise(busy, queued=3, idle_seconds={}).action == "scale_up"
+    mixed = [snap("r0", 2), snap("r1", 0), snap("r2", 0)]
+    assert advise(mixed, 0, {"r1": 5.0, "r2": 5.0}, idle_after=60).action == "none"
+    a = advise(mixed, 0, {"r1": 61.0, "r2": 61.0}, idle_after=60)
+    assert (a.action, a.runner_id) == ("scale_down", "r2")
+    assert advise([snap("r0", 0)], 0, {"r0": 1e9}).action == "none"  # never the last one
+
+
+def test_drain_choice_is_the_least_loaded_and_never_the_last():
+    assert drain_choice([snap("r0", 3), snap("r1", 1), snap("r2", 2)]) == "r1"
+    assert drain_choice([snap("r0", 3), snap("r1", 0, state="draining")]) is None
