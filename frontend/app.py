@@ -50,7 +50,15 @@ class ServerState:
     def load(self) -> None:
         """Load the model and start the runner (runs on a background thread)."""
         try:
-            self.scheduler = Scheduler([LocalRunner(self.config.engine)])
+            engine = self.config.engine
+            first = LocalRunner(engine, "runner-0")
+            shared = first.engine.loaded
+
+            def factory(runner_id: str) -> LocalRunner:
+                return LocalRunner(engine, runner_id, shared=shared)
+
+            runners = [first] + [factory(f"runner-{i}") for i in range(1, self.config.runners)]
+            self.scheduler = Scheduler(runners, factory)
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"

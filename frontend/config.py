@@ -8,6 +8,7 @@ from pathlib import Path
 from punica_x.config import EngineConfig
 
 MiB = 1 << 20
+RUNNER_BACKENDS = ("thread",)
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,13 @@ class ServerConfig:
     data_dir: Path = Path("data")
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
+    runners: int = 1  # runners started with the server (admin scale adds and removes them)
+    runner_backend: str = "thread"
+
+    def __post_init__(self) -> None:
+        if self.runners < 1:
+            raise ValueError(f"runners must be >= 1, got {self.runners}")
+        if self.runner_backend not in RUNNER_BACKENDS:
+            raise ValueError(
+                f"runner_backend must be one of {RUNNER_BACKENDS}, got {self.runner_backend!r}"
+            )

@@ -31,7 +31,7 @@ from punica_x.core import MAX_LOGPROBS, RequestOutput, SamplingParams
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.structured import JSON_OBJECT, canonical_schema, compile_json_schema
-from scheduler.cluster import Scheduler
+from scheduler.cluster import NoRunner, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -498,6 +498,8 @@ class FrontendManager:
             ) from None
         except ValueError as exc:
             raise bad_request("invalid_prompt", str(exc)) from None
+        except NoRunner:
+            raise ApiError(503, "not_ready", "no runner can take work", retry_after=5) from None
         return self._observe(caller, model, prompt, stream)
 
     async def _observe(

@@ -33,6 +33,14 @@ class RunnerLost(RuntimeError):
     unfinished; the outputs delivered before this are all it produced."""
 
 
+class StreamMoved(Exception):
+    """The request was taken off this engine (Engine.take); every output it produced here came
+    before this."""
+
+
+_MOVED = object()
+
+
 class AsyncEngine:
     """on_step_error: "fail" finishes the batch with ERROR and keeps stepping (one engine on
     its own); "stop" stops the engine and ends every open stream with RunnerLost, so a
@@ -228,12 +236,16 @@ class RequestStream:
         if isinstance(out, RunnerLost):
             self._done = True
             raise out
+        if out is _MOVED:
+            self._done = True
+            raise StreamMoved(self.request_id)
         self._done = out.finished
         return out
 
-    def detach(self) -> None:
-        """Stop listening without aborting (the request was taken elsewhere)."""
-        self._done = True
+    def moved(self) -> None:
+        """Mark the end of this engine's outputs after a take: a reader gets the outputs
+        already queued, then StreamMoved."""
+        self._outputs.put_nowait(_MOVED)
 
     async def aclose(self) -> None:
         if not self._done:

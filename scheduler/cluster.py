@@ -1,20 +1,68 @@
-"""The scheduler object the frontend talks to.
+"""The scheduler the frontend talks to: one control plane over N runners.
 
-One in-process runner today; placement over many runners (Punica sec. 5.1), migration and
-MLFQ arrive with their issue behind this same object. Adapters are registered on every
-runner under the key the frontend chooses (tenant-scoped, so tenants never collide)."""
+Placement is scheduler/placement.py (consolidation, Punica sec. 5.1); requests that find no
+room wait here, first come first served, and are placed as room appears. The scheduler
+holds every request's prompt and everything it has streamed, so a request can move:
+
+- kv_pressure: a runner that runs out of KV memory preempts its newest request (batcher.py);
+  if another runner has room, the request moves there instead of waiting on its own runner;
+- drain: `drain(runner_id)` (scale-down) moves every request away, then stops the runner;
+- failure: a runner whose engine stopped (a step raised, its thread or process died) loses
+  nothing: its requests continue on the other runners from what they had streamed.
+
+A move recomputes (Punica sec. 5.3): the target prefills prompt + generated tokens and goes
+on (see punica_x.core.Resume); the client's stream continues with no token missing or
+repeated, and greedy and seeded output equal a run that never moved. A request that fails
+on MAX_FAILURES runners ends with an error instead of taking the cluster down with it.
+
+Adapters are registered on every runner (new runners get all current ones before they take
+work) under the key the frontend chooses (tenant-scoped, so tenants never collide)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from punica_x.core import RequestOutput, SamplingParams
+from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
+from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
 from punica_x.lora.adapter import LoraTarget
-from punica_x.lora.pool import AdapterInfo
+from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.interface import ModelInfo, RunnerStats
 from scheduler.local import LocalRunner
+from scheduler.placement import (
+    ACTIVE,
+    Advice,
+    Demand,
+    RunnerSnapshot,
+    advise,
+    blocks_for,
+    drain_choice,
+    place,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_FAILURES = 3  # runners a request may see fail under it before it ends with an error
+KEEP_DEAD = 8  # dead runners still listed (GET /admin/runners) before the oldest is dropped
+
+
+class ClusterError(Exception):
+    """A refused cluster operation; `status` is the HTTP status the admin API answers."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class NoRunner(RuntimeError):
+    """No runner is active: nothing can take a request now."""
 
 
 @dataclass(frozen=True)
@@ -24,49 +72,561 @@ class SchedulerInfo:
     max_lora_rank: int
 
 
+@dataclass(eq=False)
+class RunnerSlot:
+    """A runner as the scheduler tracks it (handle is None while it starts)."""
+
+    runner_id: str
+    index: int
+    backend: str
+    handle: LocalRunner | None = None
+    state: str = "starting"
+    streams: dict[str, ClusterStream] = field(default_factory=dict)
+    idle_since: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+    def snapshot(self) -> RunnerSnapshot:
+        h = self.handle
+        if h is None:
+            return RunnerSnapshot(self.runner_id, self.state, 0, 0, 0, 0, 1, index=self.index)
+        committed = sum(blocks_for(s.num_tokens, h.block_size) for s in self.streams.values())
+        return RunnerSnapshot(
+            runner_id=self.runner_id,
+            state=self.state,
+            working_set=len(self.streams),
+            max_batch_size=h.max_batch_size,
+            kv_blocks_total=h.kv_blocks_total,
+            kv_blocks_committed=committed,
+            block_size=h.block_size,
+            resident_adapters=h.resident_adapters(),
+            index=self.index,
+        )
+
+
 class Scheduler:
-    def __init__(self, runners: list[LocalRunner]) -> None:
+    """runners: started runners (at least one). factory(runner_id) builds one more runner of
+    the same backend (blocking; it runs on a worker thread) for scale-up; None: fixed size."""
+
+    def __init__(
+        self,
+        runners: list[LocalRunner],
+        factory: Callable[[str], LocalRunner] | None = None,
+        idle_after: float = 60.0,
+    ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
-        self.runners = runners
         first = runners[0]
         engine = first.engine
         self.info = SchedulerInfo(
             first.model, engine.adapters.target, engine.config.lora.max_lora_rank
         )
         self.tokenizer = first.tokenizer
+        self.factory = factory
+        self.idle_after = idle_after
+        self._index = itertools.count()
+        self.slots: list[RunnerSlot] = []
+        for r in runners:
+            self.slots.append(
+                RunnerSlot(r.runner_id, next(self._index), r.backend, r, state=ACTIVE)
+            )
+        self._queue: collections.deque[ClusterStream] = collections.deque()
+        self._adapters: dict[str, tuple[Path, str | None]] = {}
+        self.migrations: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
+        self._tasks: set[asyncio.Task] = set()
 
-    def _pick(self) -> LocalRunner:
-        return self.runners[0]
-
+    # -- requests -----------------------------------------------------------------------------
     async def open(
         self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """Place a request on a runner; see RunnerHandle.open."""
-        return await self._pick().open(prompt, sampling, adapter, request_id)
+    ) -> ClusterStream:
+        """Place a request (or queue it here when no runner has room) and return its output
+        stream; refusals (ValueError, UnknownAdapterError) raise here, NoRunner when no runner
+        is active. Closing the stream aborts the request."""
+        self.check_runners()
+        active = self._active()
+        if not active:
+            raise NoRunner("no runner is active")
+        active[0].handle.validate(prompt, sampling, adapter)
+        stream = ClusterStream(self, list(prompt), sampling, adapter, request_id)
+        if self._queue:  # first come, first served: nobody overtakes a waiting request
+            self._queue.append(stream)
+            self._kick()
+        else:
+            target = self._place(stream)
+            if target is None:
+                self._queue.append(stream)
+            else:
+                await self._attach(stream, target, initial=True)
+        return stream
 
+    def _active(self) -> list[RunnerSlot]:
+        return [s for s in self.slots if s.state == ACTIVE]
+
+    def _slot(self, runner_id: str) -> RunnerSlot:
+        for s in self.slots:
+            if s.runner_id == runner_id:
+                return s
+        raise ClusterError(404, "runner_not_found", f"no runner {runner_id!r}")
+
+    def snapshots(self) -> list[RunnerSnapshot]:
+        return [s.snapshot() for s in self.slots]
+
+    def _place(self, stream: ClusterStream, exclude: frozenset[str] = frozenset()):
+        rid = place(self.snapshots(), stream.demand(), exclude)
+        return None if rid is None else self._slot(rid)
+
+    async def _attach(self, stream: ClusterStream, slot: RunnerSlot, initial: bool = False) -> None:
+        """Open `stream` on `slot`. initial: the caller's open() (refusals raise to it);
+        otherwise failures end the stream with an error output or move it on."""
+        slot.streams[stream.request_id] = stream  # counted by placement from now on
+        stream.slot = slot
+        stream.runners_seen.append(slot.runner_id)
+        try:
+            inner = await slot.handle.open(
+                stream.prompt,
+                stream.sampling,
+                stream.adapter,
+                stream.request_id,
+                stream.resume,
+                on_preempt=lambda: self._preempted(stream),
+            )
+        except RunnerLost as exc:
+            slot.streams.pop(stream.request_id, None)
+            stream.slot = None
+            self._runner_died(slot, str(exc))
+            if initial:
+                target = self._place(stream)
+                if target is None:
+                    self._queue.append(stream)
+                    return
+                return await self._attach(stream, target, initial=True)
+            return self._requeue(stream)
+        except BaseException as exc:
+            slot.streams.pop(stream.request_id, None)
+            stream.slot = None
+            if initial:
+                raise
+            stream.fail(f"the request could not be placed again: {exc}")
+            self._kick()
+            return
+        if stream.closed:  # the caller left while it was being placed
+            await inner.aclose()
+            slot.streams.pop(stream.request_id, None)
+            self._kick()
+            return
+        stream.inner = inner
+        stream.placed.set()
+
+    def _requeue(self, stream: ClusterStream) -> None:
+        """Place a moving stream now if a runner has room, else queue it (ahead of new ones:
+        it was admitted first)."""
+        if stream.closed:
+            return
+        if not self._active() and not self._starting():
+            stream.fail(self._no_runner_message())
+            return
+        target = self._place(stream)
+        if target is None:
+            self._queue.appendleft(stream)
+        else:
+            self._spawn(self._attach(stream, target))
+
+    def _kick(self) -> None:
+        """Place waiting requests, oldest first, while runners have room."""
+        while self._queue:
+            stream = self._queue[0]
+            if stream.closed:
+                self._queue.popleft()
+                continue
+            target = self._place(stream)
+            if target is None:
+                break
+            self._queue.popleft()
+            target.streams[stream.request_id] = stream  # count it before the open completes
+            self._spawn(self._attach(stream, target))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _done(self, stream: ClusterStream) -> None:
+        """A stream ended (finished, aborted, failed): its place is free."""
+        if stream.slot is not None:
+            stream.slot.streams.pop(stream.request_id, None)
+            if not stream.slot.streams:
+                stream.slot.idle_since = time.monotonic()
+            stream.slot = None
+        with contextlib.suppress(ValueError):
+            self._queue.remove(stream)
+        self._kick()
+
+    # -- migration ----------------------------------------------------------------------------
+    def _preempted(self, stream: ClusterStream) -> None:
+        """Its runner ran out of KV and sent it back to its own queue: move it to a runner
+        with room, if there is one (else it recomputes where it is, as soon as room frees)."""
+        source = stream.slot
+        if source is None or stream.closed or stream.moving:
+            return
+        target = self._place(stream, exclude=frozenset({source.runner_id}))
+        if target is not None:
+            self._spawn(self.migrate(stream, "kv_pressure", target))
+
+    async def migrate(
+        self, stream: ClusterStream, reason: str, target: RunnerSlot | None = None
+    ) -> bool:
+        """Move a request off its runner by recomputation: take it there (its outputs so far
+        stay ahead of the move in its stream), then place it elsewhere (target, if it still
+        has room) or queue it. False if it finished or left first."""
+        source = stream.slot
+        if source is None or stream.closed or stream.moving or stream.inner is None:
+            return False
+        stream.moving = True
+        try:
+            try:
+                resume = await source.handle.take(stream.request_id)
+            except RunnerLost:
+                return False  # the reader sees RunnerLost and recomputes from what it had
+            if resume is None:
+                return False  # finished (or aborted) on the source meanwhile
+            source.streams.pop(stream.request_id, None)
+            if not source.streams:
+                source.idle_since = time.monotonic()
+            inner, stream.inner, stream.slot = stream.inner, None, None
+            stream.placed.clear()
+            stream.resume = resume
+            inner.moved()
+            stream.retired.append(inner)  # read to its end before the new runner's outputs
+            self.migrations[(reason, "recompute")] += 1
+            log.info(
+                "moving %s off %s (%s, %d tokens to recompute)",
+                stream.request_id,
+                source.runner_id,
+                reason,
+                stream.num_tokens,
+            )
+            exclude = frozenset({source.runner_id})
+            if target is not None and target.state == ACTIVE:
+                snaps = [target.snapshot()]
+                if place(snaps, stream.demand(), exclude) is None:
+                    target = None
+            target = target or self._place(stream, exclude)
+            if target is None:
+                self._requeue(stream)
+            else:
+                await self._attach(stream, target)
+            return True
+        finally:
+            stream.moving = False
+            self._kick()
+
+    async def _lost(self, stream: ClusterStream, error: str) -> None:
+        """The stream's runner died: continue from what the client was sent."""
+        slot = stream.slot
+        if slot is not None:
+            slot.streams.pop(stream.request_id, None)
+            self._runner_died(slot, error)
+        stream.slot, stream.inner = None, None
+        stream.placed.clear()
+        stream.failures += 1
+        if stream.failures >= MAX_FAILURES:
+            stream.fail(f"the request failed on {stream.failures} runners; last: {error}")
+            return
+        stream.resume = stream.resume_point()
+        self.migrations[("failure", "recompute")] += 1
+        self._requeue(stream)
+        self._kick()
+
+    def _runner_died(self, slot: RunnerSlot, error: str) -> None:
+        if slot.state == "dead":
+            return
+        log.error("runner %s failed: %s; its requests continue elsewhere", slot.runner_id, error)
+        slot.state, slot.error = "dead", error
+        self.failures[slot.runner_id] += 1
+        dead = [s for s in self.slots if s.state == "dead"]
+        for old in dead[: max(0, len(dead) - KEEP_DEAD)]:
+            self.slots.remove(old)
+        if not self._active() and not self._starting():
+            message = self._no_runner_message()
+            while self._queue:
+                self._queue.popleft().fail(message)
+
+    def _no_runner_message(self) -> str:
+        errors = [f"{s.runner_id}: {s.error}" for s in self.slots if s.error]
+        return "no runner is left to serve the request" + (f" ({errors[-1]})" if errors else "")
+
+    def _starting(self) -> list[RunnerSlot]:
+        return [s for s in self.slots if s.state == "starting"]
+
+    def check_runners(self) -> None:
+        """Notice runners that died between requests (a thread that exited)."""
+        for slot in self.slots:
+            if slot.state in (ACTIVE, "draining") and not slot.handle.alive():
+                self._runner_died(slot, slot.handle.error or "the runner stopped")
+
+    # -- scale --------------------------------------------------------------------------------
+    async def add_runners(self, count: int) -> list[str]:
+        """Start `count` runners; each takes work once loaded and given every adapter."""
+        if self.factory is None:
+            raise ClusterError(409, "fixed_size", "this server cannot start runners")
+        if not 1 <= count <= 16:
+            raise ClusterError(400, "invalid_value", "count must be in [1, 16]")
+        slots = []
+        for _ in range(count):
+            index = next(self._index)
+            slot = RunnerSlot(f"runner-{index}", index, self.slots[0].backend)
+            self.slots.append(slot)
+            slots.append(slot)
+        results = await asyncio.gather(*(self._start(s) for s in slots), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        self._kick()
+        if errors:
+            raise ClusterError(500, "runner_start_failed", f"a runner failed to start: {errors[0]}")
+        return [s.runner_id for s in slots]
+
+    async def _start(self, slot: RunnerSlot) -> None:
+        try:
+            slot.handle = await asyncio.to_thread(self.factory, slot.runner_id)
+            slot.backend = slot.handle.backend
+            for key, (path, sha256) in list(self._adapters.items()):
+                await slot.handle.register_adapter(key, path, sha256)
+        except BaseException as exc:
+            slot.state, slot.error = "dead", f"start failed: {exc}"
+            if slot.handle is not None:
+                await asyncio.to_thread(slot.handle.shutdown)
+            raise
+        slot.state = ACTIVE
+        slot.idle_since = time.monotonic()
+        log.info("runner %s is active", slot.runner_id)
+
+    async def drain(self, runner_id: str | None = None) -> str:
+        """Stop placing on a runner (None: the least loaded), move its requests away, stop
+        it. The last active runner is refused (409)."""
+        if runner_id is None:
+            runner_id = drain_choice(self.snapshots())
+            if runner_id is None:
+                raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
+        slot = self._slot(runner_id)
+        if slot.state == "dead":
+            self.slots.remove(slot)
+            return runner_id
+        if slot.state != ACTIVE:
+            raise ClusterError(409, "not_active", f"runner {runner_id} is {slot.state}")
+        if len(self._active()) <= 1:
+            raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
+        slot.state = "draining"
+        log.info("draining runner %s (%d requests)", runner_id, len(slot.streams))
+        while slot.streams:
+            for stream in list(slot.streams.values()):
+                if stream.inner is not None and not stream.moving:
+                    await self.migrate(stream, "drain")
+            await asyncio.sleep(0.01)  # requests still being opened there, or finishing
+        await asyncio.to_thread(slot.handle.shutdown)
+        self.slots.remove(slot)
+        log.info("runner %s drained and stopped", runner_id)
+        return runner_id
+
+    def advice(self) -> Advice:
+        now = time.monotonic()
+        idle = {s.runner_id: now - s.idle_since for s in self.slots if not s.streams}
+        return advise(self.snapshots(), len(self._queue), idle, self.idle_after)
+
+    def runners(self) -> list[dict]:
+        """What GET /admin/runners lists, one dict per runner."""
+        self.check_runners()
+        rows = []
+        for slot in self.slots:
+            h = slot.handle
+            stats = h.stats() if h is not None and slot.state != "dead" else None
+            rows.append(
+                {
+                    "id": slot.runner_id,
+                    "backend": slot.backend,
+                    "node": getattr(h, "node", None),
+                    "pid": getattr(h, "pid", None),
+                    "device": getattr(h, "device", None),
+                    "state": slot.state,
+                    "running": stats.running if stats else 0,
+                    "waiting": stats.waiting if stats else 0,
+                    "kv_blocks_used": stats.kv_blocks_used if stats else 0,
+                    "kv_blocks_free": stats.kv_blocks_free if stats else 0,
+                    "resident_adapters": len(h.resident_adapters()) if stats else 0,
+                    "error": slot.error,
+                }
+            )
+        return rows
+
+    # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
         self, key: str, path: Path, sha256: str | None = None
     ) -> AdapterInfo:
-        infos = [await r.register_adapter(key, path, sha256) for r in self.runners]
+        live = [s for s in self.slots if s.handle is not None and s.state != "dead"]
+        infos = [await s.handle.register_adapter(key, path, sha256) for s in live]
+        self._adapters[key] = (path, sha256)
         return infos[0]
 
     async def unregister_adapter(self, key: str) -> None:
-        for r in self.runners:
-            await r.unregister_adapter(key)
+        self._adapters.pop(key, None)
+        missing = None
+        for s in self.slots:
+            if s.handle is not None and s.state != "dead":
+                try:
+                    await s.handle.unregister_adapter(key)
+                except UnknownAdapterError as exc:
+                    missing = exc
+        if missing is not None:
+            raise missing
 
     def has_version(self, version: int) -> bool:
-        return any(r.has_version(version) for r in self.runners)
-
-    def stats(self) -> RunnerStats:
-        per = [r.stats() for r in self.runners]
-        return RunnerStats(
-            **{f.name: sum(getattr(s, f.name) for s in per) for f in fields(RunnerStats)}
+        return any(
+            s.handle.has_version(version)
+            for s in self.slots
+            if s.handle is not None and s.state != "dead"
         )
 
+    # -- health -------------------------------------------------------------------------------
+    def stats(self) -> RunnerStats:
+        """Sums over live runners; `waiting` includes requests waiting at the scheduler."""
+        per = [s.handle.stats() for s in self.slots if s.handle is not None and s.state != "dead"]
+        total = {f.name: sum(getattr(p, f.name) for p in per) for f in fields(RunnerStats)}
+        total["waiting"] += len(self._queue)
+        return RunnerStats(**total)
+
     def ready(self) -> bool:
-        return all(r.alive() for r in self.runners)
+        self.check_runners()
+        return bool(self._active())
 
     def shutdown(self) -> None:
-        for r in self.runners:
-            r.shutdown()
+        for s in self.slots:
+            if s.handle is not None and s.state != "dead":
+                s.handle.shutdown()
+
+
+class ClusterStream:
+    """One request's outputs as its client sees them, across moves between runners."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+    ) -> None:
+        self.scheduler = scheduler
+        self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
+        self.request_id = request_id
+        self.slot: RunnerSlot | None = None
+        self.inner: RequestStream | None = None
+        self.placed = asyncio.Event()
+        self.resume: Resume | None = None
+        self.moving = False
+        self.closed = False
+        self.failures = 0
+        self.runners_seen: list[str] = []  # every runner it was placed on, in order
+        self.retired: list[RequestStream] = []  # streams of runners it left, not yet read out
+        self._done = False
+        self._final: RequestOutput | None = None
+        self._last: RequestOutput | None = None
+        self._emitted_chars = 0
+
+    @property
+    def num_tokens(self) -> int:
+        generated = len(self._last.token_ids) if self._last is not None else 0
+        if self.resume is not None:
+            generated = max(generated, len(self.resume.output_token_ids))
+        return len(self.prompt) + generated
+
+    def demand(self) -> Demand:
+        return Demand(self.adapter, self.num_tokens)
+
+    def resume_point(self) -> Resume | None:
+        """Where the client stands: what to recompute after a runner failure."""
+        last = self._last
+        if last is None or not last.token_ids:
+            return self.resume
+        return Resume(
+            output_token_ids=tuple(last.token_ids),
+            emitted_chars=self._emitted_chars,
+            logprobs=tuple(last.logprobs or ()),
+            prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs else None,
+        )
+
+    def fail(self, error: str) -> None:
+        """End the stream with an ERROR output carrying what was generated."""
+        if self._done or self._final is not None:
+            return
+        last = self._last
+        self._final = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            token_ids=list(last.token_ids) if last else [],
+            text=last.text if last else "",
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            error=error,
+        )
+        self.placed.set()
+
+    def __aiter__(self) -> ClusterStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._final is not None:
+                out, self._final = self._final, None
+                self._finish()
+                return out
+            if self._done:
+                raise StopAsyncIteration
+            if self.retired:
+                try:
+                    out = await self.retired[0].__anext__()
+                except (StreamMoved, StopAsyncIteration):
+                    self.retired.pop(0)
+                    continue
+                return self._deliver(out)
+            inner = self.inner
+            if inner is None:
+                try:
+                    await self.placed.wait()
+                except BaseException:
+                    await self.aclose()
+                    raise
+                continue
+            try:
+                out = await inner.__anext__()
+            except StreamMoved:  # its outputs from the old runner are all read
+                if inner in self.retired:
+                    self.retired.remove(inner)
+                continue
+            except RunnerLost as exc:
+                if self.inner is inner:
+                    await self.scheduler._lost(self, str(exc))
+                continue
+            except StopAsyncIteration:
+                continue
+            return self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> RequestOutput:
+        self._last = out
+        self._emitted_chars += len(out.new_text)
+        if out.finished:
+            self._finish()
+        return out
+
+    def _finish(self) -> None:
+        self._done = True
+        self.scheduler._done(self)
+
+    async def aclose(self) -> None:
+        if self._done:
+            return
+        self.closed = True
+        self._done = True
+        inner = self.inner
+        if inner is not None:
+            await inner.aclose()
+        self.scheduler._done(self)

@@ -1,31 +1,83 @@
-"""An in-process runner: an Engine stepping on its own thread behind the RunnerHandle API."""
+"""An in-process runner: an Engine stepping on its own thread behind the RunnerHandle API.
+
+Several thread runners in one process share the backbone's weights (read-only) and each
+has its own KV cache, adapter pool, batcher and step thread."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from punica_x.async_engine import AsyncEngine, RequestStream
 from punica_x.config import EngineConfig
-from punica_x.core import SamplingParams
+from punica_x.core import Resume, SamplingParams
 from punica_x.engine import Engine
 from punica_x.lora.pool import AdapterInfo
+from punica_x.models.loader import LoadedModel
 from scheduler.interface import ModelInfo, RunnerStats
 
 
 class LocalRunner:
-    def __init__(self, config: EngineConfig, runner_id: str = "local-0") -> None:
+    backend = "thread"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner_id: str = "runner-0",
+        shared: LoadedModel | None = None,
+    ) -> None:
         self.runner_id = runner_id
-        self.engine = Engine(config)
-        self.async_engine = AsyncEngine(self.engine)
+        loaded = None
+        if shared is not None:  # the same weights; a tokenizer of its own (not thread-safe)
+            loaded = dataclasses.replace(shared, tokenizer=copy.deepcopy(shared.tokenizer))
+        self.engine = Engine(config, loaded)
+        self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
         loaded = self.engine.loaded
         self.model = ModelInfo(loaded.name, loaded.max_model_len, loaded.model_dir)
         self.tokenizer = loaded.tokenizer
+        self.node = socket.gethostname()
+        self.pid = os.getpid()
+        self.device = str(self.engine.device)
+        self.max_batch_size = config.batch.max_batch_size
+        self.block_size = self.engine.cache.block_size
+        self.kv_blocks_total = self.engine.cache.allocator.num_blocks
+
+    def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
+        """The refusals open() would raise (ValueError, UnknownAdapterError), checked without
+        adding the request (for requests that wait at the scheduler first)."""
+        e = self.engine
+        e.check_prompt(prompt)
+        vocab = e.model.dims.vocab_size
+        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab})")
+        if adapter is not None:
+            e.adapters.check(adapter)
+        if sampling.json_schema is not None:
+            from punica_x.structured import compile_json_schema
+
+            compile_json_schema(sampling.json_schema)
 
     async def open(
-        self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        resume: Resume | None = None,
+        on_preempt: Callable[[], None] | None = None,
     ) -> RequestStream:
-        return await self.async_engine.open(prompt, sampling, adapter, request_id)
+        return await self.async_engine.open(
+            prompt, sampling, adapter, request_id, resume, on_preempt
+        )
+
+    async def take(self, request_id: str) -> Resume | None:
+        return await self.async_engine.take(request_id)
 
     async def register_adapter(
         self, name: str, path: Path, sha256: str | None = None
@@ -39,6 +91,9 @@ class LocalRunner:
 
     def has_version(self, version: int) -> bool:
         return self.engine.adapters.has_version(version)
+
+    def resident_adapters(self) -> frozenset[str]:
+        return self.engine.adapters.resident()
 
     def stats(self) -> RunnerStats:
         e = self.engine
@@ -56,6 +111,10 @@ class LocalRunner:
 
     def alive(self) -> bool:
         return self.async_engine.alive()
+
+    @property
+    def error(self) -> str | None:
+        return self.async_engine.error
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()

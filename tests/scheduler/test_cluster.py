@@ -1,0 +1,249 @@
+"""The scheduler over 3 thread runners (tiny model): consolidating placement, moves under KV
+pressure, drain, scale-up, runner failure at random steps; every moved request's greedy and
+seeded output equals a run that never moved, with nothing missing or repeated in its stream."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from helpers import tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason
+from punica_x.models.loader import load_model
+from scheduler.cluster import ClusterError, NoRunner, Scheduler
+from scheduler.local import LocalRunner
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=77, ignore_eos=True)
+TEXTS = [f"request number {i} says hello to the cluster" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir):
+    return load_model(ModelConfig(model=str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def ref_llm(tiny_model_dir, tiny_adapters):
+    """One engine with plenty of KV: what every moved request must reproduce."""
+    llm = tiny_llm(tiny_model_dir)
+    llm.load_adapter("r8", str(tiny_adapters["r8"]))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def reference(ref_llm):
+    llm = ref_llm
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+    out = {}
+    for sp in (GREEDY, SEEDED):
+        for adapter in ("r8", None):
+            results = llm.generate(prompts, [adapter] * len(prompts), sp)
+            out[sp.seed, adapter] = [(r.token_ids, r.text) for r in results]
+    return prompts, out
+
+
+def make_cluster(shared, n=3, batch=2, num_blocks=64, grow=True):
+    config = EngineConfig(
+        model=ModelConfig(model="unused"),
+        cache=CacheConfig(num_blocks=num_blocks),
+        batch=BatchConfig(max_batch_size=batch),
+    )
+
+    def factory(rid):
+        return LocalRunner(config, rid, shared=shared)
+
+    return Scheduler([factory(f"runner-{i}") for i in range(n)], factory if grow else None)
+
+
+async def consume(stream, steps=None):
+    """Read a stream (all of it, or `steps` outputs) -> (token ids, text, last output)."""
+    tokens, text, last = [], "", None
+    async for out in stream:
+        tokens += out.new_token_ids
+        text += out.new_text
+        last = out
+        if steps is not None and len(tokens) >= steps:
+            break
+    return tokens, text, last
+
+
+def check(result, expected):
+    tokens, text, last = result
+    assert last.finish_reason is FinishReason.LENGTH, last.error
+    assert (tokens, text) == expected
+    assert last.token_ids == tokens  # the totals agree with the deltas: nothing repeated
+
+
+async def with_adapter(sched, tiny_adapters):
+    await sched.register_adapter("r8", tiny_adapters["r8"])
+
+
+def test_placement_consolidates_then_spills(shared, reference, tiny_adapters):
+    prompts, ref = reference
+
+    async def main():
+        sched = make_cluster(shared)
+        await with_adapter(sched, tiny_adapters)
+        streams = [await sched.open(p, GREEDY, "r8", f"q{i}") for i, p in enumerate(prompts[:5])]
+        placed = [s.slot.runner_id for s in streams]
+        results = await asyncio.gather(*(consume(s) for s in streams))
+        sched.shutdown()
+        return placed, results
+
+    placed, results = asyncio.run(main())
+    assert placed == ["runner-0", "runner-0", "runner-1", "runner-1", "runner-2"]
+    for i, result in enumerate(results):
+        check(result, ref[None, "r8"][i])
+
+
+def test_requests_queue_at_the_scheduler_when_every_runner_is_full(shared, reference):
+    prompts, ref = reference
+
+    async def main():
+        sched = make_cluster(shared, n=2, batch=1)
+        streams = [await sched.open(p, GREEDY, None, f"q{i}") for i, p in enumerate(prompts[:4])]
+        queued = [s.slot is None for s in streams]
+        assert sched.stats().waiting >= 2 and sched.advice().action == "scale_up"
+        results = await asyncio.gather(*(consume(s) for s in streams))
+        sched.shutdown()
+        return queued, results
+
+    queued, results = asyncio.run(main())
+    assert queued == [False, False, True, True]
+    for i, result in enumerate(results):
+        check(result, ref[None, None][i])
+
+
+def test_kv_shortage_moves_the_newest_request_to_a_runner_with_room(shared, reference, ref_llm):
+    """Two requests fit runner-0 when placed, but not as they grow: it preempts the newest,
+    which moves to runner-1 instead of waiting for runner-0's memory."""
+    prompts, ref = reference
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main():
+        sched = make_cluster(shared, n=2, batch=4, num_blocks=6)  # 96 tokens per runner
+        a = await sched.open(prompts[0], sp, None, "old")
+        b = await sched.open(prompts[1], sp, None, "new")
+        assert a.slot.runner_id == b.slot.runner_id == "runner-0"
+        results = await asyncio.gather(consume(a), consume(b))
+        seen = (a.runners_seen, b.runners_seen)
+        sched.shutdown()
+        return results, seen, sched.migrations
+
+    results, seen, migrations = asyncio.run(main())
+    assert seen == (["runner-0"], ["runner-0", "runner-1"])
+    assert migrations[("kv_pressure", "recompute")] == 1
+    expected = ref_llm.generate(prompts[:2], None, sp)
+    for result, want in zip(results, expected):
+        check(result, (want.token_ids, want.text))
+
+
+def test_drain_moves_every_request_and_refuses_the_last_runner(shared, reference, tiny_adapters):
+    prompts, ref = reference
+
+    async def main():
+        sched = make_cluster(shared)
+        await with_adapter(sched, tiny_adapters)
+        sps = [GREEDY, SEEDED] * 2
+        streams = [await sched.open(prompts[i], sps[i], "r8", f"q{i}") for i in range(4)]
+        heads = [await consume(s, steps=3) for s in streams]  # every request is mid-stream
+        assert {s.slot.runner_id for s in streams} == {"runner-0", "runner-1"}
+        moved = sum(s.slot.runner_id == "runner-0" for s in streams)
+        assert await sched.drain("runner-0") == "runner-0"
+        assert [r["id"] for r in sched.runners()] == ["runner-1", "runner-2"]
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        await sched.drain()  # the least loaded of the two
+        with pytest.raises(ClusterError) as refused:
+            await sched.drain()
+        sched.shutdown()
+        return sps, heads, tails, moved, refused.value, sched.migrations
+
+    sps, heads, tails, moved, refused, migrations = asyncio.run(main())
+    assert refused.status == 409 and refused.code == "last_runner"
+    assert migrations[("drain", "recompute")] >= moved == 2
+    for i, (head, tail) in enumerate(zip(heads, tails)):
+        joined = (head[0] + tail[0], head[1] + tail[1], tail[2])
+        check(joined, ref[sps[i].seed, "r8"][i])
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, trial):
+    """runner-0's engine raises at a random step (as a crashed kernel would): its requests
+    continue on the other runners from what their clients had; tokens equal an unfailed run."""
+    prompts, ref = reference
+    rng = random.Random(trial)
+    fail_at = rng.randint(1, 20)  # runner-0 needs about 25 steps for its 3 requests
+
+    async def main():
+        sched = make_cluster(shared, n=3, batch=3)
+        engine = sched.slots[0].handle.engine
+        real_step, calls = engine.step, [0]
+
+        def step():
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected kernel failure")
+            return real_step()
+
+        engine.step = step
+        sps = [GREEDY if i % 2 == 0 else SEEDED for i in range(6)]
+        streams = [await sched.open(prompts[i], sps[i], None, f"q{i}") for i in range(6)]
+        results = await asyncio.gather(*(consume(s) for s in streams))
+        rows = sched.runners()
+        sched.shutdown()
+        return sps, results, rows
+
+    sps, results, rows = asyncio.run(main())
+    assert rows[0]["state"] == "dead" and "injected kernel failure" in rows[0]["error"]
+    for i, result in enumerate(results):
+        check(result, ref[sps[i].seed, None][i])
+
+
+def test_no_runner_left_ends_streams_with_an_error_and_refuses_new_ones(shared, reference):
+    prompts, _ = reference
+
+    async def main():
+        sched = make_cluster(shared, n=1, grow=False)
+        engine = sched.slots[0].handle.engine
+
+        def step():
+            raise RuntimeError("boom")
+
+        stream = await sched.open(prompts[0], GREEDY, None, "q")
+        engine.step = step
+        _, _, last = await consume(stream)
+        with pytest.raises(NoRunner):
+            await sched.open(prompts[1], GREEDY, None, "q2")
+        assert not sched.ready()
+        sched.shutdown()
+        return last
+
+    last = asyncio.run(main())
+    assert last.finish_reason is FinishReason.ERROR and "boom" in last.error
+
+
+def test_scale_up_adds_a_runner_that_takes_work_with_every_adapter(
+    shared, reference, tiny_adapters
+):
+    prompts, ref = reference
+
+    async def main():
+        sched = make_cluster(shared, n=1, batch=1)
+        await with_adapter(sched, tiny_adapters)
+        first = await sched.open(prompts[0], GREEDY, "r8", "q0")
+        assert await sched.add_runners(1) == ["runner-1"]
+        second = await sched.open(prompts[1], GREEDY, "r8", "q1")
+        placed = second.slot.runner_id
+        results = await asyncio.gather(consume(first), consume(second))
+        sched.shutdown()
+        return placed, results
+
+    placed, results = asyncio.run(main())
+    assert placed == "runner-1"
+    for i, result in enumerate(results):
+        check(result, ref[None, "r8"][i])
