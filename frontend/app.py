@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -19,7 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from frontend import openai_api
+from frontend import admin_api, openai_api
 from frontend.auth import Authenticator, ensure_admin_token
 from frontend.config import ServerConfig
 from frontend.errors import ApiError
@@ -50,15 +51,7 @@ class ServerState:
     def load(self) -> None:
         """Load the model and start the runner (runs on a background thread)."""
         try:
-            engine = self.config.engine
-            first = LocalRunner(engine, "runner-0")
-            shared = first.engine.loaded
-
-            def factory(runner_id: str) -> LocalRunner:
-                return LocalRunner(engine, runner_id, shared=shared)
-
-            runners = [first] + [factory(f"runner-{i}") for i in range(1, self.config.runners)]
-            self.scheduler = Scheduler(runners, factory)
+            self.scheduler = build_scheduler(self.config)
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -68,6 +61,32 @@ class ServerState:
             detail = f" ({self.load_error})" if self.load_error else " (the model is loading)"
             raise ApiError(503, "not_ready", "the server is not ready" + detail, retry_after=5)
         return self.manager
+
+
+def build_scheduler(config: ServerConfig) -> Scheduler:
+    """config.runners runners of config.runner_backend, and a factory for more (scale up).
+    thread: in this process, sharing the backbone's weights; ray: one Ray actor each."""
+    engine, n = config.engine, config.runners
+    if config.runner_backend == "ray":
+        from punica_x.models.loader import describe_model
+        from scheduler.ray_runner import RayRunner, ensure_ray
+
+        meta = describe_model(engine.model)  # the tokenizer here; weights only in the actors
+        ensure_ray(config.ray_address)
+
+        def ray_factory(runner_id: str) -> RayRunner:
+            return RayRunner(engine, runner_id, config.ray_address)
+
+        with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
+            runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
+        return Scheduler(runners, ray_factory, tokenizer=meta.tokenizer)
+    first = LocalRunner(engine, "runner-0")
+    shared = first.engine.loaded
+
+    def factory(runner_id: str) -> LocalRunner:
+        return LocalRunner(engine, runner_id, shared=shared)
+
+    return Scheduler([first] + [factory(f"runner-{i}") for i in range(1, n)], factory)
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -158,6 +177,16 @@ def create_app(config: ServerConfig) -> Starlette:
         revoked = state.require_manager().revoke_tenant(request.path_params["name"])
         return JSONResponse(_tenant_json(revoked))
 
+    async def runners(request: Request):
+        state.auth.admin(request)
+        state.require_manager()
+        return await admin_api.runners(request, state.scheduler)
+
+    async def runner(request: Request):
+        state.auth.admin(request)
+        state.require_manager()
+        return await admin_api.runner(request, state.scheduler)
+
     async def websocket(ws: WebSocket):
         if state.manager is None:
             await ws.close(code=1013)  # try again later
@@ -188,6 +217,8 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/v1/adapters/{name}", adapter, methods=["GET", "DELETE"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),
         Route("/admin/tenants/{name}", tenant, methods=["DELETE"]),
+        Route("/admin/runners", runners, methods=["GET", "POST", "DELETE"]),
+        Route("/admin/runners/{runner_id}", runner, methods=["DELETE"]),
         WebSocketRoute("/v1/chat/ws", websocket),
     ]
     app = Starlette(

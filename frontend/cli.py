@@ -6,6 +6,9 @@
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]
     punica-x admin tenant list
     punica-x admin tenant revoke NAME
+    punica-x admin status
+    punica-x admin scale up [--count K]
+    punica-x admin scale down [--runner ID | --count K]
 
 The admin commands read the admin token from the data dir (or $PUNICA_X_ADMIN_TOKEN) and
 call the running server at --url.
@@ -48,9 +51,25 @@ def serve(args) -> int:
             print(f"--limit wants NAME=INTEGER, NAME one of {fields}", file=sys.stderr)
             return 2
         limits = replace(limits, **{name: int(value)})
-    config = ServerConfig(
-        host=args.host, port=args.port, data_dir=Path(args.data_dir), engine=engine, limits=limits
-    )
+    if args.runner_backend is None:
+        args.runner_backend = "ray" if args.ray_address else "thread"
+    if args.ray_address and args.runner_backend != "ray":
+        print("punica-x: --ray-address needs --runner-backend ray", file=sys.stderr)
+        return 2
+    try:
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            data_dir=Path(args.data_dir),
+            engine=engine,
+            limits=limits,
+            runners=args.runners,
+            runner_backend=args.runner_backend,
+            ray_address=args.ray_address,
+        )
+    except ValueError as exc:
+        print(f"punica-x: {exc}", file=sys.stderr)
+        return 2
     try:
         app = create_app(config)
     except StoreError as exc:
@@ -89,6 +108,10 @@ def admin(args) -> int:
         )
         return 2
     base = args.url.rstrip("/")
+    if args.object == "status":
+        return _status(base, token)
+    if args.object == "scale":
+        return _scale(args, base, token)
     if args.action == "create":
         body = {
             "name": args.name,
@@ -117,7 +140,66 @@ def admin(args) -> int:
     return 1
 
 
-def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+def _status(base: str, token: str) -> int:
+    status, data = _call("GET", f"{base}/admin/runners", token)
+    if status != 200:
+        print(f"error {status}: {json.dumps(data)}", file=sys.stderr)
+        return 1
+    print(_runner_table(data))
+    return 0
+
+
+def _runner_table(data: dict) -> str:
+    head = ("ID", "BACKEND", "NODE", "STATE", "RUNNING", "WAITING", "KV USED/FREE", "ADAPTERS")
+    rows = [head]
+    for r in data["runners"]:
+        rows.append(
+            (
+                r["id"],
+                r["backend"],
+                str(r["node"] or "-"),
+                r["state"],
+                str(r["running"]),
+                str(r["waiting"]),
+                f"{r['kv_blocks_used']}/{r['kv_blocks_free']}",
+                str(r["resident_adapters"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    advice = data["advice"]
+    detail = f" ({data['advice_reason']})" if data.get("advice_reason") else ""
+    lines.append(f"queued at the scheduler: {data['queued']}; advice: {advice}{detail}")
+    return "\n".join(lines)
+
+
+def _scale(args, base: str, token: str) -> int:
+    """Both directions wait for the change to finish (the server answers when it is done)."""
+    if args.direction == "up":
+        status, data = _call(
+            "POST", f"{base}/admin/runners", token, {"count": args.count}, timeout=900
+        )
+        done, verb = status == 201, "added"
+    elif args.runner is not None:
+        status, data = _call("DELETE", f"{base}/admin/runners/{args.runner}", token, timeout=900)
+        done, verb = status == 200, "drained"
+    else:
+        url = f"{base}/admin/runners?count={args.count}"
+        status, data = _call("DELETE", url, token, timeout=900)
+        done, verb = status == 200, "drained"
+    if not done:
+        message = data.get("error", {})
+        message = message.get("message", message) if isinstance(message, dict) else message
+        print(f"punica-x: scale {args.direction} failed ({status}): {message}", file=sys.stderr)
+        return 1
+    print(f"{verb}: {', '.join(data[verb])}")
+    print(_runner_table(data))
+    return 0
+
+
+def _call(
+    method: str, url: str, token: str, body: dict | None = None, timeout: float = 30
+) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url,
@@ -126,7 +208,7 @@ def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read() or b"{}")
@@ -159,6 +241,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=N",
         help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
     )
+    s.add_argument(
+        "--runners", type=int, default=1, help="runners to start (admin scale changes it; 1)"
+    )
+    s.add_argument(
+        "--runner-backend",
+        default=None,
+        choices=["thread", "ray"],
+        help="thread (default): runners inside the server process, sharing the model weights; "
+        "ray: each runner a Ray actor in its own process (default with --ray-address)",
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting a local Ray",
+    )
     a = sub.add_parser("admin", help="administer a running server")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
@@ -175,6 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     actions.add_parser("list", parents=[common], help="list tenants")
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
     revoke.add_argument("name")
+    what.add_parser("status", parents=[common], help="runners, their load and the advice")
+    scale = what.add_parser("scale", help="add or drain runners (waits until done)")
+    direction = scale.add_subparsers(dest="direction", required=True)
+    up = direction.add_parser("up", parents=[common], help="start runners")
+    up.add_argument("--count", type=int, default=1)
+    down = direction.add_parser(
+        "down", parents=[common], help="drain runners (their requests move) and stop them"
+    )
+    pick = down.add_mutually_exclusive_group()
+    pick.add_argument("--runner", default=None, help="the runner to drain (id)")
+    pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")
     args = parser.parse_args(argv)
     return serve(args) if args.command == "serve" else admin(args)
 

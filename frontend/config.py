@@ -8,7 +8,7 @@ from pathlib import Path
 from punica_x.config import EngineConfig
 
 MiB = 1 << 20
-RUNNER_BACKENDS = ("thread",)
+RUNNER_BACKENDS = ("thread", "ray")
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class Limits:
     """Caps applied before a request reaches the scheduler."""
 
     max_upload_bytes: int = 512 * MiB  # request body of POST /v1/adapters
+    max_config_bytes: int = 1 * MiB  # adapter_config.json (413 config_too_large beyond)
     max_archive_entries: int = 8
     max_unpacked_bytes: int = 1024 * MiB  # sum of an archive's files once decompressed
     max_tokens: int = 4096  # cap on max_tokens of one request
@@ -37,6 +38,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     runners: int = 1  # runners started with the server (admin scale adds and removes them)
     runner_backend: str = "thread"
+    ray_address: str | None = None  # join this Ray cluster ("auto": the local one); else start one
 
     def __post_init__(self) -> None:
         if self.runners < 1:

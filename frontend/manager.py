@@ -63,7 +63,7 @@ class FrontendManager:
         self.model_id = scheduler.info.model.name
         self.max_model_len = scheduler.info.model.max_model_len
         self.admission = Admission(config.limits)
-        self.metrics = Metrics(scheduler.stats)
+        self.metrics = Metrics(scheduler.stats, scheduler.runners, lambda: scheduler.migrations)
         self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
         self._versions: dict[int, int] = {}  # store adapter id -> runner version
         self._locks: dict[str, asyncio.Lock] = {}  # adapter key -> its uploads/deletes

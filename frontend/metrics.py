@@ -11,8 +11,13 @@ LABELS = ("tenant", "adapter")
 
 
 class RunnerCollector:
-    def __init__(self, stats) -> None:
+    """Cluster totals (unlabelled, as before there were many runners), then per runner
+    (label `runner`), and moves between runners by reason and mode."""
+
+    def __init__(self, stats, runners=None, migrations=None) -> None:
         self._stats = stats
+        self._runners = runners
+        self._migrations = migrations
 
     def collect(self):
         s = self._stats()
@@ -35,10 +40,38 @@ class RunnerCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
+        if self._runners is not None:
+            rows = self._runners()
+            per = {
+                "runner_running": ("requests running on a runner", "running"),
+                "runner_waiting": ("requests waiting in a runner's batcher", "waiting"),
+                "runner_kv_blocks_used": ("KV blocks in use on a runner", "kv_blocks_used"),
+                "runner_kv_blocks_free": ("free KV blocks on a runner", "kv_blocks_free"),
+            }
+            for name, (doc, key) in per.items():
+                g = GaugeMetricFamily(f"punica_x_{name}", doc, labels=["runner"])
+                for row in rows:
+                    g.add_metric([row["id"]], row[key])
+                yield g
+            up = GaugeMetricFamily(
+                "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
+            )
+            for row in rows:
+                up.add_metric([row["id"], row["state"]], 1.0 if row["state"] == "active" else 0.0)
+            yield up
+        if self._migrations is not None:
+            c = CounterMetricFamily(
+                "punica_x_migrations",
+                "requests moved between runners",
+                labels=["reason", "mode"],
+            )
+            for (reason, mode), n in sorted(self._migrations().items()):
+                c.add_metric([reason, mode], n)
+            yield c
 
 
 class Metrics:
-    def __init__(self, stats) -> None:
+    def __init__(self, stats, runners=None, migrations=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -62,7 +95,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(RunnerCollector(stats))
+        r.register(RunnerCollector(stats, runners, migrations))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

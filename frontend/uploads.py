@@ -75,12 +75,29 @@ async def read_upload(request: Request, limits: Limits) -> tuple[str, dict[str, 
     if "archive" in uploads:
         if len(uploads) != 1:
             raise bad_request("invalid_upload", "send either `archive` or the two adapter files")
-        return name, unpack_archive(await uploads["archive"].read(), limits)
+        return name, _check_config(unpack_archive(await uploads["archive"].read(), limits), limits)
     if set(uploads) != {CONFIG, WEIGHTS}:
         raise bad_request(
             "missing_file", f"send the files {CONFIG} and {WEIGHTS} (or one `archive`)"
         )
-    return name, {CONFIG: await uploads[CONFIG].read(), WEIGHTS: await uploads[WEIGHTS].read()}
+    if uploads[CONFIG].size is not None and uploads[CONFIG].size > limits.max_config_bytes:
+        raise _config_too_large(limits)
+    files = {CONFIG: await uploads[CONFIG].read(), WEIGHTS: await uploads[WEIGHTS].read()}
+    return name, _check_config(files, limits)
+
+
+def _config_too_large(limits: Limits) -> ApiError:
+    return ApiError(
+        413,
+        "config_too_large",
+        f"{CONFIG} exceeds {limits.max_config_bytes} bytes (a PEFT config is a few hundred)",
+    )
+
+
+def _check_config(files: dict[str, bytes], limits: Limits) -> dict[str, bytes]:
+    if len(files[CONFIG]) > limits.max_config_bytes:
+        raise _config_too_large(limits)
+    return files
 
 
 def unpack_archive(data: bytes, limits: Limits) -> dict[str, bytes]:

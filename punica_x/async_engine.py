@@ -57,7 +57,7 @@ class AsyncEngine:
         # what the current step produced (outputs, preemption notices), handed to the event
         # loops in one wake-up per loop
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
-        self._open: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._open: dict[str, tuple[asyncio.AbstractEventLoop, Callable]] = {}
         self._thread = threading.Thread(target=self._loop, name="punica-x-engine", daemon=True)
         self._thread.start()
 
@@ -74,11 +74,29 @@ class AsyncEngine:
         """Add a request (raising ValueError / UnknownAdapterError at once if it is refused)
         and return the stream of its outputs. resume: see Engine.add_request. on_preempt is
         called on this event loop after a step that preempted the request for KV memory."""
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
+        rid = await self.add(
+            prompt, sampling, adapter, request_id, resume, outputs.put_nowait, on_preempt
+        )
+        return RequestStream(rid, outputs, lambda: self.submit(lambda: self.engine.abort(rid)))
+
+    async def add(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None,
+        adapter: str | None,
+        request_id: str | None,
+        resume: Resume | None,
+        deliver: Callable[[RequestOutput | RunnerLost], None],
+        on_preempt: Callable[[], None] | None = None,
+    ) -> str:
+        """open() without a stream object: deliver(output) is called on this event loop for
+        each output (all of one step's outputs in one wake-up of the loop), and
+        deliver(RunnerLost) if the engine stops under the request. Returns the request id."""
+        loop = asyncio.get_running_loop()
 
         def on_output(out: RequestOutput) -> None:  # on the engine thread, during a step
-            self._outbox.append((loop, functools.partial(outputs.put_nowait, out)))
+            self._outbox.append((loop, functools.partial(deliver, out)))
             if out.finished:
                 self._open.pop(out.request_id, None)
 
@@ -90,11 +108,11 @@ class AsyncEngine:
             req = self.engine.add_request(
                 prompt, sampling, adapter, request_id, on_output, resume, preempted
             )
-            self._open[req.request_id] = (loop, outputs)
+            self._open[req.request_id] = (loop, deliver)
             return req
 
         req = await self.call(add)
-        return RequestStream(self, req.request_id, outputs)
+        return req.request_id
 
     async def take(self, request_id: str) -> Resume | None:
         """Engine.take on the engine thread: the request leaves without an output. Every
@@ -156,8 +174,8 @@ class AsyncEngine:
             self._flush()
         if self.error is not None:  # stopped by a failed step: the streams end with RunnerLost
             lost = RunnerLost(self.error)
-            for loop, outputs in self._open.values():
-                self._outbox.append((loop, functools.partial(outputs.put_nowait, lost)))
+            for loop, deliver in self._open.values():
+                self._outbox.append((loop, functools.partial(deliver, lost)))
             self._open.clear()
         else:
             for rid in list(self.engine.requests):
@@ -214,10 +232,13 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; aclose() (or leaving early) aborts it."""
+    """Async iterator over one request's outputs (fed into `outputs` by whoever runs the
+    engine); aclose() (or leaving early) aborts it through `abort`."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
-        self.engine = engine
+    def __init__(
+        self, request_id: str, outputs: asyncio.Queue, abort: Callable[[], object]
+    ) -> None:
+        self._abort = abort
         self.request_id = request_id
         self._outputs = outputs
         self._done = False
@@ -250,8 +271,7 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self._done:
             self._done = True
-            rid = self.request_id
-            self.engine.submit(lambda: self.engine.engine.abort(rid))
+            self._abort()
 
 
 def _deliver(items: list[Callable[[], None]]) -> None:

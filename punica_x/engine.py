@@ -31,6 +31,35 @@ from punica_x.structured import Grammars
 log = logging.getLogger(__name__)
 
 
+def check_request(
+    ids: list[int],
+    sampling: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """The refusals of a request that depend only on the model and the KV pool's size
+    (ValueError naming the problem); shared by runners and the control plane in front."""
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context is "
+            f"{max_model_len} (room for at least one new token is needed)"
+        )
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    if blocks_needed(len(ids) + 1, block_size) > num_blocks:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the KV cache holds {num_blocks * block_size}"
+        )
+    bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
 class Engine:
     """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
 
@@ -89,12 +118,8 @@ class Engine:
         recomputed with the prompt and generation goes on from there; outputs carry the
         totals (token_ids, text, logprobs) of the whole request, and new_* only what is new."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.check_prompt(ids)
         sampling = sampling or SamplingParams()
-        vocab = self.model.dims.vocab_size
-        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab})")
+        self.check_prompt(ids, sampling)
         ref = self.adapters.acquire(adapter) if adapter is not None else None
         req = Request(
             prompt_token_ids=ids,
@@ -178,23 +203,15 @@ class Engine:
             )
         return self.grammars
 
-    def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; the model's context is "
-                f"{self.max_model_len} (room for at least one new token is needed)"
-            )
-        vocab = self.model.dims.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab})")
-        if blocks_needed(len(ids) + 1, self.cache.block_size) > self.cache.allocator.num_blocks:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; the KV cache holds "
-                f"{self.cache.allocator.num_blocks * self.cache.block_size}"
-            )
+    def check_prompt(self, ids: list[int], sampling: SamplingParams | None = None) -> None:
+        check_request(
+            ids,
+            sampling or SamplingParams(),
+            self.model.dims.vocab_size,
+            self.max_model_len,
+            self.cache.block_size,
+            self.cache.allocator.num_blocks,
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: it leaves the batch and frees its KV blocks now."""

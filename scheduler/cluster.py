@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -112,15 +113,13 @@ class Scheduler:
         runners: list[LocalRunner],
         factory: Callable[[str], LocalRunner] | None = None,
         idle_after: float = 60.0,
+        tokenizer=None,
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
         first = runners[0]
-        engine = first.engine
-        self.info = SchedulerInfo(
-            first.model, engine.adapters.target, engine.config.lora.max_lora_rank
-        )
-        self.tokenizer = first.tokenizer
+        self.info = SchedulerInfo(first.model, first.lora_target, first.max_lora_rank)
+        self.tokenizer = tokenizer if tokenizer is not None else first.tokenizer
         self.factory = factory
         self.idle_after = idle_after
         self._index = itertools.count()
@@ -131,7 +130,13 @@ class Scheduler:
             )
         self._queue: collections.deque[ClusterStream] = collections.deque()
         self._adapters: dict[str, tuple[Path, str | None]] = {}
-        self.migrations: collections.Counter[tuple[str, str]] = collections.Counter()
+        # the scheduler's adapter versions -> each runner's own version of the same files
+        self._versions: dict[int, dict[str, int]] = {}
+        self._version_ids = itertools.count(1)
+        self._current: dict[str, int] = {}  # adapter key -> its current scheduler version
+        self.migrations: collections.Counter[tuple[str, str]] = collections.Counter(
+            {(reason, "recompute"): 0 for reason in ("kv_pressure", "drain", "failure")}
+        )
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
 
@@ -389,7 +394,10 @@ class Scheduler:
             slot.handle = await asyncio.to_thread(self.factory, slot.runner_id)
             slot.backend = slot.handle.backend
             for key, (path, sha256) in list(self._adapters.items()):
-                await slot.handle.register_adapter(key, path, sha256)
+                info = await slot.handle.register_adapter(key, path, sha256)
+                version = self._current.get(key)
+                if version in self._versions:
+                    self._versions[version][slot.runner_id] = info.version
         except BaseException as exc:
             slot.state, slot.error = "dead", f"start failed: {exc}"
             if slot.handle is not None:
@@ -426,6 +434,11 @@ class Scheduler:
         log.info("runner %s drained and stopped", runner_id)
         return runner_id
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting at the scheduler for a runner with room."""
+        return len(self._queue)
+
     def advice(self) -> Advice:
         now = time.monotonic()
         idle = {s.runner_id: now - s.idle_since for s in self.slots if not s.streams}
@@ -460,13 +473,19 @@ class Scheduler:
     async def register_adapter(
         self, key: str, path: Path, sha256: str | None = None
     ) -> AdapterInfo:
+        """Register on every live runner; the version returned is the scheduler's own (runners
+        number their versions independently), valid for has_version()."""
         live = [s for s in self.slots if s.handle is not None and s.state != "dead"]
-        infos = [await s.handle.register_adapter(key, path, sha256) for s in live]
+        infos = {s.runner_id: await s.handle.register_adapter(key, path, sha256) for s in live}
         self._adapters[key] = (path, sha256)
-        return infos[0]
+        version = next(self._version_ids)
+        self._versions[version] = {rid: info.version for rid, info in infos.items()}
+        self._current[key] = version
+        return dataclasses.replace(next(iter(infos.values())), version=version)
 
     async def unregister_adapter(self, key: str) -> None:
         self._adapters.pop(key, None)
+        self._current.pop(key, None)
         missing = None
         for s in self.slots:
             if s.handle is not None and s.state != "dead":
@@ -478,11 +497,16 @@ class Scheduler:
             raise missing
 
     def has_version(self, version: int) -> bool:
-        return any(
-            s.handle.has_version(version)
+        """Whether any live runner still holds this version (current, or in use)."""
+        per_runner = self._versions.get(version, {})
+        held = any(
+            s.handle.has_version(per_runner[s.runner_id])
             for s in self.slots
-            if s.handle is not None and s.state != "dead"
+            if s.handle is not None and s.state != "dead" and s.runner_id in per_runner
         )
+        if not held:
+            self._versions.pop(version, None)
+        return held
 
     # -- health -------------------------------------------------------------------------------
     def stats(self) -> RunnerStats:

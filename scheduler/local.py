@@ -46,16 +46,14 @@ class LocalRunner:
         self.max_batch_size = config.batch.max_batch_size
         self.block_size = self.engine.cache.block_size
         self.kv_blocks_total = self.engine.cache.allocator.num_blocks
+        self.lora_target = self.engine.adapters.target
+        self.max_lora_rank = config.lora.max_lora_rank
 
     def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals open() would raise (ValueError, UnknownAdapterError), checked without
         adding the request (for requests that wait at the scheduler first)."""
         e = self.engine
-        e.check_prompt(prompt)
-        vocab = e.model.dims.vocab_size
-        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab})")
+        e.check_prompt(prompt, sampling)
         if adapter is not None:
             e.adapters.check(adapter)
         if sampling.json_schema is not None:

@@ -164,7 +164,21 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
     return True
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
+@dataclass(frozen=True)
+class ModelMeta:
+    """What a control plane needs of a model without its weights (a scheduler in front of
+    runners in other processes): the config, dimensions, tokenizer and names."""
+
+    hf_config: object
+    dims: LlamaDims
+    tokenizer: object
+    model_dir: Path
+    name: str
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def describe_model(cfg: ModelConfig) -> ModelMeta:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     model_dir = resolve_model_dir(cfg.model)
@@ -172,6 +186,19 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dims = LlamaDims.from_hf_config(hf_config)
     max_len = min(cfg.max_model_len or dims.max_positions, dims.max_positions)
     dims = LlamaDims(**{**dims.__dict__, "max_positions": max_len})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = set(_as_list(hf_config.eos_token_id))
+    if (model_dir / "generation_config.json").exists():
+        eos |= set(_as_list(GenerationConfig.from_pretrained(model_dir).eos_token_id))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    name = DEFAULT_MODEL_NAME if cfg.model is None else Path(cfg.model).name.removesuffix(".gguf")
+    return ModelMeta(hf_config, dims, tokenizer, model_dir, name, frozenset(eos), max_len)
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    meta = describe_model(cfg)
+    model_dir, hf_config, dims = meta.model_dir, meta.hf_config, meta.dims
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
     with torch.no_grad():
         model = LlamaForCausalLM(dims, hf_config, dtype, device)
@@ -188,14 +215,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         choose_fused(device, dtype, dims, cfg.fused_backend),
     )
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = set(_as_list(hf_config.eos_token_id))
-    if (model_dir / "generation_config.json").exists():
-        eos |= set(_as_list(GenerationConfig.from_pretrained(model_dir).eos_token_id))
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    name = DEFAULT_MODEL_NAME if cfg.model is None else Path(cfg.model).name.removesuffix(".gguf")
-    return LoadedModel(model, hf_config, tokenizer, model_dir, name, frozenset(eos), max_len)
+    return LoadedModel(
+        model,
+        hf_config,
+        meta.tokenizer,
+        model_dir,
+        meta.name,
+        meta.eos_token_ids,
+        meta.max_model_len,
+    )
 
 
 def _as_list(x) -> list[int]:

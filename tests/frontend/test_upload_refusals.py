@@ -178,6 +178,26 @@ def test_runner_checks_apply_before_the_runner(server, key, adapter_dirs, tmp_pa
     assert list((server.data_dir / "staging").iterdir()) == []
 
 
+def test_oversized_config_is_refused_and_one_just_under_the_cap_is_not(server, key, adapter_dirs):
+    files = files_of(adapter_dirs["a"])
+    config = json.loads(files[CONFIG])
+
+    def padded(size):
+        body = json.dumps({**config, "padding": ""}).encode()
+        out = json.dumps({**config, "padding": "x" * (size - len(body))}).encode()
+        assert len(out) == size
+        return out
+
+    rows = adapter_rows(server)
+    big = padded(1536 * 1024)  # fits the test server's 4 MB body cap, not the 1 MiB config cap
+    refused(post(server, key, files={**files, CONFIG: big}), 413, "config_too_large")
+    archive = tar_gz({CONFIG: big, WEIGHTS: files[WEIGHTS]})
+    refused(post(server, key, archive=archive), 413, "config_too_large")
+    assert adapter_rows(server) == rows
+    ok = post(server, key, name="padded", files={**files, CONFIG: padded((1 << 20) - 64)})
+    assert ok.status_code == 201, ok.text
+
+
 def test_config_code_fields_are_never_acted_on(server, key, adapter_dirs, tmp_path):
     marker = tmp_path / "pwned"
     files = files_of(adapter_dirs["a"])

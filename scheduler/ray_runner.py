@@ -1,0 +1,401 @@
+"""A runner in its own process: an Engine inside a Ray actor, behind the RunnerHandle API.
+
+Messages (all dataclasses, pickled by Ray):
+- the scheduler's calls (open, take, abort, adapters) are actor method calls;
+- outputs come back in batches: a pump task long-polls the actor, and each reply carries
+  every output (and preemption notice) produced since the last one, plus the runner's stats:
+  one message per engine step at most, never a remote call per token per request;
+- adapters travel as bytes (through Ray's object store), so a runner on another node needs no
+  shared filesystem; the actor writes them to a directory of its own and registers them.
+
+A runner whose process dies (SIGKILL, OOM, a lost node) surfaces as RayActorError on the
+next poll: every open stream ends with RunnerLost and the scheduler recomputes elsewhere.
+
+ray is imported on first use, so the thread backend never pays for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from punica_x.async_engine import RequestStream, RunnerLost
+from punica_x.config import EngineConfig
+from punica_x.core import RequestOutput, Resume, SamplingParams
+from punica_x.engine import check_request
+from punica_x.lora.adapter import LoraTarget
+from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from scheduler.interface import ModelInfo, RunnerStats
+
+log = logging.getLogger(__name__)
+
+POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_init_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    node: str
+    pid: int
+    device: str
+    model: ModelInfo
+    lora_target: LoraTarget
+    max_lora_rank: int
+    vocab_size: int
+    max_batch_size: int
+    block_size: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a poll reply carries besides the events: the runner's stats, the adapters
+    resident on its device and the adapter versions it still holds."""
+
+    stats: RunnerStats
+    resident: frozenset[str]
+    versions: frozenset[int]
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join `address` (a Ray cluster; "auto" finds a local one) or start a local Ray once per
+    process (no dashboard)."""
+    import ray
+
+    with _init_lock:
+        if ray.is_initialized():
+            return
+        kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), **kwargs)
+
+
+class RunnerActor:
+    """Runs in the actor's process (an async actor: its methods share one event loop)."""
+
+    def __init__(self, config: EngineConfig, runner_id: str) -> None:
+        import socket
+        import tempfile
+
+        import torch
+
+        from punica_x.async_engine import AsyncEngine
+        from punica_x.engine import Engine
+
+        # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
+        # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
+        threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(
+            os.sched_getaffinity(0)
+        )
+        torch.set_num_threads(threads)
+        self.runner_id = runner_id
+        self.engine = Engine(config)
+        self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
+        loaded = self.engine.loaded
+        self.info_ = ActorInfo(
+            node=socket.gethostname(),
+            pid=os.getpid(),
+            device=str(self.engine.device),
+            model=ModelInfo(loaded.name, loaded.max_model_len, loaded.model_dir),
+            lora_target=self.engine.adapters.target,
+            max_lora_rank=config.lora.max_lora_rank,
+            vocab_size=self.engine.model.dims.vocab_size,
+            max_batch_size=config.batch.max_batch_size,
+            block_size=self.engine.cache.block_size,
+            kv_blocks_total=self.engine.cache.allocator.num_blocks,
+        )
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
+        self.events: list[tuple[str, str, object]] = []
+        self.wakeup: asyncio.Event | None = None
+        self.polls = 0  # poll replies sent
+
+    def info(self) -> ActorInfo:
+        return self.info_
+
+    def _push(self, event: tuple[str, str, object]) -> None:
+        self.events.append(event)
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    async def open(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        resume: Resume | None,
+    ) -> str:
+        def deliver(out):
+            if isinstance(out, RunnerLost):
+                self._push(("lost", request_id, str(out)))
+            else:
+                self._push(("out", request_id, out))
+
+        def preempted():
+            self._push(("preempt", request_id, None))
+
+        return await self.async_engine.add(
+            prompt, sampling, adapter, request_id, resume, deliver, preempted
+        )
+
+    async def take(self, request_id: str) -> tuple[Resume | None, list, int]:
+        """(where the request stands, its events not yet polled, polls answered so far): the
+        caller reads every poll reply up to that count before using the rest."""
+        resume = await self.async_engine.take(request_id)
+        mine = [e for e in self.events if e[1] == request_id]
+        self.events = [e for e in self.events if e[1] != request_id]
+        return resume, mine, self.polls
+
+    async def abort(self, request_id: str) -> None:
+        await self.async_engine.call(lambda: self.engine.abort(request_id))
+
+    async def poll(self, timeout: float = POLL_TIMEOUT) -> tuple[list, Snapshot]:
+        """Every event since the last poll (waiting up to `timeout` for one), and stats."""
+        if self.wakeup is None:
+            self.wakeup = asyncio.Event()
+        if not self.events:
+            self.wakeup.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), timeout)
+        events, self.events = self.events, []
+        self.polls += 1
+        return events, self._snapshot()
+
+    def _snapshot(self) -> Snapshot:
+        e = self.engine
+        pool = e.adapters
+        stats = RunnerStats(
+            running=len(e.batcher.running),
+            waiting=len(e.batcher.waiting),
+            kv_blocks_used=e.cache.allocator.num_used,
+            kv_blocks_free=e.cache.allocator.num_free,
+            adapter_loads=pool.stats.loads,
+            adapter_evictions=pool.stats.evictions,
+            adapter_device_bytes=pool.stats.device_bytes_used,
+            preemptions=e.batcher.num_preemptions,
+        )
+        with pool._lock:
+            versions = frozenset(pool._versions)
+        return Snapshot(stats, pool.resident(), versions)
+
+    def register_adapter(
+        self, name: str, files: dict[str, bytes], sha256: str | None, version: int
+    ) -> AdapterInfo:
+        folder = self.adapter_dir / f"{abs(hash(name))}-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for fname in _ADAPTER_FILES:
+            (folder / fname).write_bytes(files[fname])
+        return self.engine.adapters.register(name, folder, sha256)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.engine.adapters.unregister(name)
+
+    def alive(self) -> str | None:
+        """None while the engine steps, else why it stopped."""
+        return None if self.async_engine.alive() else (self.async_engine.error or "stopped")
+
+    def shutdown(self) -> None:
+        import shutil
+
+        self.async_engine.shutdown()
+        shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+
+class RayRunner:
+    """The scheduler's side of a RunnerActor. Building one blocks until the actor has loaded
+    the model (run it on a worker thread)."""
+
+    backend = "ray"
+
+    def __init__(self, config: EngineConfig, runner_id: str, address: str | None = None) -> None:
+        import ray
+
+        ensure_ray(address)
+        on_gpu = config.model.torch_device().type == "cuda" if address is None else False
+        actor_cls = ray.remote(RunnerActor).options(
+            num_cpus=0 if not on_gpu else 1,
+            num_gpus=1 if on_gpu else 0,
+            max_concurrency=64,
+            name=f"punica-x-{runner_id}-{os.getpid()}",
+        )
+        self.runner_id = runner_id
+        self.actor = actor_cls.remote(config, runner_id)
+        info: ActorInfo = ray.get(self.actor.info.remote())
+        self.info_ = info
+        self.model = info.model
+        self.node, self.pid, self.device = info.node, info.pid, info.device
+        self.max_batch_size = info.max_batch_size
+        self.block_size = info.block_size
+        self.kv_blocks_total = info.kv_blocks_total
+        self.lora_target = info.lora_target
+        self.max_lora_rank = info.max_lora_rank
+        self.tokenizer = None  # the scheduler brings its own (describe_model)
+        self.error: str | None = None
+        self._names: set[str] = set()
+        self._streams: dict[str, tuple[Callable, Callable | None]] = {}
+        empty = RunnerStats(0, 0, 0, info.kv_blocks_total, 0, 0, 0, 0)
+        self._snapshot = Snapshot(empty, frozenset(), frozenset())
+        self._pump: asyncio.Task | None = None
+        self._polls_read = 0
+        self._versions = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
+        i = self.info_
+        check_request(
+            prompt,
+            sampling,
+            i.vocab_size,
+            i.model.max_model_len,
+            i.block_size,
+            i.kv_blocks_total,
+        )
+        if adapter is not None and adapter not in self._names:
+            raise UnknownAdapterError(adapter)
+        if sampling.json_schema is not None:
+            from punica_x.structured import compile_json_schema
+
+            compile_json_schema(sampling.json_schema)
+
+    async def open(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        resume: Resume | None = None,
+        on_preempt: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        self._ensure_pump()
+        if self.error is not None:
+            raise RunnerLost(self.error)
+        outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
+        self._streams[request_id] = (outputs.put_nowait, on_preempt)
+        try:
+            await self._call(self.actor.open.remote(prompt, sampling, adapter, request_id, resume))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return RequestStream(request_id, outputs, lambda: self._abort(request_id))
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self.error is None:
+            self.actor.abort.remote(request_id)  # fire and forget: its output is dropped
+
+    async def take(self, request_id: str) -> Resume | None:
+        resume, events, polls = await self._call(self.actor.take.remote(request_id))
+        while self._polls_read < polls and self.error is None:  # replies sent before the take
+            await asyncio.sleep(0.001)
+        self._dispatch(events)
+        self._streams.pop(request_id, None)
+        return resume
+
+    async def _call(self, ref):
+        import ray
+
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as exc:
+            self._lost(f"runner process died: {exc}")
+            raise RunnerLost(self.error) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    # -- the pump -----------------------------------------------------------------------------
+    def _ensure_pump(self) -> None:
+        if (self._pump is None or self._pump.done()) and self.error is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    async def _run_pump(self) -> None:
+        import ray
+
+        while self.error is None:
+            try:
+                events, snapshot = await self.actor.poll.remote()
+            except ray.exceptions.RayActorError as exc:
+                self._lost(f"runner process died: {exc}")
+                return
+            except Exception as exc:  # an unexpected failure must not hang every stream
+                self._lost(f"runner unreachable: {exc}")
+                return
+            self._snapshot = snapshot
+            self._polls_read += 1
+            self._dispatch(events)
+
+    def _dispatch(self, events: list) -> None:
+        for kind, request_id, payload in events:
+            entry = self._streams.get(request_id)
+            if entry is None:
+                continue
+            deliver, on_preempt = entry
+            if kind == "out":
+                deliver(payload)
+                if payload.finished:
+                    self._streams.pop(request_id, None)
+            elif kind == "preempt":
+                if on_preempt is not None:
+                    on_preempt()
+            elif kind == "lost":
+                self.error = self.error or payload
+                self._streams.pop(request_id, None)
+                deliver(RunnerLost(payload))
+
+    def _lost(self, error: str) -> None:
+        self.error = self.error or error
+        streams, self._streams = self._streams, {}
+        for deliver, _ in streams.values():
+            deliver(RunnerLost(self.error))
+
+    # -- adapters -----------------------------------------------------------------------------
+    async def register_adapter(
+        self, name: str, path: Path, sha256: str | None = None, files_ref=None
+    ) -> AdapterInfo:
+        import ray
+
+        if files_ref is None:
+            files = await asyncio.to_thread(
+                lambda: {f: (Path(path) / f).read_bytes() for f in _ADAPTER_FILES}
+            )
+            files_ref = ray.put(files)
+        self._versions += 1
+        info = await self._call(
+            self.actor.register_adapter.remote(name, files_ref, sha256, self._versions)
+        )
+        self._names.add(name)
+        return info
+
+    async def unregister_adapter(self, name: str) -> None:
+        self._names.discard(name)
+        await self._call(self.actor.unregister_adapter.remote(name))
+
+    def has_version(self, version: int) -> bool:
+        return version in self._snapshot.versions
+
+    def resident_adapters(self) -> frozenset[str]:
+        return self._snapshot.resident
+
+    def stats(self) -> RunnerStats:
+        return self._snapshot.stats
+
+    def alive(self) -> bool:
+        return self.error is None
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self._pump is not None:
+            self._pump.cancel()
+        if self.error is None:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.shutdown.remote(), timeout=30)
+        self.error = self.error or "shut down"
+        ray.kill(self.actor)
