@@ -47,6 +47,12 @@ class ServerState:
         self.manager: FrontendManager | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
+        if config.runner_backend == "ray":
+            # here, on the main thread: Ray's head processes die with the thread that
+            # started them (PR_SET_PDEATHSIG), and the loader thread below ends
+            from scheduler.ray_runner import ensure_ray
+
+            ensure_ray(config.ray_address)
 
     def load(self) -> None:
         """Load the model and start the runner (runs on a background thread)."""

@@ -65,7 +65,8 @@ class Snapshot:
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join `address` (a Ray cluster; "auto" finds a local one) or start a local Ray once per
-    process (no dashboard)."""
+    process (no dashboard). Call it from a thread that lives as long as the process (the
+    main one): a local Ray's head processes die with the thread that started them."""
     import ray
 
     with _init_lock:
@@ -92,9 +93,7 @@ class RunnerActor:
 
         # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
         # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
-        threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(
-            os.sched_getaffinity(0)
-        )
+        threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         self.runner_id = runner_id
         self.engine = Engine(config)
@@ -113,15 +112,18 @@ class RunnerActor:
             kv_blocks_total=self.engine.cache.allocator.num_blocks,
         )
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
-        self.events: list[tuple[str, str, object]] = []
+        # (seq, kind, request id, payload), kept until a poll acknowledges them: a reply lost
+        # on the way (its caller gone) is sent again, so no output is ever dropped
+        self.events: list[tuple[int, str, str, object]] = []
+        self.seq = 0
         self.wakeup: asyncio.Event | None = None
-        self.polls = 0  # poll replies sent
 
     def info(self) -> ActorInfo:
         return self.info_
 
-    def _push(self, event: tuple[str, str, object]) -> None:
-        self.events.append(event)
+    def _push(self, kind: str, request_id: str, payload: object) -> None:
+        self.seq += 1
+        self.events.append((self.seq, kind, request_id, payload))
         if self.wakeup is not None:
             self.wakeup.set()
 
@@ -135,39 +137,37 @@ class RunnerActor:
     ) -> str:
         def deliver(out):
             if isinstance(out, RunnerLost):
-                self._push(("lost", request_id, str(out)))
+                self._push("lost", request_id, str(out))
             else:
-                self._push(("out", request_id, out))
+                self._push("out", request_id, out)
 
         def preempted():
-            self._push(("preempt", request_id, None))
+            self._push("preempt", request_id, None)
 
         return await self.async_engine.add(
             prompt, sampling, adapter, request_id, resume, deliver, preempted
         )
 
-    async def take(self, request_id: str) -> tuple[Resume | None, list, int]:
-        """(where the request stands, its events not yet polled, polls answered so far): the
-        caller reads every poll reply up to that count before using the rest."""
+    async def take(self, request_id: str) -> tuple[Resume | None, list]:
+        """(where the request stands, its events not yet acknowledged): after a take the
+        request produces nothing more here."""
         resume = await self.async_engine.take(request_id)
-        mine = [e for e in self.events if e[1] == request_id]
-        self.events = [e for e in self.events if e[1] != request_id]
-        return resume, mine, self.polls
+        return resume, [e for e in self.events if e[2] == request_id]
 
     async def abort(self, request_id: str) -> None:
         await self.async_engine.call(lambda: self.engine.abort(request_id))
 
-    async def poll(self, timeout: float = POLL_TIMEOUT) -> tuple[list, Snapshot]:
-        """Every event since the last poll (waiting up to `timeout` for one), and stats."""
+    async def poll(self, after: int, timeout: float = POLL_TIMEOUT) -> tuple[list, Snapshot]:
+        """Events after seq `after` (those up to it are acknowledged and dropped), waiting up
+        to `timeout` for one; and the runner's stats."""
         if self.wakeup is None:
             self.wakeup = asyncio.Event()
+        self.events = [e for e in self.events if e[0] > after]
         if not self.events:
             self.wakeup.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), timeout)
-        events, self.events = self.events, []
-        self.polls += 1
-        return events, self._snapshot()
+        return list(self.events), self._snapshot()
 
     def _snapshot(self) -> Snapshot:
         e = self.engine
@@ -214,6 +214,8 @@ class RayRunner:
     the model (run it on a worker thread)."""
 
     backend = "ray"
+    # adapter name -> ((path, sha256), object ref of its files): shared by this process's runners
+    _shipped: dict[str, tuple[tuple[str, str | None], object]] = {}
 
     def __init__(self, config: EngineConfig, runner_id: str, address: str | None = None) -> None:
         import ray
@@ -244,7 +246,8 @@ class RayRunner:
         empty = RunnerStats(0, 0, 0, info.kv_blocks_total, 0, 0, 0, 0)
         self._snapshot = Snapshot(empty, frozenset(), frozenset())
         self._pump: asyncio.Task | None = None
-        self._polls_read = 0
+        self._acked = 0  # highest event seq the pump has dispatched
+        self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
         self._versions = 0
 
     # -- requests -----------------------------------------------------------------------------
@@ -288,15 +291,15 @@ class RayRunner:
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._delivered.pop(request_id, None)
         if self.error is None:
             self.actor.abort.remote(request_id)  # fire and forget: its output is dropped
 
     async def take(self, request_id: str) -> Resume | None:
-        resume, events, polls = await self._call(self.actor.take.remote(request_id))
-        while self._polls_read < polls and self.error is None:  # replies sent before the take
-            await asyncio.sleep(0.001)
-        self._dispatch(events)
+        resume, events = await self._call(self.actor.take.remote(request_id))
+        self._dispatch(events)  # what the pump has not delivered yet, in order
         self._streams.pop(request_id, None)
+        self._delivered.pop(request_id, None)
         return resume
 
     async def _call(self, ref):
@@ -320,7 +323,7 @@ class RayRunner:
 
         while self.error is None:
             try:
-                events, snapshot = await self.actor.poll.remote()
+                events, snapshot = await self.actor.poll.remote(self._acked)
             except ray.exceptions.RayActorError as exc:
                 self._lost(f"runner process died: {exc}")
                 return
@@ -328,25 +331,30 @@ class RayRunner:
                 self._lost(f"runner unreachable: {exc}")
                 return
             self._snapshot = snapshot
-            self._polls_read += 1
             self._dispatch(events)
+            if events:
+                self._acked = max(self._acked, events[-1][0])
 
     def _dispatch(self, events: list) -> None:
-        for kind, request_id, payload in events:
+        """Deliver events in seq order, each once (a take and a poll may both carry one)."""
+        for seq, kind, request_id, payload in events:
             entry = self._streams.get(request_id)
-            if entry is None:
+            if entry is None or seq <= self._delivered.get(request_id, 0):
                 continue
+            self._delivered[request_id] = seq
             deliver, on_preempt = entry
             if kind == "out":
                 deliver(payload)
                 if payload.finished:
                     self._streams.pop(request_id, None)
+                    self._delivered.pop(request_id, None)
             elif kind == "preempt":
                 if on_preempt is not None:
                     on_preempt()
             elif kind == "lost":
                 self.error = self.error or payload
                 self._streams.pop(request_id, None)
+                self._delivered.pop(request_id, None)
                 deliver(RunnerLost(payload))
 
     def _lost(self, error: str) -> None:
@@ -357,15 +365,22 @@ class RayRunner:
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None, files_ref=None
+        self, name: str, path: Path, sha256: str | None = None
     ) -> AdapterInfo:
+        """The files at `path` go to the actor as bytes through the object store, put there
+        once per version (runners started later get the same object, even if `path` is gone
+        by then)."""
         import ray
 
-        if files_ref is None:
+        shipped = RayRunner._shipped.get(name)
+        if shipped is not None and shipped[0] == (str(path), sha256):
+            files_ref = shipped[1]  # read and put once, for every runner (and later ones)
+        else:
             files = await asyncio.to_thread(
                 lambda: {f: (Path(path) / f).read_bytes() for f in _ADAPTER_FILES}
             )
             files_ref = ray.put(files)
+            RayRunner._shipped[name] = ((str(path), sha256), files_ref)
         self._versions += 1
         info = await self._call(
             self.actor.register_adapter.remote(name, files_ref, sha256, self._versions)
@@ -375,6 +390,7 @@ class RayRunner:
 
     async def unregister_adapter(self, name: str) -> None:
         self._names.discard(name)
+        RayRunner._shipped.pop(name, None)
         await self._call(self.actor.unregister_adapter.remote(name))
 
     def has_version(self, version: int) -> bool:

@@ -1,0 +1,161 @@
+"""The scheduler over 2 Ray runners (actors in their own processes; one local Ray per test
+session, no dashboard): adapters shipped as bytes, placement, drain between processes, and
+SIGKILL of a runner process at random points (PUNICA_X_RAY_KILLS, 5 by default; 20 for the
+long run): every request completes with the greedy tokens of a run nobody killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+
+import pytest
+from helpers import tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason
+
+ray = pytest.importorskip("ray")
+
+from scheduler.cluster import Scheduler  # noqa: E402
+from scheduler.ray_runner import RayRunner  # noqa: E402
+
+KILLS = int(os.environ.get("PUNICA_X_RAY_KILLS", "5"))
+SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir):
+    return EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir)),
+        cache=CacheConfig(num_blocks=64),
+        batch=BatchConfig(max_batch_size=3),
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir)
+    llm.load_adapter("r8", str(tiny_adapters["r8"]))
+    prompts = [llm.tokenizer.encode(f"ray request {i} wants tokens") for i in range(6)]
+    out = {}
+    for sp in (SP, SEEDED):
+        for adapter in (None, "r8"):
+            results = llm.generate(prompts, [adapter] * len(prompts), sp)
+            out[sp.seed, adapter] = [r.token_ids for r in results]
+    return prompts, out
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray, config, tiny_adapters, tmp_path_factory):
+    """Two actors; the adapter is registered from a copy deleted right after, so the actors
+    can only be serving the bytes they were sent."""
+    from punica_x.models.loader import describe_model
+
+    def factory(rid):
+        return RayRunner(config, rid)
+
+    sched = Scheduler(
+        [factory("runner-0"), factory("runner-1")],
+        factory,
+        tokenizer=describe_model(config.model).tokenizer,
+    )
+    copy = tmp_path_factory.mktemp("shipped") / "r8"
+    shutil.copytree(tiny_adapters["r8"], copy)
+
+    async def register():
+        await sched.register_adapter("r8", copy)
+
+    asyncio.run(register())
+    shutil.rmtree(copy)
+    yield sched
+    sched.shutdown()
+
+
+async def consume(stream, until=None):
+    tokens, last = [], None
+    async for out in stream:
+        tokens += out.new_token_ids
+        last = out
+        if until is not None and len(tokens) >= until:
+            break
+    return tokens, last
+
+
+def test_runners_are_processes_and_place_by_consolidation(cluster, reference):
+    prompts, ref = reference
+    rows = cluster.runners()
+    assert [r["backend"] for r in rows] == ["ray", "ray"]
+    assert len({r["pid"] for r in rows} | {os.getpid()}) == 3
+
+    async def main():
+        streams = [await cluster.open(prompts[i], SP, "r8", f"p{i}") for i in range(4)]
+        placed = [s.slot.runner_id for s in streams]
+        return placed, await asyncio.gather(*(consume(s) for s in streams))
+
+    placed, results = asyncio.run(main())
+    assert placed == ["runner-0", "runner-0", "runner-0", "runner-1"]
+    for i, (tokens, last) in enumerate(results):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == ref[None, "r8"][i]
+
+
+def test_drain_moves_streams_between_processes(cluster, reference):
+    prompts, ref = reference
+
+    async def main():
+        await cluster.add_runners(1)
+        sps = [SP, SEEDED, SP]
+        streams = [await cluster.open(prompts[i], sps[i], "r8", f"d{i}") for i in range(3)]
+        source = streams[0].slot.runner_id
+        heads = [await consume(s, until=5) for s in streams]
+        await cluster.drain(source)
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        return sps, heads, tails, source
+
+    sps, heads, tails, source = asyncio.run(main())
+    assert source not in [r["id"] for r in cluster.runners()]
+    for i, (head, tail) in enumerate(zip(heads, tails)):
+        assert tail[1].finish_reason is FinishReason.LENGTH, tail[1].error
+        assert head[0] + tail[0] == tail[1].token_ids == ref[sps[i].seed, "r8"][i]
+
+
+@pytest.mark.parametrize("trial", range(KILLS))
+def test_sigkill_of_a_runner_process_loses_no_request(cluster, reference, trial):
+    prompts, ref = reference
+    rng = random.Random(100 + trial)
+    after = rng.randint(1, 40)  # tokens streamed before the kill
+
+    async def main():
+        while len([s for s in cluster.slots if s.state == "active"]) < 2:
+            await cluster.add_runners(1)
+        sps = [SP if i % 2 == 0 else SEEDED for i in range(4)]
+        adapters = [rng.choice([None, "r8"]) for _ in range(4)]
+        streams = [
+            await cluster.open(prompts[i], sps[i], adapters[i], f"k{trial}-{i}") for i in range(4)
+        ]
+        victim = streams[0].slot
+        head = await consume(streams[0], until=after)
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        rest = await asyncio.gather(*(consume(s) for s in streams))
+        state = victim.state
+        await cluster.drain(victim.runner_id)  # forget the dead one
+        return sps, adapters, head, rest, state
+
+    sps, adapters, head, rest, state = asyncio.run(main())
+    assert state == "dead"
+    rest[0] = (head[0] + rest[0][0], rest[0][1])
+    for i, (tokens, last) in enumerate(rest):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i], i
