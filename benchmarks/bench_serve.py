@@ -14,6 +14,11 @@ ratios is what the openai client's parsing costs on the shared cores, not the se
 With --features it answers another question on the same server and workload: how much of
 their throughput do plain requests keep when 1 in 8 requests asks for logprobs and 1 in 8 is
 constrained by a JSON schema (server formatting included)? See features().
+
+--runners N and --runner-backend thread|ray serve with N runners of that backend (the
+result files are named after both). --open-loop RATES (requests/s, e.g. 0.5,1,2,4) replaces
+the closed loop with Poisson arrivals at each rate, the way vLLM's serving benchmark reports:
+TTFT and inter-token p50/p99 per rate, and the throughput achieved (see open_loop()).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(data_dir: Path, port: int) -> subprocess.Popen:
+def start_server(data_dir: Path, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     log = (data_dir.parent / "server.log").open("w")
     proc = subprocess.Popen(
         [
@@ -60,6 +65,7 @@ def start_server(data_dir: Path, port: int) -> subprocess.Popen:
             str(data_dir),
             "--limit",
             "max_streams_per_key=1024",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -207,10 +213,18 @@ def main() -> None:
         action="store_true",
         help="instead: what logprobs and JSON-schema requests cost the plain ones (see features)",
     )
+    ap.add_argument("--runners", type=int, default=1)
+    ap.add_argument("--runner-backend", default="thread", choices=["thread", "ray"])
+    ap.add_argument(
+        "--open-loop", default=None, metavar="RATES", help="Poisson arrivals at these req/s"
+    )
     args = ap.parse_args()
     print(describe_machine(), flush=True)
     if args.features:
         features(args)
+        return
+    if args.open_loop:
+        open_loop(args)
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -234,7 +248,7 @@ def main() -> None:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port)
+    server = start_server(tmp / "data", port, runner_args(args))
     rounds = []
     try:
         key, model_id = setup_tenant(url, tmp / "data", paths)
@@ -276,6 +290,7 @@ def main() -> None:
     ]
     server_tps = tokens / elapsed
     row = {
+        "backend": f"{args.runner_backend} x{args.runners}",
         "clients": args.clients,
         "requests": args.requests,
         "req_per_s": args.requests / elapsed,
@@ -308,7 +323,7 @@ def main() -> None:
         f"of {os.cpu_count()}, the server {server_cores:.2f}"
     )
     path = write_json(
-        "bench_serve",
+        result_name("bench_serve", args),
         {
             "ratios": ratios,
             "ratios_minimal_client": raw_ratios,
@@ -318,7 +333,124 @@ def main() -> None:
             "itl_ms": [t * 1e3 for t in itl],
         },
     )
-    plot(ttft, itl)
+    plot(ttft, itl, result_name("bench_serve", args))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def runner_args(args) -> tuple[str, ...]:
+    return ("--runners", str(args.runners), "--runner-backend", args.runner_backend)
+
+
+def result_name(base: str, args) -> str:
+    """bench_serve for the default one thread runner, else e.g. bench_serve_ray_x2."""
+    if args.runners == 1 and args.runner_backend == "thread":
+        return base
+    return f"{base}_{args.runner_backend}_x{args.runners}"
+
+
+async def open_loop_rate(
+    url: str, key: str, jobs: list, rate: float, max_tokens: int, rng: random.Random
+) -> dict:
+    """Every job once, arriving as a Poisson process of `rate` requests/s; each is read by a
+    minimal SSE client (one json.loads per event), stamping its tokens."""
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=len(jobs) + 4)
+    ttft, itl, tokens = [], [], [0]
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as http:
+
+        async def one(model, prompt):
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            last = start = time.perf_counter()
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        now = time.perf_counter()
+                        (ttft if last == start else itl).append(now - last)
+                        last = now
+                        tokens[0] += 1
+
+        start = time.perf_counter()
+        tasks = []
+        for model, prompt in jobs:
+            tasks.append(asyncio.create_task(one(model, prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return {
+        "rate": rate,
+        "tok_s": tokens[0] / elapsed,
+        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+        "itl_p50_ms": percentile(itl, 0.5) * 1e3,
+        "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+    }
+
+
+def open_loop(args) -> None:
+    """TTFT and inter-token latency against the arrival rate (Poisson), one server."""
+    rates = [float(r) for r in args.open_loop.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-open-"))
+    from punica_x.config import ModelConfig
+    from punica_x.models.loader import describe_model
+
+    meta = describe_model(ModelConfig())  # the default model, without loading its weights
+    prompts = make_prompts(meta.tokenizer, args.requests)
+    paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
+    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
+    names = [
+        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
+    ]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp / "data", port, runner_args(args))
+    rows = []
+    try:
+        key, model_id = setup_tenant(url, tmp / "data", paths)
+        jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
+        asyncio.run(run_raw_clients(url, key, jobs[:4], 4, 4))  # warm-up
+        for rate in rates:
+            row = asyncio.run(
+                open_loop_rate(url, key, jobs, rate, args.max_tokens, random.Random(7))
+            )
+            row["backend"] = f"{args.runner_backend} x{args.runners}"
+            rows.append(row)
+            print(f"  rate {rate:g}/s: {row}", flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(
+        f"SmolLM2-135M, {args.requests} streaming requests x {args.max_tokens} tokens, "
+        f"Poisson arrivals, {args.adapters} rank-{args.rank} adapters (Zipf 1.5)"
+    )
+    print_table(rows, list(rows[0]), "Open loop: latency against the arrival rate")
+    name = result_name("bench_serve_open_loop", args)
+    path = write_json(name, {"args": vars(args), "rows": rows})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["rate"] for r in rows]
+    for q in ("p50", "p99"):
+        a.plot(x, [r[f"ttft_{q}_ms"] for r in rows], "-o", label=f"TTFT {q}")
+        b.plot(x, [r[f"itl_{q}_ms"] for r in rows], "-o", label=f"inter-token {q}")
+    for ax in (a, b):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel("ms")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    save_plot(name, fig)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
@@ -385,7 +517,7 @@ def features(args) -> None:
     print(f"wrote {path}")
 
 
-def plot(ttft, itl) -> None:
+def plot(ttft, itl, name: str = "bench_serve") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,7 +532,7 @@ def plot(ttft, itl) -> None:
         ax.set_title(title)
         ax.set_xlabel("ms")
     axes[0].set_ylabel("count")
-    save_plot("bench_serve", fig)
+    save_plot(name, fig)
 
 
 if __name__ == "__main__":

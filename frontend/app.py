@@ -73,6 +73,10 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
     """config.runners runners of config.runner_backend, and a factory for more (scale up).
     thread: in this process, sharing the backbone's weights; ray: one Ray actor each."""
     engine, n = config.engine, config.runners
+    if config.autoscale:
+        from scheduler.autoscale import AutoscaleConfig
+
+        n = max(n, AutoscaleConfig.parse(config.autoscale).min_runners)
     if config.runner_backend == "ray":
         from punica_x.models.loader import describe_model
         from scheduler.ray_runner import RayRunner, ensure_ray
@@ -85,14 +89,15 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
 
         with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
             runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
-        return Scheduler(runners, ray_factory, tokenizer=meta.tokenizer)
+        return Scheduler(runners, ray_factory, config.idle_after_s, tokenizer=meta.tokenizer)
     first = LocalRunner(engine, "runner-0")
     shared = first.engine.loaded
 
     def factory(runner_id: str) -> LocalRunner:
         return LocalRunner(engine, runner_id, shared=shared)
 
-    return Scheduler([first] + [factory(f"runner-{i}") for i in range(1, n)], factory)
+    runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
+    return Scheduler(runners, factory, config.idle_after_s)
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -250,9 +255,20 @@ async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:
     await manager.restore_adapters()
     state.manager = manager
     log.info("ready: serving %s", manager.model_id)
-    while True:
-        await asyncio.sleep(GC_INTERVAL)
-        manager.collect_garbage()
+    scaler = None
+    if state.config.autoscale:
+        from scheduler.autoscale import AutoscaleConfig, Autoscaler
+
+        config = AutoscaleConfig.parse(state.config.autoscale)
+        scaler = asyncio.create_task(Autoscaler(state.scheduler, config).run())
+        log.info("autoscaling between %d and %d runners", config.min_runners, config.max_runners)
+    try:
+        while True:
+            await asyncio.sleep(GC_INTERVAL)
+            manager.collect_garbage()
+    finally:
+        if scaler is not None:
+            scaler.cancel()
 
 
 def _tenant_json(t) -> dict:

@@ -66,6 +66,7 @@ def serve(args) -> int:
             runners=args.runners,
             runner_backend=args.runner_backend,
             ray_address=args.ray_address,
+            autoscale=args.autoscale,
         )
     except ValueError as exc:
         print(f"punica-x: {exc}", file=sys.stderr)
@@ -250,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["thread", "ray"],
         help="thread (default): runners inside the server process, sharing the model weights; "
         "ray: each runner a Ray actor in its own process (default with --ray-address)",
+    )
+    s.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="start and drain runners on the scaling advice, keeping MIN..MAX (dead ones replaced)",
     )
     s.add_argument(
         "--ray-address",

@@ -39,10 +39,16 @@ class ServerConfig:
     runners: int = 1  # runners started with the server (admin scale adds and removes them)
     runner_backend: str = "thread"
     ray_address: str | None = None  # join this Ray cluster ("auto": the local one); else start one
+    autoscale: str | None = None  # "MIN:MAX": act on the scaling advice (scheduler/autoscale.py)
+    idle_after_s: float = 60.0  # a runner idle this long (others with room) is advised away
 
     def __post_init__(self) -> None:
         if self.runners < 1:
             raise ValueError(f"runners must be >= 1, got {self.runners}")
+        if self.autoscale is not None:
+            from scheduler.autoscale import AutoscaleConfig
+
+            AutoscaleConfig.parse(self.autoscale)  # ValueError naming the problem
         if self.runner_backend not in RUNNER_BACKENDS:
             raise ValueError(
                 f"runner_backend must be one of {RUNNER_BACKENDS}, got {self.runner_backend!r}"

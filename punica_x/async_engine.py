@@ -114,10 +114,10 @@ class AsyncEngine:
         req = await self.call(add)
         return req.request_id
 
-    async def take(self, request_id: str) -> Resume | None:
+    async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         """Engine.take on the engine thread: the request leaves without an output. Every
         output it produced before is already in its stream's queue when this returns."""
-        resume = await self.call(lambda: self.engine.take(request_id))
+        resume = await self.call(lambda: self.engine.take(request_id, with_kv))
         self._open.pop(request_id, None)
         return resume
 

@@ -28,9 +28,14 @@ class Batcher:
         self.num_preemptions = 0
         self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, front: bool = False) -> None:
+        """Queue a request (at the head with front: a request moved here from another runner
+        was admitted before everything waiting)."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished or aborted) and free its KV blocks at once."""

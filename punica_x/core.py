@@ -165,19 +165,34 @@ class Request:
 
 
 @dataclass(frozen=True)
+class KVSnapshot:
+    """A request's KV for a live copy (Llumnix-style migration): the first num_tokens tokens'
+    keys and values, blocks [n, L, 2, N_kv, P, D] in the KVCache layout, on the CPU."""
+
+    num_tokens: int
+    blocks: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+
+@dataclass(frozen=True)
 class Resume:
     """Where a request stands when it moves to another runner (migration by recomputation,
     Punica sec. 5.3): the tokens generated so far (their KV is recomputed on the target with
     the prompt), their logprobs, the prompt logprobs once complete, and how many characters
     of text the caller has already been sent. Seeded sampling depends only on the seed and
     the number of tokens generated (Sampler), so the output continues exactly as it would
-    have on the source."""
+    have on the source. With `kv` (a live copy), the target takes the source's KV instead of
+    recomputing it."""
 
     output_token_ids: tuple[int, ...]
     emitted_chars: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     num_preemptions: int = 0
+    kv: KVSnapshot | None = None  # with a live copy: the target computes only what is not in it
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from punica_x.batcher import Batcher
 from punica_x.config import EngineConfig
 from punica_x.core import (
     FinishReason,
+    KVSnapshot,
     Request,
     RequestOutput,
     RequestStatus,
@@ -146,7 +147,7 @@ class Engine:
                 self.adapters.release(ref)
             raise
         self.requests[req.request_id] = req
-        self.batcher.add(req)
+        self.batcher.add(req, front=resume is not None)  # it was admitted before the others
         return req
 
     def _resume(self, req: Request, resume: Resume) -> None:
@@ -169,14 +170,42 @@ class Engine:
                 req.matcher.consume_token(t)
         sp = req.sampling
         self.detokenizer.prime(req.request_id, tokens, sp.skip_special_tokens, resume.emitted_chars)
+        if resume.kv is not None:  # last: nothing after it can refuse the request
+            self._import_kv(req, resume.kv)
 
-    def take(self, request_id: str) -> Resume | None:
+    def _import_kv(self, req: Request, kv: KVSnapshot) -> None:
+        """Take a live copy's KV. Without room for it, the request recomputes instead, as if
+        no KV had come (the scheduler placed it where there was room, so this is rare)."""
+        data = kv.blocks
+        if tuple(data.shape[1:]) != tuple(self.cache.kv.shape[1:]):
+            raise ValueError(
+                f"the KV copy has blocks of shape {tuple(data.shape[1:])}; this runner's are "
+                f"{tuple(self.cache.kv.shape[1:])}"
+            )
+        n = min(kv.num_tokens, req.num_tokens - 1)  # at least one token left to compute
+        if n <= 0 or data.shape[0] < blocks_needed(n, self.cache.block_size):
+            return
+        if not self.cache.ensure_capacity(req.block_ids, n):
+            log.info("no KV room for %s's copy: it recomputes", req.request_id)
+            return
+        self.cache.import_blocks(req.block_ids, data)
+        req.num_computed_tokens = n
+
+    def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         """Remove an unfinished request without finishing it (no output is emitted) and return
         where it stands, to continue it on another runner; None if it is not here (finished,
-        aborted, unknown). Its KV blocks and adapter reference are released."""
+        aborted, unknown). with_kv: include a copy of its computed KV (a live copy). Its KV
+        blocks and adapter reference are released."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
+        kv = None
+        partial_prompt_logprobs = req.sampling.prompt_logprobs is not None and len(
+            req.prompt_logprobs
+        ) < len(req.prompt_token_ids)
+        if with_kv and req.num_computed_tokens > 0 and not partial_prompt_logprobs:
+            n = req.num_computed_tokens
+            kv = KVSnapshot(n, self.cache.export_blocks(req.block_ids, n))
         resume = Resume(
             output_token_ids=tuple(req.output_token_ids),
             emitted_chars=self.detokenizer.emitted(request_id),
@@ -187,6 +216,7 @@ class Engine:
                 else None
             ),
             num_preemptions=req.num_preemptions,
+            kv=kv,
         )
         self.batcher.remove(req)
         req.status = RequestStatus.FINISHED

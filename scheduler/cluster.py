@@ -37,6 +37,7 @@ from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.interface import ModelInfo, RunnerStats
 from scheduler.local import LocalRunner
+from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 from scheduler.placement import (
     ACTIVE,
     Advice,
@@ -135,8 +136,14 @@ class Scheduler:
         self._version_ids = itertools.count(1)
         self._current: dict[str, int] = {}  # adapter key -> its current scheduler version
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter(
-            {(reason, "recompute"): 0 for reason in ("kv_pressure", "drain", "failure")}
+            {
+                (reason, mode): 0
+                for reason in ("kv_pressure", "drain", "failure")
+                for mode in (RECOMPUTE, COPY)
+                if not (reason == "failure" and mode == COPY)
+            }
         )
+        self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
 
@@ -220,6 +227,8 @@ class Scheduler:
             self._kick()
             return
         stream.inner = inner
+        if stream.resume is not None and stream.resume.kv is not None:
+            stream.resume = dataclasses.replace(stream.resume, kv=None)  # imported: let it go
         stream.placed.set()
 
     def _requeue(self, stream: ClusterStream) -> None:
@@ -277,19 +286,30 @@ class Scheduler:
         if target is not None:
             self._spawn(self.migrate(stream, "kv_pressure", target))
 
+    def choose_mode(self, stream: ClusterStream, reason: str) -> str:
+        h = stream.slot.handle
+        costs = self.costs[stream.slot.backend]
+        return choose_mode(stream.num_tokens - 1, h.kv_bytes_per_token, costs, reason)
+
     async def migrate(
-        self, stream: ClusterStream, reason: str, target: RunnerSlot | None = None
+        self,
+        stream: ClusterStream,
+        reason: str,
+        target: RunnerSlot | None = None,
+        mode: str | None = None,
     ) -> bool:
-        """Move a request off its runner by recomputation: take it there (its outputs so far
-        stay ahead of the move in its stream), then place it elsewhere (target, if it still
-        has room) or queue it. False if it finished or left first."""
+        """Move a request off its runner: take it there (its outputs so far stay ahead of the
+        move in its stream), then place it elsewhere (target, if it still has room) or queue
+        it. mode: RECOMPUTE or COPY (its KV goes along); None lets the cost model choose
+        (scheduler/migration.py). False if it finished or left first."""
         source = stream.slot
         if source is None or stream.closed or stream.moving or stream.inner is None:
             return False
+        mode = mode or self.choose_mode(stream, reason)
         stream.moving = True
         try:
             try:
-                resume = await source.handle.take(stream.request_id)
+                resume = await source.handle.take(stream.request_id, mode == COPY)
             except RunnerLost:
                 return False  # the reader sees RunnerLost and recomputes from what it had
             if resume is None:
@@ -302,12 +322,14 @@ class Scheduler:
             stream.resume = resume
             inner.moved()
             stream.retired.append(inner)  # read to its end before the new runner's outputs
-            self.migrations[(reason, "recompute")] += 1
+            mode = COPY if resume.kv is not None else RECOMPUTE
+            self.migrations[(reason, mode)] += 1
             log.info(
-                "moving %s off %s (%s, %d tokens to recompute)",
+                "moving %s off %s (%s, %s, %d tokens)",
                 stream.request_id,
                 source.runner_id,
                 reason,
+                mode,
                 stream.num_tokens,
             )
             exclude = frozenset({source.runner_id})
@@ -407,9 +429,9 @@ class Scheduler:
         slot.idle_since = time.monotonic()
         log.info("runner %s is active", slot.runner_id)
 
-    async def drain(self, runner_id: str | None = None) -> str:
-        """Stop placing on a runner (None: the least loaded), move its requests away, stop
-        it. The last active runner is refused (409)."""
+    async def drain(self, runner_id: str | None = None, mode: str | None = None) -> str:
+        """Stop placing on a runner (None: the least loaded), move its requests away (mode:
+        see migrate), stop it. The last active runner is refused (409)."""
         if runner_id is None:
             runner_id = drain_choice(self.snapshots())
             if runner_id is None:
@@ -427,7 +449,7 @@ class Scheduler:
         while slot.streams:
             for stream in list(slot.streams.values()):
                 if stream.inner is not None and not stream.moving:
-                    await self.migrate(stream, "drain")
+                    await self.migrate(stream, "drain", mode=mode)
             await asyncio.sleep(0.01)  # requests still being opened there, or finishing
         await asyncio.to_thread(slot.handle.shutdown)
         self.slots.remove(slot)

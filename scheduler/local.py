@@ -46,6 +46,8 @@ class LocalRunner:
         self.max_batch_size = config.batch.max_batch_size
         self.block_size = self.engine.cache.block_size
         self.kv_blocks_total = self.engine.cache.allocator.num_blocks
+        spec = self.engine.cache.spec
+        self.kv_bytes_per_token = spec.bytes_per_block // spec.block_size
         self.lora_target = self.engine.adapters.target
         self.max_lora_rank = config.lora.max_lora_rank
 
@@ -74,8 +76,8 @@ class LocalRunner:
             prompt, sampling, adapter, request_id, resume, on_preempt
         )
 
-    async def take(self, request_id: str) -> Resume | None:
-        return await self.async_engine.take(request_id)
+    async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
+        return await self.async_engine.take(request_id, with_kv)
 
     async def register_adapter(
         self, name: str, path: Path, sha256: str | None = None

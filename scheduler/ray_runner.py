@@ -51,6 +51,7 @@ class ActorInfo:
     max_batch_size: int
     block_size: int
     kv_blocks_total: int
+    kv_bytes_per_token: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class RunnerActor:
             max_batch_size=config.batch.max_batch_size,
             block_size=self.engine.cache.block_size,
             kv_blocks_total=self.engine.cache.allocator.num_blocks,
+            kv_bytes_per_token=self.engine.cache.spec.bytes_per_block // config.cache.block_size,
         )
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
         # (seq, kind, request id, payload), kept until a poll acknowledges them: a reply lost
@@ -148,10 +150,10 @@ class RunnerActor:
             prompt, sampling, adapter, request_id, resume, deliver, preempted
         )
 
-    async def take(self, request_id: str) -> tuple[Resume | None, list]:
+    async def take(self, request_id: str, with_kv: bool = False) -> tuple[Resume | None, list]:
         """(where the request stands, its events not yet acknowledged): after a take the
         request produces nothing more here."""
-        resume = await self.async_engine.take(request_id)
+        resume = await self.async_engine.take(request_id, with_kv)
         return resume, [e for e in self.events if e[2] == request_id]
 
     async def abort(self, request_id: str) -> None:
@@ -237,6 +239,7 @@ class RayRunner:
         self.max_batch_size = info.max_batch_size
         self.block_size = info.block_size
         self.kv_blocks_total = info.kv_blocks_total
+        self.kv_bytes_per_token = info.kv_bytes_per_token
         self.lora_target = info.lora_target
         self.max_lora_rank = info.max_lora_rank
         self.tokenizer = None  # the scheduler brings its own (describe_model)
@@ -295,8 +298,8 @@ class RayRunner:
         if self.error is None:
             self.actor.abort.remote(request_id)  # fire and forget: its output is dropped
 
-    async def take(self, request_id: str) -> Resume | None:
-        resume, events = await self._call(self.actor.take.remote(request_id))
+    async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
+        resume, events = await self._call(self.actor.take.remote(request_id, with_kv))
         self._dispatch(events)  # what the pump has not delivered yet, in order
         self._streams.pop(request_id, None)
         self._delivered.pop(request_id, None)

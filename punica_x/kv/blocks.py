@@ -98,6 +98,18 @@ class KVCache:
         block_ids.extend(new)
         return True
 
+    def export_blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """A copy of the blocks holding the first num_tokens tokens of a block table, on the
+        CPU: [n, L, 2, N_kv, P, D] (n = blocks_needed(num_tokens)), for another runner."""
+        ids = block_ids[: blocks_needed(num_tokens, self.block_size)]
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
+        return self.kv.index_select(0, index).cpu()
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write export_blocks' tensor into the first len(blocks) blocks of a table."""
+        index = torch.tensor(block_ids[: blocks.shape[0]], dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(0, index, blocks.to(self.kv.device, self.kv.dtype))
+
     def release(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)
         block_ids.clear()

@@ -42,11 +42,11 @@ def run(engine, sp, adapter="r8", resume=None, steps=None):
     return outs, req
 
 
-def migrated(engines, sp, k, adapter="r8"):
+def migrated(engines, sp, k, adapter="r8", with_kv=False):
     first, second = engines
     before, req = run(first, sp, adapter, steps=k)
     assert not req.finished
-    resume = first.take(req.request_id)
+    resume = first.take(req.request_id, with_kv)
     assert resume is not None and list(resume.output_token_ids) == req.output_token_ids
     assert first.take(req.request_id) is None  # gone: nothing left to take
     assert not first.requests and not first.batcher.running
@@ -76,6 +76,28 @@ def test_resumed_request_continues_exactly(engines, case, k):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert len(last.prompt_logprobs) == len(last.prompt_token_ids)
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "logprobs"])
+def test_live_kv_copy_continues_exactly_without_recomputing(engines, case):
+    sp = SamplingParams(max_tokens=14, ignore_eos=True, **CASES[case])
+    reference, _ = run(engines[0], sp)
+    first, second = engines
+    before, req = run(first, sp, "r8", steps=5)
+    resume = first.take(req.request_id, with_kv=True)
+    n = len(req.prompt_token_ids) + 5 - 1  # the last sampled token is not computed yet
+    assert resume.kv is not None and resume.kv.num_tokens == n
+    assert not first.cache.allocator.num_used  # the source's blocks are free
+    moved = second.add_request(PROMPT, sp, "r8", resume=resume)
+    assert moved.num_computed_tokens == n  # nothing to recompute but the newest token
+    computed = []
+    second.step()
+    computed.append(moved.num_computed_tokens)
+    while not moved.finished:
+        second.step()
+    assert computed == [n + 1]
+    assert moved.output_token_ids == reference[-1].token_ids
+    assert [t for o in before for t in o.new_token_ids] == moved.output_token_ids[:5]
 
 
 def test_stop_string_across_the_move(engines):

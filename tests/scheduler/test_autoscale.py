@@ -1,0 +1,94 @@
+"""--autoscale MIN:MAX over thread runners: a queue at the scheduler starts a runner that
+takes the waiting request; an idle extra runner is drained back to MIN; a dead runner is
+replaced; MIN:MAX is parsed strictly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason
+from punica_x.models.loader import load_model
+from scheduler.autoscale import AutoscaleConfig, Autoscaler
+from scheduler.cluster import Scheduler
+from scheduler.local import LocalRunner
+
+SP = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def factory(tiny_model_dir):
+    shared = load_model(ModelConfig(model=str(tiny_model_dir)))
+    config = EngineConfig(
+        model=ModelConfig(model="unused"),
+        cache=CacheConfig(num_blocks=64),
+        batch=BatchConfig(max_batch_size=1),
+    )
+    return lambda rid: LocalRunner(config, rid, shared=shared)
+
+
+async def drain_all(streams):
+    outs = []
+    for s in streams:
+        last = None
+        async for out in s:
+            last = out
+        outs.append(last)
+    return outs
+
+
+def test_queue_scales_up_and_idle_scales_down(factory):
+    async def main():
+        sched = Scheduler([factory("runner-0")], factory, idle_after=0.3)
+        scaler = Autoscaler(sched, AutoscaleConfig(1, 2, interval=0.02))
+        task = asyncio.create_task(scaler.run())
+        a = await sched.open([5, 6, 7], SP, None, "a")
+        b = await sched.open([8, 9, 10], SP, None, "b")
+        assert b.slot is None  # queued: runner-0's batch is full
+        outs = await drain_all([a, b])
+        grown = [s.runner_id for s in sched.slots]
+        for _ in range(200):  # wait for the idle runner to be drained (0.3 s idle)
+            if len(sched.slots) == 1:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        sched.shutdown()
+        return outs, b.runners_seen, grown, [s.runner_id for s in sched.slots], scaler.actions
+
+    outs, placed, grown, left, actions = asyncio.run(main())
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+    assert placed == ["runner-1"] and grown == ["runner-0", "runner-1"]
+    assert len(left) == 1 and actions[0] == "add runner-1" and actions[1].startswith("drain ")
+
+
+def test_a_dead_runner_is_replaced(factory):
+    async def main():
+        sched = Scheduler([factory("runner-0"), factory("runner-1")], factory)
+        scaler = Autoscaler(sched, AutoscaleConfig(2, 3, interval=0.02))
+        sched.slots[0].handle.async_engine.on_step_error = "stop"
+
+        def boom():
+            raise RuntimeError("dead engine")
+
+        sched.slots[0].handle.engine.step = boom
+        stream = await sched.open([1, 2, 3], SP, None, "x")
+        last = (await drain_all([stream]))[0]
+        await scaler.tick()
+        rows = sched.runners()
+        sched.shutdown()
+        return last, rows, scaler.actions
+
+    last, rows, actions = asyncio.run(main())
+    assert last.finish_reason is FinishReason.LENGTH
+    assert [(r["id"], r["state"]) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
+    assert actions == ["add runner-2"]
+
+
+def test_parse():
+    assert AutoscaleConfig.parse("1:4") == AutoscaleConfig(1, 4)
+    for bad in ("4", "0:2", "3:2", "a:b"):
+        with pytest.raises(ValueError):
+            AutoscaleConfig.parse(bad)
