@@ -38,12 +38,14 @@ class MigrationCosts:
         return self.copy_fixed + self.copy_per_byte * kv_bytes
 
 
-# Fitted by benchmarks/bench_migration.py (SmolLM2-135M fp32, 2 threads; AMD EPYC, AVX2, 2 cores,
-# 2026-11-23). Recompute is the target's prefill; a copy between thread runners is two
-# index copies in one address space, between Ray actors a pickle through the object store.
+# Fitted by benchmarks/bench_migration.py over 8..2048 tokens (SmolLM2-135M fp32, 46 KB of KV
+# per token, 2 threads; AMD EPYC, AVX2, 2 cores, 2026-11-23). Recompute is the target's
+# prefill (its n^2 term is CPU attention); a copy between thread runners is two index copies
+# in one address space (~1.7 GB/s with the export), between Ray actors a pickle through the
+# object store (~150 MB/s). On that machine copying wins from 8 tokens up.
 DEFAULT_COSTS = {
-    "thread": MigrationCosts(0.02, 4.0e-4, 0.0, 0.004, 1.0e-10),
-    "ray": MigrationCosts(0.03, 4.0e-4, 0.0, 0.02, 2.0e-9),
+    "thread": MigrationCosts(0.047, 9.9e-4, 2.69e-6, 0.0295, 5.9e-10),
+    "ray": MigrationCosts(0.054, 1.23e-3, 2.10e-6, 0.0211, 6.6e-9),
 }
 
 
