@@ -80,6 +80,17 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             ray.init(num_cpus=num_cpus or os.cpu_count(), **kwargs)
 
 
+def _wants_gpu(config: EngineConfig) -> bool:
+    """A runner takes a GPU (num_gpus=1) when its device is cuda, or "auto" on a Ray cluster
+    that has GPUs (the actor's Engine then picks cuda itself)."""
+    import ray
+
+    device = config.model.device
+    if device != "auto":
+        return device.startswith("cuda")
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
 class RunnerActor:
     """Runs in the actor's process (an async actor: its methods share one event loop)."""
 
@@ -223,11 +234,12 @@ class RayRunner:
         import ray
 
         ensure_ray(address)
-        on_gpu = config.model.torch_device().type == "cuda" if address is None else False
+        on_gpu = _wants_gpu(config)
         actor_cls = ray.remote(RunnerActor).options(
             num_cpus=0 if not on_gpu else 1,
             num_gpus=1 if on_gpu else 0,
             max_concurrency=64,
+            scheduling_strategy="SPREAD",  # runners on different nodes when there are several
             name=f"punica-x-{runner_id}-{os.getpid()}",
         )
         self.runner_id = runner_id

@@ -89,7 +89,7 @@ def test_drain_under_live_streams_then_scale_up_then_the_last_is_refused(cluster
     for t in readers:
         t.join(120)
     assert ["".join(t) for t in texts] == expected
-    assert cluster.metric("punica_x_migrations_total", reason="drain", mode="recompute") == 2
+    assert cluster.metric("punica_x_migrations_total", reason="drain") == 2  # either mode
     assert [r["id"] for r in runners(cluster)["runners"]] == ["runner-1"]
 
     up = admin(cluster, "scale", "up")

@@ -159,3 +159,36 @@ def test_sigkill_of_a_runner_process_loses_no_request(cluster, reference, trial)
     for i, (tokens, last) in enumerate(rest):
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i], i
+
+
+def test_kv_shortage_moves_the_newest_request_to_the_other_process(
+    local_ray, tiny_model_dir, reference
+):
+    """runner-0 (6 blocks: 96 tokens) holds both requests when placed, not as they grow: its
+    preemption notice crosses the process boundary and the newest moves to runner-1."""
+    from punica_x.models.loader import describe_model
+
+    prompts, _ = reference
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir)),
+        cache=CacheConfig(num_blocks=6),
+        batch=BatchConfig(max_batch_size=4),
+    )
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = tiny_llm(tiny_model_dir).generate(prompts[:2], None, sp)
+
+    async def main():
+        runners = [RayRunner(config, f"runner-{i}") for i in range(2)]
+        sched = Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
+        a = await sched.open(prompts[0], sp, None, "old")
+        b = await sched.open(prompts[1], sp, None, "new")
+        results = await asyncio.gather(consume(a), consume(b))
+        sched.shutdown()
+        return results, (a.runners_seen, b.runners_seen), sched.migrations
+
+    results, seen, migrations = asyncio.run(main())
+    assert seen == (["runner-0"], ["runner-0", "runner-1"])
+    assert migrations[("kv_pressure", "recompute")] + migrations[("kv_pressure", "copy")] == 1
+    for (tokens, last), want in zip(results, expected):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == want.token_ids
