@@ -229,12 +229,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     llm = LLM()
-    prompts = make_prompts(llm.tokenizer, args.requests)
-    paths = make_adapters(llm.engine.loaded.model_dir, args.adapters, args.rank, tmp / "adapters")
-    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
-    names = [
-        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
-    ]
+    prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
 
     for i, p in enumerate(paths):
         llm.load_adapter(f"a{i}", str(p))
@@ -337,6 +332,18 @@ def main() -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def workload(args, tokenizer, model_dir: Path, tmp: Path):
+    """(prompts, adapter folders a0.., per-request adapter name or None) of every mode: a
+    Zipf-1.5 mix of the adapters, the last slot the base model."""
+    prompts = make_prompts(tokenizer, args.requests)
+    paths = make_adapters(model_dir, args.adapters, args.rank, tmp / "adapters")
+    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
+    names = [
+        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
+    ]
+    return prompts, paths, names
+
+
 def runner_args(args) -> tuple[str, ...]:
     return ("--runners", str(args.runners), "--runner-backend", args.runner_backend)
 
@@ -404,12 +411,7 @@ def open_loop(args) -> None:
     from punica_x.models.loader import describe_model
 
     meta = describe_model(ModelConfig())  # the default model, without loading its weights
-    prompts = make_prompts(meta.tokenizer, args.requests)
-    paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
-    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
-    names = [
-        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
-    ]
+    prompts, paths, names = workload(args, meta.tokenizer, meta.model_dir, tmp)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(tmp / "data", port, runner_args(args))
@@ -466,10 +468,8 @@ def features(args) -> None:
     elapsed(mixed) is the throughput the plain requests keep (target >= 0.95)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-features-"))
     llm = LLM()
-    prompts = make_prompts(llm.tokenizer, args.requests)
-    paths = make_adapters(llm.engine.loaded.model_dir, args.adapters, args.rank, tmp / "adapters")
+    prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
     del llm
-    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
     fmt = {"type": "json_schema", "json_schema": {"name": "ints", "schema": FEATURE_SCHEMA}}
     extras = [
         {"logprobs": 5} if i % 8 == 3 else {"response_format": fmt} if i % 8 == 7 else {}
@@ -481,10 +481,7 @@ def features(args) -> None:
     elapsed: dict[str, list[float]] = {"plain": [], "mixed": []}
     try:
         key, model_id = setup_tenant(url, tmp / "data", paths)
-        names = [
-            model_id if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}"
-            for i in picks
-        ]
+        names = [n or model_id for n in names]
         jobs = {
             "plain": [(n, p, {}) for n, p in zip(names, prompts)],
             "mixed": [(n, p, e) for n, p, e in zip(names, prompts, extras)],

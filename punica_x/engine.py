@@ -40,8 +40,9 @@ def check_request(
     block_size: int,
     num_blocks: int,
 ) -> None:
-    """The refusals of a request that depend only on the model and the KV pool's size
-    (ValueError naming the problem); shared by runners and the control plane in front."""
+    """The refusals of a request that depend only on the model and the KV pool's size, and
+    an uncompilable JSON schema (ValueError naming the problem); shared by runners and the
+    control plane in front."""
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= max_model_len:
@@ -59,6 +60,10 @@ def check_request(
     bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab_size})")
+    if sampling.json_schema is not None:
+        from punica_x.structured import compile_json_schema
+
+        compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it
 
 
 class Engine:
@@ -218,10 +223,7 @@ class Engine:
             num_preemptions=req.num_preemptions,
             kv=kv,
         )
-        self.batcher.remove(req)
-        req.status = RequestStatus.FINISHED
-        if req.adapter is not None:
-            self.adapters.release(req.adapter)
+        self._release(req)
         self.detokenizer.drop(request_id)
         self.requests.pop(request_id, None)
         return resume
@@ -361,15 +363,19 @@ class Engine:
     def _finish(
         self, r: Request, reason: FinishReason, new_ids: list[int], new_text: str
     ) -> RequestOutput:
-        self.batcher.remove(r)
-        r.status = RequestStatus.FINISHED
         r.finish_reason = reason
-        if r.adapter is not None:
-            self.adapters.release(r.adapter)
+        self._release(r)
         out = self._output(r, new_ids, new_text)
         self.detokenizer.drop(r.request_id)
         self.requests.pop(r.request_id, None)
         return out
+
+    def _release(self, r: Request) -> None:
+        """Out of the batch, KV blocks and adapter reference freed, marked finished."""
+        self.batcher.remove(r)
+        r.status = RequestStatus.FINISHED
+        if r.adapter is not None:
+            self.adapters.release(r.adapter)
 
     def _output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(

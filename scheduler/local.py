@@ -22,6 +22,21 @@ from punica_x.models.loader import LoadedModel
 from scheduler.interface import ModelInfo, RunnerStats
 
 
+def engine_stats(e: Engine) -> RunnerStats:
+    """An engine's gauges and counters (read by thread runners and inside Ray actors)."""
+    pool = e.adapters.stats
+    return RunnerStats(
+        running=len(e.batcher.running),
+        waiting=len(e.batcher.waiting),
+        kv_blocks_used=e.cache.allocator.num_used,
+        kv_blocks_free=e.cache.allocator.num_free,
+        adapter_loads=pool.loads,
+        adapter_evictions=pool.evictions,
+        adapter_device_bytes=pool.device_bytes_used,
+        preemptions=e.batcher.num_preemptions,
+    )
+
+
 class LocalRunner:
     backend = "thread"
 
@@ -54,14 +69,9 @@ class LocalRunner:
     def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals open() would raise (ValueError, UnknownAdapterError), checked without
         adding the request (for requests that wait at the scheduler first)."""
-        e = self.engine
-        e.check_prompt(prompt, sampling)
+        self.engine.check_prompt(prompt, sampling)
         if adapter is not None:
-            e.adapters.check(adapter)
-        if sampling.json_schema is not None:
-            from punica_x.structured import compile_json_schema
-
-            compile_json_schema(sampling.json_schema)
+            self.engine.adapters.check(adapter)
 
     async def open(
         self,
@@ -96,18 +106,7 @@ class LocalRunner:
         return self.engine.adapters.resident()
 
     def stats(self) -> RunnerStats:
-        e = self.engine
-        pool = e.adapters.stats
-        return RunnerStats(
-            running=len(e.batcher.running),
-            waiting=len(e.batcher.waiting),
-            kv_blocks_used=e.cache.allocator.num_used,
-            kv_blocks_free=e.cache.allocator.num_free,
-            adapter_loads=pool.loads,
-            adapter_evictions=pool.evictions,
-            adapter_device_bytes=pool.device_bytes_used,
-            preemptions=e.batcher.num_preemptions,
-        )
+        return engine_stats(self.engine)
 
     def alive(self) -> bool:
         return self.async_engine.alive()

@@ -183,21 +183,10 @@ class RunnerActor:
         return list(self.events), self._snapshot()
 
     def _snapshot(self) -> Snapshot:
-        e = self.engine
-        pool = e.adapters
-        stats = RunnerStats(
-            running=len(e.batcher.running),
-            waiting=len(e.batcher.waiting),
-            kv_blocks_used=e.cache.allocator.num_used,
-            kv_blocks_free=e.cache.allocator.num_free,
-            adapter_loads=pool.stats.loads,
-            adapter_evictions=pool.stats.evictions,
-            adapter_device_bytes=pool.stats.device_bytes_used,
-            preemptions=e.batcher.num_preemptions,
-        )
-        with pool._lock:
-            versions = frozenset(pool._versions)
-        return Snapshot(stats, pool.resident(), versions)
+        from scheduler.local import engine_stats
+
+        pool = self.engine.adapters
+        return Snapshot(engine_stats(self.engine), pool.resident(), pool.versions())
 
     def register_adapter(
         self, name: str, files: dict[str, bytes], sha256: str | None, version: int
@@ -278,10 +267,6 @@ class RayRunner:
         )
         if adapter is not None and adapter not in self._names:
             raise UnknownAdapterError(adapter)
-        if sampling.json_schema is not None:
-            from punica_x.structured import compile_json_schema
-
-            compile_json_schema(sampling.json_schema)
 
     async def open(
         self,

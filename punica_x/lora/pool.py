@@ -175,6 +175,11 @@ class AdapterPool:
         with self._lock:
             return sorted(self._current)
 
+    def versions(self) -> frozenset[int]:
+        """Every version still held (see has_version)."""
+        with self._lock:
+            return frozenset(self._versions)
+
     def resident(self) -> frozenset[str]:
         """Names whose current version is on the device now (a request for them needs no
         load)."""
