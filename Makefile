@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bootstrap-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test test-long lint bench clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh $(VENV)
@@ -20,6 +20,12 @@ test: $(STAMP)
 	$(PY) -m punica_x.prepare --all-isas
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The long runs left out of make test (20 SIGKILLs of Ray runner processes, ...).
+test-long: $(STAMP)
+	./scripts/test-deps.sh
+	$(PY) -m punica_x.prepare --all-isas
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

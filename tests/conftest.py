@@ -1,4 +1,6 @@
-"""Suite-wide settings: `gpu` tests skip without CUDA; `slow` ones still run in make test."""
+"""Suite-wide settings: `gpu` tests skip without CUDA; `slow` ones still run in make test;
+`long` ones (minutes each: the 20-kill Ray run) only when asked for, `-m long` or
+`make test-long`."""
 
 from pathlib import Path
 
@@ -8,6 +10,11 @@ from helpers import CPU_ISAS, make_peft_adapter, make_tiny_llama
 
 
 def pytest_collection_modifyitems(config, items):
+    if "long" not in (config.getoption("markexpr") or ""):
+        kept = [item for item in items if "long" not in item.keywords]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if "long" in i.keywords])
+            items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,7 +1,8 @@
 """The scheduler over 2 Ray runners (actors in their own processes; one local Ray per test
 session, no dashboard): adapters shipped as bytes, placement, drain between processes, and
-SIGKILL of a runner process at random points (PUNICA_X_RAY_KILLS, 5 by default; 20 for the
-long run): every request completes with the greedy tokens of a run nobody killed."""
+SIGKILL of a runner process at random points (5 in the default suite; 20 more in the `long`
+run, `make test-long`): every request completes with the greedy and seeded tokens of a run
+nobody killed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ ray = pytest.importorskip("ray")
 from scheduler.cluster import Scheduler  # noqa: E402
 from scheduler.ray_runner import RayRunner  # noqa: E402
 
-KILLS = int(os.environ.get("PUNICA_X_RAY_KILLS", "5"))
 SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
 
@@ -131,8 +131,19 @@ def test_drain_moves_streams_between_processes(cluster, reference):
         assert head[0] + tail[0] == tail[1].token_ids == ref[sps[i].seed, "r8"][i]
 
 
-@pytest.mark.parametrize("trial", range(KILLS))
+@pytest.mark.parametrize("trial", range(5))
 def test_sigkill_of_a_runner_process_loses_no_request(cluster, reference, trial):
+    sigkill_at_a_random_point(cluster, reference, trial)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("trial", range(100, 120))
+def test_sigkill_twenty_more_points(cluster, reference, trial):
+    sigkill_at_a_random_point(cluster, reference, trial)
+
+
+def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
     prompts, ref = reference
     rng = random.Random(100 + trial)
     after = rng.randint(1, 40)  # tokens streamed before the kill
