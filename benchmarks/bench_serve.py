@@ -51,8 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(data_dir: Path, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_server(
+    data_dir: Path, port: int, extra: tuple[str, ...] = (), engine_threads: int | None = None
+) -> subprocess.Popen:
+    """The server on 127.0.0.1:port; engine_threads: torch threads of its engine (thread
+    runners: the server process's OMP_NUM_THREADS; Ray runners: PUNICA_X_RUNNER_THREADS)."""
     log = (data_dir.parent / "server.log").open("w")
+    env = dict(os.environ)
+    if engine_threads:
+        env["OMP_NUM_THREADS"] = env["PUNICA_X_RUNNER_THREADS"] = str(engine_threads)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -69,6 +76,7 @@ def start_server(data_dir: Path, port: int, extra: tuple[str, ...] = ()) -> subp
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -218,7 +226,18 @@ def main() -> None:
     ap.add_argument(
         "--open-loop", default=None, metavar="RATES", help="Poisson arrivals at these req/s"
     )
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="torch threads of the offline engine and of the server's runner (default: every "
+        "core); fewer leaves cores to the server and the clients, as on a larger machine",
+    )
     args = ap.parse_args()
+    if args.engine_threads:
+        import torch
+
+        torch.set_num_threads(args.engine_threads)
     print(describe_machine(), flush=True)
     if args.features:
         features(args)
@@ -243,7 +262,7 @@ def main() -> None:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port, runner_args(args))
+    server = start_server(tmp / "data", port, runner_args(args), args.engine_threads)
     rounds = []
     try:
         key, model_id = setup_tenant(url, tmp / "data", paths)
@@ -350,9 +369,10 @@ def runner_args(args) -> tuple[str, ...]:
 
 def result_name(base: str, args) -> str:
     """bench_serve for the default one thread runner, else e.g. bench_serve_ray_x2."""
+    threads = f"_t{args.engine_threads}" if args.engine_threads else ""
     if args.runners == 1 and args.runner_backend == "thread":
-        return base
-    return f"{base}_{args.runner_backend}_x{args.runners}"
+        return base + threads
+    return f"{base}_{args.runner_backend}_x{args.runners}{threads}"
 
 
 async def open_loop_rate(
@@ -414,7 +434,7 @@ def open_loop(args) -> None:
     prompts, paths, names = workload(args, meta.tokenizer, meta.model_dir, tmp)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port, runner_args(args))
+    server = start_server(tmp / "data", port, runner_args(args), args.engine_threads)
     rows = []
     try:
         key, model_id = setup_tenant(url, tmp / "data", paths)

@@ -43,6 +43,7 @@ def serve(args) -> int:
     engine = EngineConfig(model=ModelConfig(model=args.model))
     if args.max_batch_size is not None:
         engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
+    engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
     limits = Limits()
     for item in args.limit or []:
         name, _, value = item.partition("=")
@@ -236,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
+    s.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "mlfq"],
+        help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
+        "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
+    )
     s.add_argument(
         "--limit",
         action="append",

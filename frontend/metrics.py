@@ -38,8 +38,20 @@ class RunnerCollector:
             "adapter_evictions": ("adapters evicted from the device", s.adapter_evictions),
             "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
         }
+        counters["mlfq_pauses"] = (
+            "running requests paused for higher-priority ones (MLFQ)",
+            s.pauses,
+        )
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
+        for name, doc, out, back in (
+            ("kv_swaps", "KV swaps to host memory and back (MLFQ)", s.swaps_out, s.swaps_in),
+            ("kv_swap_bytes", "KV bytes swapped (MLFQ)", s.swap_bytes_out, s.swap_bytes_in),
+        ):
+            c = CounterMetricFamily(f"punica_x_{name}", doc, labels=["direction"])
+            c.add_metric(["out"], out)
+            c.add_metric(["in"], back)
+            yield c
         if self._runners is not None:
             rows = self._runners()
             per = {

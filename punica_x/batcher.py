@@ -78,6 +78,9 @@ class Batcher:
             budget -= n
         return scheduled, overflow
 
+    def after_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        """The step that ran `scheduled` took `seconds` (FCFS does not use it; see MLFQ)."""
+
     def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool:
         """Blocks for num_tokens of r, preempting the newest running requests if needed."""
         while not self.cache.ensure_capacity(r.block_ids, num_tokens):

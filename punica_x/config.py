@@ -55,9 +55,15 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: int = 2 * GiB
     num_blocks: int | None = None
+    # host-memory pool the MLFQ policy swaps preempted requests' KV into (0: none, they
+    # recompute); pinned on a GPU; swap_blocks counts blocks instead of bytes
+    swap_bytes: int = 1 * GiB
+    swap_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.swap_bytes < 0 or (self.swap_blocks is not None and self.swap_blocks < 0):
+            raise ValueError("swap_bytes and swap_blocks must be >= 0")
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         _positive("num_blocks", self.num_blocks)
 
@@ -77,6 +83,9 @@ class LoraConfig:
         _positive("host_bytes", self.host_bytes)
 
 
+POLICIES = ("fcfs", "mlfq")
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """Continuous batching: at most `max_batch_size` running requests and
@@ -84,10 +93,38 @@ class BatchConfig:
 
     max_batch_size: int = 32
     max_batched_tokens: int = 2048
+    # fcfs: arrival order (Punica); mlfq: skip-join MLFQ with KV swapping (FastServe), see
+    # punica_x/mlfq.py. mlfq_quantum_s / mlfq_levels override the measured q_1 / level count
+    policy: str = "fcfs"
+    mlfq_quantum_s: float | None = None
+    mlfq_levels: int | None = None
+    mlfq_starve_s: float = 10.0
+    mlfq_job_tokens: int = 2048  # the longest generation the levels tell apart
+    # requests a runner holds (running + waiting in its batcher) before more wait at the
+    # scheduler: the batch under FCFS; under MLFQ a pool to choose the batch from (4x batch)
+    mlfq_working_set: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
         _positive("max_batched_tokens", self.max_batched_tokens)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _positive("mlfq_starve_s", self.mlfq_starve_s)
+        if self.mlfq_quantum_s is not None:
+            _positive("mlfq_quantum_s", self.mlfq_quantum_s)
+        if self.mlfq_levels is not None:
+            _positive("mlfq_levels", self.mlfq_levels)
+        _positive("mlfq_working_set", self.mlfq_working_set)
+        _positive("mlfq_job_tokens", self.mlfq_job_tokens)
+
+    @property
+    def max_working_set(self) -> int:
+        """Requests a runner takes at once: the batch under FCFS (more wait at the
+        scheduler, where another runner may take them); under MLFQ the pool its batches
+        are chosen from, so a short request can overtake."""
+        if self.policy == "fcfs":
+            return self.max_batch_size
+        return self.mlfq_working_set or 4 * self.max_batch_size
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 
 from punica_x.attention import choose_attention
 from punica_x.batcher import Batcher
+from punica_x.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig
 from punica_x.core import (
     FinishReason,
@@ -20,6 +21,7 @@ from punica_x.core import (
 )
 from punica_x.detokenizer import Detokenizer
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
+from punica_x.kv.swap import SwapPool
 from punica_x.logprobs import record_prompt_logprobs, sampled_logprobs
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
@@ -88,7 +90,15 @@ class Engine:
             1, config.cache.kv_cache_bytes // spec.bytes_per_block
         )
         self.cache = KVCache(spec, num_blocks, device)
-        self.batcher = Batcher(self.cache, config.batch)
+        self.swap: SwapPool | None = None
+        if config.batch.policy == "mlfq":
+            swap_blocks = config.cache.swap_blocks
+            if swap_blocks is None:
+                swap_blocks = config.cache.swap_bytes // spec.bytes_per_block
+            self.swap = SwapPool(spec, swap_blocks, device)
+            self.batcher: Batcher = MLFQBatcher(self.cache, config.batch, self.swap)
+        else:
+            self.batcher = Batcher(self.cache, config.batch)
         attention = choose_attention(
             device,
             dtype,
@@ -210,7 +220,10 @@ class Engine:
         ) < len(req.prompt_token_ids)
         if with_kv and req.num_computed_tokens > 0 and not partial_prompt_logprobs:
             n = req.num_computed_tokens
-            kv = KVSnapshot(n, self.cache.export_blocks(req.block_ids, n))
+            if req.host_block_ids:  # swapped out by the MLFQ batcher
+                kv = KVSnapshot(n, self.swap.export(req))
+            else:
+                kv = KVSnapshot(n, self.cache.export_blocks(req.block_ids, n))
         resume = Resume(
             output_token_ids=tuple(req.output_token_ids),
             emitted_chars=self.detokenizer.emitted(request_id),
@@ -274,6 +287,7 @@ class Engine:
         self._tell_preempted()
         if not scheduled:
             return outputs
+        started = time.perf_counter()
         batch, ordered = self.planner.plan(scheduled)
         logits = self.model(batch, self.cache.kv, self.sgmv)
         sampling = [s.request for s in ordered if s.samples]
@@ -282,6 +296,7 @@ class Engine:
         if batch.prompt_targets:
             record_prompt_logprobs(logits[len(sampling) :], batch.prompt_targets)
         new_logprobs = sampled_logprobs(sample_logits, sampling, tokens)
+        self.batcher.after_step(scheduled, time.perf_counter() - started)
         return outputs + self._postprocess(ordered, tokens, new_logprobs)
 
     def _postprocess(

@@ -41,3 +41,37 @@ def segment_lengths(assignment: list[int]) -> list[int]:
     for a in assignment:
         counts[a] = counts.get(a, 0) + 1
     return list(counts.values())
+
+
+def output_lengths(
+    n: int, rng: random.Random, median: int = 24, sigma: float = 1.2, low: int = 2, high: int = 512
+) -> list[int]:
+    """Heavy-tailed generation lengths, ShareGPT-like in shape (log-normal, clipped to
+    [low, high]): most answers short, a few very long. The defaults (median 24, mean ~48, 4%
+    above 200) are ShareGPT's shape scaled down to what a CPU generates in a benchmark."""
+    return [
+        min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)
+    ]
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival times (seconds from 0) of n requests at `rate` per second."""
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def zipf_sampler(n: int, alpha: float):
+    """A function rng -> adapter index in [0, n) with Zipf(alpha) popularity, O(log n) a draw
+    (assign_adapters draws a whole batch at once)."""
+    import bisect
+    import itertools
+
+    cum = list(itertools.accumulate(1.0 / (i + 1) ** alpha for i in range(n)))
+
+    def draw(rng: random.Random) -> int:
+        return min(n - 1, bisect.bisect_left(cum, rng.random() * cum[-1]))
+
+    return draw

@@ -97,6 +97,7 @@ class RunnerSlot:
             state=self.state,
             working_set=len(self.streams),
             max_batch_size=h.max_batch_size,
+            max_working_set=h.max_working_set,
             kv_blocks_total=h.kv_blocks_total,
             kv_blocks_committed=committed,
             block_size=h.block_size,

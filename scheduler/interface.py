@@ -21,6 +21,13 @@ class RunnerStats:
     adapter_evictions: int
     adapter_device_bytes: int
     preemptions: int
+    # MLFQ (zeros under FCFS): running requests paused for higher-priority ones, and their
+    # KV swapped to the host pool and back (requests, bytes)
+    pauses: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
+    swap_bytes_out: int = 0
+    swap_bytes_in: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ def engine_stats(e: Engine) -> RunnerStats:
         adapter_evictions=pool.evictions,
         adapter_device_bytes=pool.device_bytes_used,
         preemptions=e.batcher.num_preemptions,
+        pauses=getattr(e.batcher, "num_pauses", 0),
+        **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
+    )
+
+
+def _swap_counters(s) -> dict[str, int]:
+    return dict(
+        swaps_out=s.swaps_out,
+        swaps_in=s.swaps_in,
+        swap_bytes_out=s.bytes_out,
+        swap_bytes_in=s.bytes_in,
     )
 
 
@@ -59,6 +70,7 @@ class LocalRunner:
         self.pid = os.getpid()
         self.device = str(self.engine.device)
         self.max_batch_size = config.batch.max_batch_size
+        self.max_working_set = config.batch.max_working_set
         self.block_size = self.engine.cache.block_size
         self.kv_blocks_total = self.engine.cache.allocator.num_blocks
         spec = self.engine.cache.spec

@@ -3,7 +3,8 @@ should do about the cluster's size. Pure functions of snapshots: no runner is st
 asked anything, so tests and the cluster simulator call the very code the server runs.
 
 Consolidation: a request goes to the runner with the LARGEST working set (requests it
-holds) that still has batch room and KV room for it; only when none has room does it wait
+holds) that still has batch room (room in its working set: its batch under FCFS, the pool
+an MLFQ runner picks batches from) and KV room for it; only when none has room does it wait
 at the scheduler, first come first served. Packing work onto few runners keeps the others
 idle, so they can be scaled down, and large batches are what the shared backbone is cheap
 for. Among runners that already hold work, one where the request's adapter is resident
@@ -35,6 +36,9 @@ class RunnerSnapshot:
     block_size: int
     resident_adapters: frozenset[str] = frozenset()
     index: int = 0  # order of creation: the tie-break, so placement is deterministic
+    # requests it takes at once (None: max_batch_size; an MLFQ runner takes more, to pick
+    # its batches from)
+    max_working_set: int | None = None
 
     @property
     def kv_blocks_room(self) -> int:
@@ -58,7 +62,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def has_room(r: RunnerSnapshot, demand: Demand) -> bool:
     return (
         r.state == ACTIVE
-        and r.working_set < r.max_batch_size
+        and r.working_set < (r.max_working_set or r.max_batch_size)
         and r.kv_blocks_room >= blocks_for(demand.num_tokens, r.block_size)
     )
 
@@ -99,7 +103,8 @@ def advise(
 ) -> Advice:
     """scale_up when requests wait at the scheduler because every active runner is full;
     scale_down when an active runner has been idle for idle_after seconds while the others
-    have room for its share (it is named: the least loaded, newest first); else none.
+    have room for its share (it is named: the least loaded, newest first), or when more
+    runners hold requests than the work needs (consolidation_choice names one); else none.
     idle_seconds: per runner id, how long it has held no request (0 when busy)."""
     active = [r for r in runners if r.state == ACTIVE]
     if queued > 0:
@@ -116,7 +121,33 @@ def advise(
             return Advice(
                 "scale_down", victim.runner_id, f"{victim.runner_id} idle for {idle_after:g}s"
             )
+    victim_id = consolidation_choice(runners)
+    if victim_id is not None:
+        return Advice("scale_down", victim_id, f"the work fits without {victim_id}")
     return Advice("none")
+
+
+def consolidation_choice(runners: Sequence[RunnerSnapshot]) -> str | None:
+    """A busy runner to drain because the work fits on fewer (Punica consolidates; requests
+    that finish leave runners lightly loaded, and new ones only go to the busiest): when more
+    runners hold requests than ceil(working set / batch) + 1, the least loaded of them,
+    provided the other active runners have batch room for all of its requests. None
+    otherwise. Draining moves its requests, so the cost is one migration each."""
+    active = [r for r in runners if r.state == ACTIVE]
+    busy = [r for r in active if r.working_set > 0]
+    if len(busy) < 2:
+        return None
+    demand = sum(r.working_set for r in busy)
+    batch = max(r.max_batch_size for r in busy)
+    if len(busy) <= -(-demand // batch) + 1:
+        return None
+    victim = min(busy, key=lambda r: (r.working_set, r.kv_blocks_committed, -r.index))
+    room = sum(
+        max(0, (r.max_working_set or r.max_batch_size) - r.working_set)
+        for r in active
+        if r.runner_id != victim.runner_id
+    )
+    return victim.runner_id if room >= victim.working_set else None
 
 
 def drain_choice(runners: Sequence[RunnerSnapshot]) -> str | None:

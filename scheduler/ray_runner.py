@@ -49,6 +49,7 @@ class ActorInfo:
     max_lora_rank: int
     vocab_size: int
     max_batch_size: int
+    max_working_set: int
     block_size: int
     kv_blocks_total: int
     kv_bytes_per_token: int
@@ -120,6 +121,7 @@ class RunnerActor:
             max_lora_rank=config.lora.max_lora_rank,
             vocab_size=self.engine.model.dims.vocab_size,
             max_batch_size=config.batch.max_batch_size,
+            max_working_set=config.batch.max_working_set,
             block_size=self.engine.cache.block_size,
             kv_blocks_total=self.engine.cache.allocator.num_blocks,
             kv_bytes_per_token=self.engine.cache.spec.bytes_per_block // config.cache.block_size,
@@ -224,7 +226,12 @@ class RayRunner:
 
         ensure_ray(address)
         on_gpu = _wants_gpu(config)
+        # the driver's PUNICA_X_RUNNER_THREADS reaches actors on every node (not only those
+        # that inherit this process's environment through a local Ray)
+        threads = os.environ.get("PUNICA_X_RUNNER_THREADS")
+        env = {"env_vars": {"PUNICA_X_RUNNER_THREADS": threads}} if threads else None
         actor_cls = ray.remote(RunnerActor).options(
+            runtime_env=env,
             num_cpus=0 if not on_gpu else 1,
             num_gpus=1 if on_gpu else 0,
             max_concurrency=64,
@@ -238,6 +245,7 @@ class RayRunner:
         self.model = info.model
         self.node, self.pid, self.device = info.node, info.pid, info.device
         self.max_batch_size = info.max_batch_size
+        self.max_working_set = info.max_working_set
         self.block_size = info.block_size
         self.kv_blocks_total = info.kv_blocks_total
         self.kv_bytes_per_token = info.kv_bytes_per_token

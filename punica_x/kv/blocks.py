@@ -68,19 +68,17 @@ class KVCacheSpec:
 class KVCache:
     """The KV tensor of one runner plus its allocator."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
+        """pin_memory: a host pool of a GPU runner (page-locked, for asynchronous copies)."""
         self.spec = spec
+        shape = (num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
         # [num_blocks, L, 2, N_kv, P, D]
-        self.kv = torch.zeros(
-            num_blocks,
-            spec.num_layers,
-            2,
-            spec.num_kv_heads,
-            spec.block_size,
-            spec.head_dim,
-            dtype=spec.dtype,
-            device=device,
-        )
+        if pin_memory:
+            self.kv = torch.empty(shape, dtype=spec.dtype, pin_memory=True)
+        else:
+            self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -89,7 +87,8 @@ class KVCache:
 
     def ensure_capacity(self, block_ids: list[int], num_tokens: int) -> bool:
         """Grow `block_ids` in place to hold num_tokens tokens; False if blocks ran out."""
-        missing = blocks_needed(num_tokens, self.block_size) - len(block_ids)
+        size = self.spec.block_size
+        missing = (num_tokens + size - 1) // size - len(block_ids)
         if missing <= 0:
             return True
         new = self.allocator.allocate(missing)

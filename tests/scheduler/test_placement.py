@@ -3,7 +3,14 @@ busy runners, KV and batch room, scheduler queueing, advice and the drain choice
 
 from __future__ import annotations
 
-from scheduler.placement import Demand, RunnerSnapshot, advise, drain_choice, place
+from scheduler.placement import (
+    Demand,
+    RunnerSnapshot,
+    advise,
+    consolidation_choice,
+    drain_choice,
+    place,
+)
 
 
 def snap(rid, working=0, kv_used=0, state="active", adapters=(), index=None, total=100, batch=4):
@@ -28,6 +35,22 @@ def test_consolidates_onto_the_largest_working_set_with_room():
     assert place(runners, SMALL) == "r1"
     full = [snap("r0", 1), snap("r1", 4), snap("r2", 2)]  # r1's batch is full
     assert place(full, SMALL) == "r2"
+
+
+def test_an_mlfq_runner_takes_a_working_set_beyond_its_batch():
+    """Under MLFQ a runner holds more requests than its batch, to pick each batch from (a
+    short request can overtake only requests it holds); KV room still bounds it."""
+    from dataclasses import replace
+
+    from punica_x.config import BatchConfig
+
+    pool = BatchConfig(max_batch_size=4, policy="mlfq").max_working_set
+    assert pool == 16 and BatchConfig(max_batch_size=4).max_working_set == 4
+    assert BatchConfig(max_batch_size=4, policy="mlfq", mlfq_working_set=6).max_working_set == 6
+    busy = replace(snap("r1", 4), max_working_set=pool)
+    assert place([snap("r0", 1), busy], SMALL) == "r1"
+    assert place([snap("r0", 1), replace(busy, working_set=16)], SMALL) == "r0"
+    assert place([replace(busy, kv_blocks_committed=99)], SMALL) is None
 
 
 def test_kv_room_counts_blocks_for_the_next_token():
@@ -70,6 +93,20 @@ def test_advice():
     a = advise(mixed, 0, {"r1": 61.0, "r2": 61.0}, idle_after=60)
     assert (a.action, a.runner_id) == ("scale_down", "r2")
     assert advise([snap("r0", 0)], 0, {"r0": 1e9}).action == "none"  # never the last one
+
+
+def test_consolidation_drains_a_busy_runner_the_work_does_not_need():
+    """Batch 4: 3 runners holding 1 + 1 + 2 requests need ceil(4 / 4) + 1 = 2, so the least
+    loaded (newest on ties) is drained when the others have room for its request."""
+    spread = [snap("r0", 2), snap("r1", 1), snap("r2", 1)]
+    assert consolidation_choice(spread) == "r2"
+    a = advise(spread, 0, {})
+    assert (a.action, a.runner_id) == ("scale_down", "r2")
+    assert consolidation_choice([snap("r0", 4), snap("r1", 3), snap("r2", 1)]) is None  # 8: 3
+    assert consolidation_choice([snap("r0", 2), snap("r1", 1)]) is None  # within the + 1
+    draining = [snap("r0", 2), snap("r1", 1, state="draining"), snap("r2", 1)]
+    assert consolidation_choice(draining) is None  # a draining runner is already going
+    assert advise(draining, 0, {}).action == "none"
 
 
 def test_drain_choice_is_the_least_loaded_and_never_the_last():
