@@ -66,7 +66,7 @@ def serve_trace(llm: LLM, jobs: list[tuple], arrivals: list[float]) -> dict:
         "tok_s": tokens / makespan,
     }
     b = e.batcher
-    row["pauses"] = getattr(b, "num_pauses", 0)
+    row["pauses"] = b.num_pauses
     row["preemptions"] = b.num_preemptions
     if e.swap is not None:
         s = e.swap.stats

@@ -26,6 +26,7 @@ class Batcher:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_pauses = 0  # running requests left out for higher-priority ones (MLFQ only)
         self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
 
     def add(self, request: Request, front: bool = False) -> None:

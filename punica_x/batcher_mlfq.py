@@ -51,7 +51,6 @@ class MLFQBatcher(Batcher):
         self.clock = clock
         self.priority: dict[str, mlfq.Priority] = {}
         self._arrivals = itertools.count()
-        self.num_pauses = 0  # running requests left out of a step for higher-priority ones
 
     # -- levels -----------------------------------------------------------------------------
     def levels(self) -> mlfq.Levels:

@@ -34,7 +34,7 @@ def engine_stats(e: Engine) -> RunnerStats:
         adapter_evictions=pool.evictions,
         adapter_device_bytes=pool.device_bytes_used,
         preemptions=e.batcher.num_preemptions,
-        pauses=getattr(e.batcher, "num_pauses", 0),
+        pauses=e.batcher.num_pauses,
         **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
     )
 
