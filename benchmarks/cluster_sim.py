@@ -56,7 +56,9 @@ EMPTY_SPEC = KVCacheSpec(1, 1, 1, 16, torch.float32)
 @dataclass(frozen=True)
 class StepCost:
     """Seconds of one engine step: base + per computed token (prefill or decode) + per
-    distinct adapter in the batch (SGMV segments) + per KV token attended."""
+    distinct adapter in the batch (SGMV segments) + per KV token attended; plus swap_block_s
+    for each KV block the MLFQ batcher swapped out or in before the step (a synchronous
+    copy, the worst case: on a GPU proactive swaps overlap compute)."""
 
     name: str
     base_s: float
@@ -66,6 +68,7 @@ class StepCost:
     kv_blocks: int  # KV pool of a runner
     max_batch_size: int = 32
     output_median: int = 24  # output-length distribution sized to the profile's speed
+    swap_block_s: float = 0.0
 
     def __call__(self, tokens: int, adapters: int, kv_tokens: int) -> float:
         return (
@@ -82,14 +85,18 @@ PROFILES = {
     # 0.32 us a KV token; LoRA adds ~2 ms a step over 32 adapters -> 0.06 ms an adapter.
     # Prefill is compute-bound: 14 GFLOP a token at ~200 TFLOP/s -> 0.07 ms (the token term).
     # KV: 80 GB - 14 GB of weights at 0.5 MB a token = ~130k tokens = 8k blocks.
-    "a100": StepCost("a100 (Punica, Llama-2-7B)", 0.011, 0.065e-3, 0.06e-3, 0.32e-6, 8000, 32, 128),
+    # A block of 16 tokens is 8 MB: 0.32 ms a way over PCIe 4 x16 (25 GB/s).
+    "a100": StepCost(
+        "a100 (Punica, Llama-2-7B)", 0.011, 0.065e-3, 0.06e-3, 0.32e-6, 8000, 32, 128, 0.32e-3
+    ),
     # SmolLM2-135M fp32 on the 2-core AVX2 EPYC (benchmarks/results/avx2): a batch of 32
     # decodes takes 68 ms without adapters and 94 ms with 32 distinct rank-16 ones
     # (profile_step) -> 0.8 ms an adapter; a single request's step ~25 ms, and a 512-token
     # prefill ~0.9 s (bench_migration's recompute fit: ~1 ms a token + a quadratic term
     # folded into the KV term). KV: 2 GiB at 46 KB a token = ~2900 blocks.
+    # A block is 0.74 MB: ~0.15 ms a way as a memcpy.
     "cpu": StepCost(
-        "cpu (SmolLM2-135M, 2-core AVX2 EPYC)", 0.022, 1.4e-3, 0.8e-3, 2.0e-6, 2900, 32, 24
+        "cpu (SmolLM2-135M, 2-core AVX2 EPYC)", 0.022, 1.4e-3, 0.8e-3, 2.0e-6, 2900, 32, 24, 0.15e-3
     ),
 }
 
@@ -180,7 +187,9 @@ class SimRunner:
         del self.jobs[r.request_id]
 
     def step(self) -> None:
+        swapped = self._swapped_blocks()
         scheduled, overflow = self.batcher.schedule()
+        swapped = self._swapped_blocks() - swapped
         for r in overflow:
             self._finish(self.jobs[r.request_id])
         self.last_batch = len(scheduled)
@@ -195,8 +204,14 @@ class SimRunner:
             tokens += s.num_new_tokens
             kv += s.request.num_computed_tokens
             adapters.add(jobs[s.request.request_id].adapter)
-        dt = self.cost(tokens, len(adapters), kv)
+        dt = self.cost(tokens, len(adapters), kv) + swapped * self.cost.swap_block_s
         self.sim.at(self.sim.t + dt, lambda: self._done(scheduled, dt))
+
+    def _swapped_blocks(self) -> int:
+        swap = getattr(self.batcher, "swap", None)
+        if swap is None:
+            return 0
+        return (swap.stats.bytes_out + swap.stats.bytes_in) // EMPTY_SPEC.bytes_per_block
 
     def _done(self, scheduled, dt: float) -> None:
         """The step's effect on its requests (as Engine._postprocess), then the next step."""
