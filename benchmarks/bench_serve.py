@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -186,6 +187,23 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@contextlib.contextmanager
+def bench_server(
+    tmp: Path, paths: list[Path], extra: tuple[str, ...] = (), engine_threads: int | None = None
+):
+    """A server on a free port and a tenant holding the adapters a0..: yields (server, url,
+    tenant key, base model id); the server is stopped on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp / "data", port, extra, engine_threads)
+    try:
+        key, model_id = setup_tenant(url, tmp / "data", paths)
+        yield server, url, key, model_id
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def setup_tenant(url: str, data_dir: Path, paths: list[Path]) -> tuple[str, str]:
     """A tenant with the adapters a0..a{n-1} uploaded; returns (its key, the base model id)."""
     token = (data_dir / "admin_token").read_text().strip()
@@ -260,12 +278,13 @@ def main() -> None:
         outs = llm.generate(prompts, names, sp)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port, runner_args(args), args.engine_threads)
     rounds = []
-    try:
-        key, model_id = setup_tenant(url, tmp / "data", paths)
+    with bench_server(tmp, paths, runner_args(args), args.engine_threads) as (
+        server,
+        url,
+        key,
+        model_id,
+    ):
         jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
         asyncio.run(run_clients(url, key, jobs[:4], 4, 4))  # warm-up
         # Offline and server runs alternate (the machine's speed drifts over minutes); the
@@ -293,9 +312,6 @@ def main() -> None:
                     server_cores,
                 )
             )
-    finally:
-        server.terminate()
-        server.wait(30)
 
     ratios = [r[2] / r[1] / r[0] for r in rounds]
     raw_ratios = [r[5] for r in rounds]
@@ -432,12 +448,13 @@ def open_loop(args) -> None:
 
     meta = describe_model(ModelConfig())  # the default model, without loading its weights
     prompts, paths, names = workload(args, meta.tokenizer, meta.model_dir, tmp)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port, runner_args(args), args.engine_threads)
     rows = []
-    try:
-        key, model_id = setup_tenant(url, tmp / "data", paths)
+    with bench_server(tmp, paths, runner_args(args), args.engine_threads) as (
+        _,
+        url,
+        key,
+        model_id,
+    ):
         jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
         asyncio.run(run_raw_clients(url, key, jobs[:4], 4, 4))  # warm-up
         for rate in rates:
@@ -447,9 +464,6 @@ def open_loop(args) -> None:
             row["backend"] = f"{args.runner_backend} x{args.runners}"
             rows.append(row)
             print(f"  rate {rate:g}/s: {row}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(30)
     print(
         f"SmolLM2-135M, {args.requests} streaming requests x {args.max_tokens} tokens, "
         f"Poisson arrivals, {args.adapters} rank-{args.rank} adapters (Zipf 1.5)"
@@ -495,12 +509,8 @@ def features(args) -> None:
         {"logprobs": 5} if i % 8 == 3 else {"response_format": fmt} if i % 8 == 7 else {}
         for i in range(args.requests)
     ]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port)
     elapsed: dict[str, list[float]] = {"plain": [], "mixed": []}
-    try:
-        key, model_id = setup_tenant(url, tmp / "data", paths)
+    with bench_server(tmp, paths) as (_, url, key, model_id):
         names = [n or model_id for n in names]
         jobs = {
             "plain": [(n, p, {}) for n, p in zip(names, prompts)],
@@ -513,9 +523,6 @@ def features(args) -> None:
                     run_clients(url, key, jobs[mode], args.clients, args.max_tokens)
                 )
                 elapsed[mode].append(t)
-    finally:
-        server.terminate()
-        server.wait(30)
     ratios = [p / m for p, m in zip(elapsed["plain"], elapsed["mixed"])]
     row = {
         "requests": args.requests,
