@@ -71,8 +71,6 @@ def start_server(
             str(port),
             "--data-dir",
             str(data_dir),
-            "--limit",
-            "max_streams_per_key=1024",
             *extra,
         ],
         stdout=log,

@@ -21,9 +21,12 @@ class Limits:
     max_unpacked_bytes: int = 1024 * MiB  # sum of an archive's files once decompressed
     max_tokens: int = 4096  # cap on max_tokens of one request
     max_n: int = 4  # completions per request
-    max_streams_per_key: int = 16  # concurrent streaming responses (SSE + websocket) per API key
+    # Concurrency caps are operator limits, off by default (None): one key may drive the
+    # server to saturation, as with vLLM, LoRAX or TGI; what the runners cannot take waits
+    # in the bounded queue (max_queue) and only beyond it gets 503 + Retry-After.
+    max_streams_per_key: int | None = None  # concurrent streams (SSE + websocket) per API key
     max_queue: int = 256  # requests waiting on the runners; beyond: 503 + Retry-After
-    tenant_max_concurrent: int = 64  # default per tenant (a tenant row may override it)
+    tenant_max_concurrent: int | None = None  # per tenant (a tenant row may set its own)
     tenant_tokens_per_minute: int = 1_000_000  # prompt + generated tokens, sliding minute
     max_ws_frame_bytes: int = 1 * MiB  # larger websocket frames close the socket with 1009
     max_body_bytes: int = 8 * MiB  # JSON bodies of the OpenAI routes

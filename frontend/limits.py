@@ -1,5 +1,8 @@
 """Admission control on the HTTP side: per-tenant concurrency and tokens-per-minute (429),
-per-key concurrent streams (429). A tenant over its limits never slows the others."""
+per-key concurrent streams (429). A tenant over its limits never slows the others. The
+concurrency caps apply only where the operator set them (a tenant's max_concurrent, or
+--limit tenant_max_concurrent / max_streams_per_key); by default the bounded queue is the
+only limit on how much one key may send."""
 
 from __future__ import annotations
 
@@ -35,18 +38,19 @@ class Admission:
                     f"tenant {tenant.name!r} used its {tpm} tokens per minute",
                     retry_after=retry,
                 )
-            if self._active[tenant.id] >= max_active:
+            if max_active is not None and self._active[tenant.id] >= max_active:
                 raise ApiError(
                     429,
                     "too_many_requests",
                     f"tenant {tenant.name!r} has {max_active} requests running",
                     retry_after=1,
                 )
-            if stream and self._streams[key_hash] >= self.limits.max_streams_per_key:
+            max_streams = self.limits.max_streams_per_key
+            if stream and max_streams is not None and self._streams[key_hash] >= max_streams:
                 raise ApiError(
                     429,
                     "too_many_streams",
-                    f"this key has {self.limits.max_streams_per_key} streams open",
+                    f"this key has {max_streams} streams open",
                     retry_after=1,
                 )
             self._active[tenant.id] += 1
