@@ -88,20 +88,9 @@ class MLFQBatcher(Batcher):
             [*self.running, *self.waiting],
             key=lambda r: mlfq.order_key(self.priority[r.request_id]),
         )
-        budget, batch_size = self.config.max_batched_tokens, self.config.max_batch_size
-        scheduled: list[ScheduledRequest] = []
-        overflow: list[Request] = []
-        for i, r in enumerate(order):
-            if len(scheduled) >= batch_size or budget <= 0:
-                break
-            if r.adapter is not None and not r.adapter.ready:
-                continue
-            n = min(r.num_tokens - r.num_computed_tokens, budget)
-            if self._make_room(r, r.num_computed_tokens + n, order[i + 1 :]):
-                scheduled.append(ScheduledRequest(r, n))
-                budget -= n
-            elif not scheduled and not self._holders(order[i + 1 :]):
-                overflow.append(r)  # it cannot fit even alone
+        scheduled, overflow = self._choose(order, strict=True)
+        if not scheduled:  # everyone waits on blocks held within one level: order decides
+            scheduled, overflow = self._choose(order, strict=False)
         chosen = {s.request.request_id for s in scheduled}
         self.num_pauses += sum(r.request_id not in chosen for r in self.running)
         left = [r for r in order if r.request_id not in chosen and r not in overflow]
@@ -112,6 +101,27 @@ class MLFQBatcher(Batcher):
             r.status = RequestStatus.WAITING
         self.waiting = deque(left)
         self._prefetch(left)
+        return scheduled, overflow
+
+    def _choose(
+        self, order: list[Request], strict: bool
+    ) -> tuple[list[ScheduledRequest], list[Request]]:
+        """The requests of `order` that fit, in order; `strict`: blocks are taken only from
+        requests of a lower level (see _make_room)."""
+        budget, batch_size = self.config.max_batched_tokens, self.config.max_batch_size
+        scheduled: list[ScheduledRequest] = []
+        overflow: list[Request] = []
+        for i, r in enumerate(order):
+            if len(scheduled) >= batch_size or budget <= 0:
+                break
+            if r.adapter is not None and not r.adapter.ready:
+                continue
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            if self._make_room(r, r.num_computed_tokens + n, order[i + 1 :], strict):
+                scheduled.append(ScheduledRequest(r, n))
+                budget -= n
+            elif not scheduled and not self._holders(order[i + 1 :]):
+                overflow.append(r)  # it cannot fit even alone
         return scheduled, overflow
 
     def after_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
@@ -125,15 +135,29 @@ class MLFQBatcher(Batcher):
                 mlfq.charge(p, levels, seconds, now)
 
     # -- KV ---------------------------------------------------------------------------------
-    def _make_room(self, r: Request, num_tokens: int, lower: list[Request]) -> bool:
+    def _make_room(self, r: Request, num_tokens: int, lower: list[Request], strict: bool) -> bool:
         """Device blocks for num_tokens of r (its swapped KV copied back first), taken from
-        the lowest-priority requests in `lower` when none are free."""
+        the lowest-priority requests in `lower` when none are free. `strict`: only from
+        requests of a lower level than r's. Within a level the order is arrival, and a
+        request that lost its blocks to a higher level would otherwise take them back from a
+        later arrival of its own level, which would take them back after the next demotion:
+        swaps of the largest KVs back and forth, every copy a step's worth of time (in the
+        simulator, at 90% load with the KV full, 4766 swaps and a mean JCT 7x FCFS's; 355
+        swaps and 1.1x with the rule)."""
+        level = self.priority[r.request_id].level
         while True:
             if r.host_block_ids and self.swap.swap_in(self.cache, r):
                 continue
             if not r.host_block_ids and self.cache.ensure_capacity(r.block_ids, num_tokens):
                 return True
-            victim = next((v for v in reversed(lower) if v.block_ids), None)
+            victim = next(
+                (
+                    v
+                    for v in reversed(lower)
+                    if v.block_ids and (not strict or self.priority[v.request_id].level > level)
+                ),
+                None,
+            )
             if victim is None:
                 return False
             self._evict(victim)

@@ -123,6 +123,39 @@ def test_kv_is_swapped_out_for_a_higher_priority_request_and_back_bit_for_bit():
     assert b.swap.num_free == 8
 
 
+def test_blocks_are_taken_only_from_a_lower_level():
+    """A swapped request does not take its blocks back from a later arrival of its own level
+    (they would trade their KV back and forth at every demotion); from a lower level it does."""
+    b, clock = make(num_blocks=4, swap_blocks=8)
+    b.add(request("a"))
+    step(b, clock, 0.6)
+    step(b, clock, 0.6)  # level 1, 3 of the 4 blocks
+    b.add(request("b"))
+    assert step(b, clock, 0.6) == ["b"]  # level 0: a is swapped out
+    assert step(b, clock, 0.6) == ["b"]  # b: level 1 too, a first by arrival
+    assert b.priority["a"].level == b.priority["b"].level == 1
+    assert step(b, clock, 0.6) == ["b"]  # a would need b's blocks: same level, b keeps them
+    assert b.swap.stats.swaps_out == 1
+    step(b, clock, 0.6)
+    step(b, clock, 0.6)
+    step(b, clock, 0.6)  # b has used level 1's 2 s: level 2
+    assert b.priority["b"].level == 2
+    assert step(b, clock, 0.1) == ["a"]  # now a's level is higher: b gives its blocks up
+    assert b.swap.stats.swaps_out == 2 and b.swap.stats.swaps_in == 1
+
+
+def test_holders_of_one_level_out_of_blocks_still_make_progress():
+    """Every request waits on blocks held within one level: the order decides (the first
+    takes the last one's blocks) instead of nobody running."""
+    b, clock = make(num_blocks=4, swap_blocks=8, batch_size=2)
+    b.add(request("a", prompt_len=7))
+    b.add(request("b", prompt_len=7))
+    assert step(b, clock, 0.01) == ["a", "b"]  # 2 blocks each, all 4 used
+    assert step(b, clock, 0.01) == ["a", "b"]  # 8 tokens each: full blocks
+    assert step(b, clock, 0.01) == ["a"]  # both need a third block: b's go to a
+    assert b.swap.stats.swaps_out == 1
+
+
 def test_a_full_host_pool_falls_back_to_recompute():
     b, clock = make(num_blocks=4, swap_blocks=2)  # 2 host blocks: long's 3 do not fit
     b.add(request("long"))
