@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import heapq
 import itertools
 import math
@@ -456,7 +457,7 @@ def saturated_rate(cost: StepCost, prompts, lengths, adapters) -> float:
 def fastserve(args, cost: StepCost) -> list[dict]:
     rng = random.Random(args.seed)
     n = args.jobs
-    lengths = output_lengths(n, rng, cost.output_median)
+    lengths = output_lengths(n, rng, cost.output_median, args.output_sigma, 2, args.output_max)
     prompts = [rng.randint(16, 256) for _ in range(n)]
     popularity = zipf_sampler(64, 1.5)
     adapters = [popularity(rng) for _ in range(n)]
@@ -504,9 +505,16 @@ def main() -> None:
         default=[0.5, 0.7, 0.8, 0.9, 0.95],
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-blocks", type=int, default=None, help="a runner's KV pool (blocks)")
+    ap.add_argument(
+        "--output-sigma", type=float, default=1.2, help="fastserve: log-normal sigma of outputs"
+    )
+    ap.add_argument("--output-max", type=int, default=512, help="fastserve: longest output")
     args = ap.parse_args()
     print(describe_machine() + " (simulation: wall time only)", flush=True)
     cost = PROFILES[args.profile]
+    if args.kv_blocks:
+        cost = dataclasses.replace(cost, kv_blocks=args.kv_blocks)
     out: dict = {"args": vars(args), "profile": cost.__dict__}
     t0 = time.perf_counter()
     if args.experiment in ("punica", "all"):
@@ -526,9 +534,9 @@ def main() -> None:
         rows = fastserve(args, cost)
         out["fastserve"] = rows
         print_table(rows, list(rows[0]), f"FCFS vs MLFQ, one runner, {cost.name}")
-        plot_fastserve(rows, cost)
+        plot_fastserve(rows, cost, f"cluster_sim_fastserve_{args.profile}{variant(args)}")
     out["wall_s"] = time.perf_counter() - t0
-    name = f"cluster_sim_{args.profile}"
+    name = f"cluster_sim_{args.profile}{variant(args)}"
     path = write_json(name, out, group="sim")
     print(f"wrote {path} ({out['wall_s']:.0f} s wall)")
 
@@ -560,7 +568,15 @@ def plot_punica(res: dict, cost: StepCost) -> None:
     save_plot(f"cluster_sim_punica_{cost.name.split()[0]}", fig, group="sim")
 
 
-def plot_fastserve(rows: list[dict], cost: StepCost) -> None:
+def variant(args) -> str:
+    """Result-name suffix for a KV pool or output lengths other than the profile's."""
+    name = f"_kv{args.kv_blocks}" if args.kv_blocks else ""
+    if (args.output_sigma, args.output_max) != (1.2, 512):
+        name += f"_sigma{args.output_sigma:g}_max{args.output_max}"
+    return name
+
+
+def plot_fastserve(rows: list[dict], cost: StepCost, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -578,7 +594,7 @@ def plot_fastserve(rows: list[dict], cost: StepCost) -> None:
         x.set_yscale("log")
         x.legend()
     fig.suptitle(f"FCFS vs skip-join MLFQ, simulated ({cost.name})")
-    save_plot(f"cluster_sim_fastserve_{cost.name.split()[0]}", fig, group="sim")
+    save_plot(name, fig, group="sim")
 
 
 if __name__ == "__main__":
