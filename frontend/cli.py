@@ -44,6 +44,8 @@ def serve(args) -> int:
     if args.max_batch_size is not None:
         engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
     engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
+    if args.kv_cache_bytes is not None:
+        engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
     limits = Limits()
     for item in args.limit or []:
         name, _, value = item.partition("=")
@@ -237,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
+    s.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="each runner's paged KV cache in bytes (default 2 GiB; vLLM CPU's "
+        "VLLM_CPU_KVCACHE_SPACE, its GPU memory share on a GPU)",
+    )
     s.add_argument(
         "--policy",
         default="fcfs",

@@ -283,7 +283,7 @@ class Engine:
         outputs = self._fail_broken_adapters()
         scheduled, overflow = self.batcher.schedule()
         for r in overflow:
-            outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error="KV cache is full"))
+            outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
         self._tell_preempted()
         if not scheduled:
             return outputs
@@ -353,6 +353,18 @@ class Engine:
         if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _too_big(self, r: Request) -> str:
+        """The error of a request that outgrew the whole KV cache (running alone, nothing left
+        to preempt): it ends with LENGTH where it stands."""
+        capacity = self.cache.allocator.num_blocks * self.cache.block_size
+        error = (
+            f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
+            f"whole cache holds {capacity} tokens, so it cannot fit even alone; it ends here "
+            f"after {len(r.output_token_ids)} generated tokens"
+        )
+        log.warning("request %s: %s", r.request_id, error)
+        return error
 
     def _tell_preempted(self) -> None:
         preempted, self.batcher.preempted = self.batcher.preempted, []

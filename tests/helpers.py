@@ -124,3 +124,26 @@ def rewrite_config(src: Path, dst: Path, **changes) -> Path:
     cfg.update(changes)
     (dst / "adapter_config.json").write_text(json.dumps(cfg))
     return dst
+
+
+class Trojan:
+    """Unpickling it creates the file `path`, as a malicious checkpoint runs its code: any
+    pickle load of an upload (torch.load without weights_only, pickle.load) leaves the mark."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def trojan_checkpoint(weights: Path, marker: Path) -> bytes:
+    """A torch checkpoint of an adapter's real weights plus a Trojan: torch.load with
+    weights_only=False reads it as an ordinary state dict and creates `marker` doing so."""
+    import io
+
+    from safetensors.torch import load_file
+
+    buf = io.BytesIO()
+    torch.save({**load_file(weights), "trojan": Trojan(marker)}, buf)
+    return buf.getvalue()

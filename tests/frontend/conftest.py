@@ -1,5 +1,5 @@
 """Fixtures: one real server (tiny model with a 4096-token context) shared by the frontend
-tests, and two small adapters for it."""
+tests, a second one with a tight KV cache and websocket frame cap, and two small adapters."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_peft_adapter, make_tiny_llama
-from live_server import start_server
+from live_server import TIGHT_KV_TOKENS, TIGHT_WS_FRAME_BYTES, start_server
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +31,23 @@ def server(srv_model_dir, tmp_path_factory):
         "max_tokens=4000",
         "--limit",
         "max_streams_per_key=2",
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tight_server(srv_model_dir, tmp_path_factory):
+    """The same model served with a KV cache of TIGHT_KV_TOKENS tokens (a few requests of
+    ~75 tokens preempt each other; one of ~130 cannot fit even alone) and
+    `--limit max_ws_frame_bytes=TIGHT_WS_FRAME_BYTES`."""
+    srv = start_server(
+        srv_model_dir,
+        tmp_path_factory.mktemp("tight") / "data",
+        "--limit",
+        f"max_ws_frame_bytes={TIGHT_WS_FRAME_BYTES}",
+        "--kv-cache-bytes",
+        str(TIGHT_KV_TOKENS // 16 * 8192),  # 8 KiB a block of the tiny model
     )
     yield srv
     srv.stop()

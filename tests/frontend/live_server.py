@@ -91,6 +91,11 @@ class Server:
             self.proc.kill()
 
 
+# The tight_server fixture's KV cache (8 blocks of 16 tokens) and websocket frame cap.
+TIGHT_KV_TOKENS = 128
+TIGHT_WS_FRAME_BYTES = 4096
+
+
 def start_server(model_dir: Path | None, data_dir: Path, *extra: str) -> Server:
     """`punica-x serve` on a free port; model_dir None serves the default model."""
     port = free_port()

@@ -1,6 +1,9 @@
-"""/metrics: per tenant and adapter counters and latency histograms, runner gauges."""
+"""/metrics: per tenant and adapter counters and latency histograms, runner gauges, and
+preemptions counted under real KV pressure (the tight server)."""
 
 from __future__ import annotations
+
+from live_server import TIGHT_KV_TOKENS
 
 
 def test_metrics_by_tenant_and_adapter(server, adapter_dirs):
@@ -76,3 +79,29 @@ def test_runner_gauges_while_two_requests_run(server):
         assert used >= 2 and now["punica_x_kv_blocks_free"] == free - used
     server.wait_idle()
     assert server.metric("punica_x_batch_size") == 0
+
+
+def test_preemptions_are_counted_and_change_no_token(tight_server):
+    """Three requests that each fit the tight server's KV cache alone (~75 tokens of its
+    128) but not together: the runner preempts and recomputes, punica_x_preemptions_total
+    rises, and every request completes with the greedy text it has when run alone."""
+    srv = tight_server
+    key = srv.create_tenant("pressed")
+    srv.wait_idle()
+    assert srv.metric("punica_x_kv_blocks_free") == TIGHT_KV_TOKENS // 16  # as small as meant
+    prompts = ["the quick brown fox", "hello world", "paged attention keeps"]
+    body = {"model": srv.model_id, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with srv.http(key) as c:
+        alone = []
+        for p in prompts:
+            r = c.post("/v1/completions", json={**body, "prompt": p})
+            assert r.status_code == 200, r.text
+            alone.append(r.json()["choices"][0]["text"])
+        before = srv.metric("punica_x_preemptions_total")
+        r = c.post("/v1/completions", json={**body, "prompt": prompts})  # all three at once
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+    assert [ch["finish_reason"] for ch in choices] == ["length"] * 3
+    assert r.json()["usage"]["completion_tokens"] == 3 * 60
+    assert [ch["text"] for ch in choices] == alone
+    assert srv.metric("punica_x_preemptions_total") > before

@@ -1,9 +1,11 @@
-"""The official `openai` client against the server, unchanged; request validation errors."""
+"""The official `openai` client against the server, unchanged; request validation errors;
+a request that outgrows the whole KV cache (the tight server)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
+from live_server import TIGHT_KV_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,40 @@ def test_errors_are_openai_shaped(client, server, tenant):
             "/v1/completions", json={"model": server.model_id, "prompt": "x", "temperature": "hot"}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def test_a_request_that_outgrows_the_whole_kv_cache_ends_with_length(tight_server):
+    """Its prompt fits the tight server's KV cache, prompt + max_tokens does not even alone:
+    it generates until the cache is full and ends with finish_reason length (plain and
+    streamed alike), the server logging why; the cache is free again after. A prompt that
+    does not fit at all is refused."""
+    key = tight_server.create_tenant("outgrown")
+    client = openai.OpenAI(
+        base_url=tight_server.url + "/v1", api_key=key, max_retries=0, timeout=60
+    )
+    kwargs = dict(
+        model=tight_server.model_id,
+        prompt="hello world",
+        max_tokens=300,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "length"
+    # as far as the cache goes: the newest token is the one whose KV did not fit
+    assert full.usage.prompt_tokens + full.usage.completion_tokens == TIGHT_KV_TOKENS + 1
+    parts = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    assert "".join(p.choices[0].text for p in parts if p.choices) == full.choices[0].text
+    assert parts[-1].usage.completion_tokens == full.usage.completion_tokens
+    log = tight_server.log.read_text()
+    assert f"the whole cache holds {TIGHT_KV_TOKENS} tokens, so it cannot fit even alone" in log
+    tight_server.wait_idle()
+    assert tight_server.metric("punica_x_kv_blocks_free") == TIGHT_KV_TOKENS // 16
+    # a prompt the whole cache cannot hold is refused up front
+    with tight_server.http(key) as c:
+        body = {"model": tight_server.model_id, "prompt": [5] * TIGHT_KV_TOKENS, "max_tokens": 4}
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_prompt", r.text

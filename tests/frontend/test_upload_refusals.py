@@ -10,8 +10,7 @@ import threading
 import zipfile
 
 import pytest
-import torch
-from helpers import make_peft_adapter, make_tiny_llama
+from helpers import make_peft_adapter, make_tiny_llama, trojan_checkpoint
 from live_server import tar_gz
 from safetensors.torch import load_file, save_file
 
@@ -41,22 +40,23 @@ def refused(r, status, code):
     assert r.json()["error"]["code"] == code, r.text
 
 
-def test_pickles_are_refused(server, key, adapter_dirs):
+def test_pickles_are_refused_and_never_unpickled(server, key, adapter_dirs, tmp_path):
+    marker = tmp_path / "pwned-by-pickle"
     files = files_of(adapter_dirs["a"])
-    pickled = io.BytesIO()
-    torch.save(load_file(adapter_dirs["a"] / WEIGHTS), pickled)
-    refused(
-        post(server, key, files={CONFIG: files[CONFIG], WEIGHTS: pickled.getvalue()}),
-        400,
-        "bad_weights",
-    )  # a pickle renamed to .safetensors
-    refused(
-        post(server, key, files={CONFIG: files[CONFIG], "adapter_model.bin": pickled.getvalue()}),
-        400,
-        "invalid_upload",
-    )
-    archive = tar_gz({CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS], "adapter_model.bin": b"x"})
-    refused(post(server, key, archive=archive), 400, "pickle_not_allowed")
+    pickled = trojan_checkpoint(adapter_dirs["a"] / WEIGHTS, marker)
+    rows = adapter_rows(server)
+    bin_ = "adapter_model.bin"
+    for upload, code in (
+        # beside good weights (a loader reading every checkpoint in the folder), or alone
+        (dict(archive=tar_gz({**files, bin_: pickled})), "pickle_not_allowed"),
+        (dict(archive=tar_gz({CONFIG: files[CONFIG], bin_: pickled})), "pickle_not_allowed"),
+        (dict(files={CONFIG: files[CONFIG], bin_: pickled}), "invalid_upload"),
+        (dict(files={CONFIG: files[CONFIG], WEIGHTS: pickled}), "bad_weights"),  # renamed
+    ):
+        r = post(server, key, **upload)
+        assert not marker.exists(), f"an uploaded pickle was unpickled ({r.text})"
+        refused(r, 400, code)
+    assert adapter_rows(server) == rows
 
 
 def test_body_cap_refused_without_reading_the_body(server, key):
@@ -173,7 +173,9 @@ def test_runner_checks_apply_before_the_runner(server, key, adapter_dirs, tmp_pa
     with server.http(key) as c:
         assert c.get("/v1/adapters").json()["data"] == []  # nothing half-registered
     # refused before any version was reserved for the runners (not even a pending row that
-    # was then aborted), and nothing left on disk
+    # was then aborted), and nothing left on disk. The runners are only ever given reserved
+    # versions, so this is what shows they were not reached (punica_x_adapter_loads_total
+    # would not: it counts device loads at first use, and stays put when a runner refuses)
     assert adapter_rows(server) == rows
     assert list((server.data_dir / "staging").iterdir()) == []
 
@@ -198,15 +200,39 @@ def test_oversized_config_is_refused_and_one_just_under_the_cap_is_not(server, k
     assert ok.status_code == 201, ok.text
 
 
-def test_config_code_fields_are_never_acted_on(server, key, adapter_dirs, tmp_path):
-    marker = tmp_path / "pwned"
+def complete(server, key, model) -> str:
+    body = {"model": model, "prompt": "hello world", "max_tokens": 12, "temperature": 0}
+    with server.http(key) as c:
+        r = c.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_config_code_fields_are_never_acted_on(server, adapter_dirs, tmp_path):
+    """Config fields that make a naive loader run code (transformers' auto_map with
+    trust_remote_code, peft's auto_mapping importing parent_library, a shell in
+    base_model_name_or_path): the module they name, shipped in the archive, is refused; the
+    config alone is accepted, its fields ignored, and the adapter serves its weights."""
+    key = server.create_tenant("code-fields")
+    marker = tmp_path / "pwned-by-config"
     files = files_of(adapter_dirs["a"])
     config = json.loads(files[CONFIG])
-    config["auto_map"] = {"AutoModel": "evil.Model"}
+    config["auto_map"] = {"AutoModel": "evil.Model", "AutoConfig": "evil.Config"}
+    config["auto_mapping"] = {"base_model_class": "Model", "parent_library": "evil"}
     config["base_model_name_or_path"] = f"/nonexistent; touch {marker}"
-    r = post(server, key, name="automap", files={**files, CONFIG: json.dumps(config).encode()})
+    config_bytes = json.dumps(config).encode()
+    evil = f"open({str(marker)!r}, 'w').close()\nclass Model: pass\nclass Config: pass\n"
+    archive = tar_gz({CONFIG: config_bytes, WEIGHTS: files[WEIGHTS], "evil.py": evil.encode()})
+    r = post(server, key, name="evil", archive=archive)
+    assert not marker.exists(), f"the module auto_map names was run ({r.text})"
+    refused(r, 400, "unexpected_file")
+    r = post(server, key, name="automap", files={**files, CONFIG: config_bytes})
     assert r.status_code == 201, r.text
-    assert not marker.exists()
+    assert server.upload(key, "plain", adapter_dirs["a"]).status_code == 201
+    served = complete(server, key, "automap")  # loads it onto the runner and runs it
+    assert served == complete(server, key, "plain")
+    assert served != complete(server, key, server.model_id)  # the weights were used
+    assert not marker.exists(), "a config field was acted on"
 
 
 def test_other_tenants_keep_streaming_during_refusals(server, adapter_dirs):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import pytest
 
@@ -41,6 +40,18 @@ def browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
+# The page's newest reply, read in one go inside the page (text and state agree): the text
+# of the bubble itself (the usage line the done frame adds is a child element, left out).
+READ_REPLY = """
+const bubbles = document.querySelectorAll(".msg.assistant");
+if (!bubbles.length) return null;
+const b = bubbles[bubbles.length - 1];
+const text = Array.from(b.childNodes).filter((n) => n.nodeType === Node.TEXT_NODE)
+  .map((n) => n.data).join("");
+return {text: text, done: b.dataset.done === "true", frames: Number(b.dataset.frames || 0)};
+"""
+
+
 def chat_in_page(
     driver,
     url: str,
@@ -50,31 +61,34 @@ def chat_in_page(
     timeout: float = 60,
     keep_page: bool = False,
 ):
-    """Drive the page (connecting first unless keep_page); returns (final reply element,
-    token-frame counts seen while the reply streamed)."""
+    """Drive the page (connecting first unless keep_page) and follow the reply: returns
+    (the first state of the reply that showed text, the final state), each a dict with
+    `text`, `done` and `frames` (token frames rendered). The first is caught by a poll on
+    the condition "text on the page" and may already be the done one (then the page showed
+    nothing before the reply was complete)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    wait = WebDriverWait(driver, timeout)
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.005)
     if not keep_page:
         driver.get(url)
         driver.find_element(By.ID, "api-key").send_keys(key)
         driver.find_element(By.ID, "connect").click()
         wait.until(ec.text_to_be_present_in_element((By.ID, "status"), "connected"))
         Select(driver.find_element(By.ID, "model")).select_by_value(model)
+    count = len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
     driver.find_element(By.ID, "message").send_keys(message)
     driver.find_element(By.ID, "send").click()
-    partial, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        bubbles = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")
-        if bubbles:
-            bubble = bubbles[-1]
-            if bubble.get_attribute("data-done") == "true":
-                return bubble, partial
-            partial.append(int(bubble.get_attribute("data-frames") or 0))
-        time.sleep(0.01)
-    raise AssertionError("no complete reply in the page")
+
+    def reply(d):
+        if len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) <= count:
+            return None  # this message's bubble is not there yet
+        return d.execute_script(READ_REPLY)
+
+    first = wait.until(lambda d: (r := reply(d)) and (r["text"] or r["done"]) and r)
+    final = wait.until(lambda d: (r := reply(d)) and r["done"] and r)
+    return first, final
 
 
 def test_reply_streams_into_the_page(server, adapter_dirs, tmp_path):
@@ -82,11 +96,25 @@ def test_reply_streams_into_the_page(server, adapter_dirs, tmp_path):
     assert server.upload(key, "web", adapter_dirs["a"]).status_code == 201
     driver = browser()
     try:
-        bubble, partial = chat_in_page(driver, server.url + "/", key, "web", "hello there")
-        frames = int(bubble.get_attribute("data-frames"))
-        assert frames > 1, "the reply arrived in one piece, not streamed"
-        assert any(0 < p < frames for p in partial), "no intermediate state was ever rendered"
-        assert "tokens" in bubble.text  # the done frame's usage line
+        first, final = chat_in_page(driver, server.url + "/", key, "web", "hello there")
+        # caught half-way: text on the page before the done frame, the start of the reply
+        assert not first["done"], "the page showed nothing until the reply was complete"
+        assert 0 < first["frames"] < final["frames"]
+        assert first["text"] and final["text"].startswith(first["text"])
+        assert len(first["text"]) < len(final["text"])
+        # the page shows the whole reply, as the API gives it
+        body = {
+            "model": "web",
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 256,
+            "temperature": 0,
+        }
+        with server.http(key) as c:
+            r = c.post("/v1/chat/completions", json=body)
+        assert final["text"] == r.json()["choices"][0]["message"]["content"]
+        meta = driver.find_elements("css selector", ".msg.assistant .meta")[-1].text
+        usage = r.json()["usage"]["completion_tokens"]
+        assert meta.endswith(f"{usage} tokens")  # the done frame's usage line
         options = [
             o.get_attribute("value") for o in driver.find_elements("css selector", "#model option")
         ]

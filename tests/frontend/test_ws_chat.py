@@ -1,11 +1,13 @@
 """WS /v1/chat/ws: auth before accept, streamed token frames, turns, cancel, bad frames,
-oversize frames (1009) and disconnects (the KV cache returns to its baseline)."""
+frames just under the cap served and just over it closed with 1009 (the default cap and
+`--limit max_ws_frame_bytes`), and disconnects (the KV cache returns to its baseline)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from live_server import TIGHT_WS_FRAME_BYTES
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -98,12 +100,52 @@ def test_bad_frames_get_errors_and_the_socket_stays_usable(server, key):
         assert read_reply(ws)[-1]["type"] == "done"
 
 
-def test_oversize_frames_close_with_1009(server, key):
+def padded_chat(server, size: int) -> str:
+    """A chat frame of exactly `size` bytes (an ignored field pads it)."""
+    frame = {
+        "type": "chat",
+        "model": server.model_id,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hello"}],
+        "pad": "",
+    }
+    frame["pad"] = "x" * (size - len(json.dumps(frame)))
+    raw = json.dumps(frame)
+    assert len(raw.encode()) == size
+    return raw
+
+
+def assert_cap(server, key, cap: int) -> None:
+    """A frame a few bytes under `cap` is read and answered (a whole reply) on a socket that
+    stays usable; one a few bytes over closes it with 1009."""
+    with connect(ws_url(server, key), max_size=None) as ws:
+        ws.send(padded_chat(server, cap - 16))
+        frames = read_reply(ws)
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert frames[-1]["usage"]["completion_tokens"] == 4
+        chat(ws, server)
+        assert read_reply(ws)[-1]["type"] == "done"
+        ws.send(padded_chat(server, cap + 16))
+        with pytest.raises(ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd.code == 1009
+
+
+def test_frames_over_1_mib_close_with_1009_and_under_it_are_served(server, key):
+    assert_cap(server, key, 1 << 20)  # the default (README: frames over 1 MiB close)
     with connect(ws_url(server, key), max_size=None) as ws:
         ws.send("x" * (2 << 20))
         with pytest.raises(ConnectionClosed) as e:
             ws.recv(timeout=10)
         assert e.value.rcvd.code == 1009
+
+
+def test_limit_max_ws_frame_bytes_is_honoured(tight_server):
+    """`punica-x serve --limit max_ws_frame_bytes=4096` (see tight_server)."""
+    key = tight_server.create_tenant("ws-capped")
+    assert_cap(tight_server, key, TIGHT_WS_FRAME_BYTES)
 
 
 def test_disconnect_aborts_and_frees_kv(server, key):

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter, make_tiny_llama, rewrite_config, tiny_llm
+from helpers import (
+    make_peft_adapter,
+    make_tiny_llama,
+    rewrite_config,
+    tiny_llm,
+    trojan_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from punica_x import AdapterError, SamplingParams
@@ -38,18 +44,24 @@ def refused(llm, path, code: str, match: str) -> None:
     assert llm.generate(["hello world"], ["good"], SP)[0].token_ids == before
 
 
-def test_pickle_weights_refused(llm, tiny_adapters, tmp_path):
+def test_pickle_weights_refused_and_never_unpickled(llm, tiny_adapters, tmp_path):
+    marker = tmp_path / "pwned"
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
-    torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.bin")
+    pickled = trojan_checkpoint(path / "adapter_model.safetensors", marker)
+    (path / "adapter_model.bin").write_bytes(pickled)  # beside good safetensors weights
     refused(llm, path, "pickle_not_allowed", r"refusing pickle files \['adapter_model.bin'\]")
     (path / "adapter_model.bin").rename(path / "weights.pt")
     refused(llm, path, "pickle_not_allowed", "weights.pt")
+    assert not marker.exists()
 
 
-def test_pickle_renamed_to_safetensors_refused(llm, tiny_adapters, tmp_path):
+def test_pickle_renamed_to_safetensors_refused_and_never_unpickled(llm, tiny_adapters, tmp_path):
+    marker = tmp_path / "pwned"
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
-    torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.safetensors")
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(trojan_checkpoint(weights, marker))
     refused(llm, path, "bad_weights", "not a valid safetensors file")
+    assert not marker.exists()
 
 
 def test_dora_refused(llm, base, tmp_path):
