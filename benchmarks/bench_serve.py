@@ -19,6 +19,9 @@ constrained by a JSON schema (server formatting included)? See features().
 result files are named after both). --open-loop RATES (requests/s, e.g. 0.5,1,2,4) replaces
 the closed loop with Poisson arrivals at each rate, the way vLLM's serving benchmark reports:
 TTFT and inter-token p50/p99 per rate, and the throughput achieved (see open_loop()).
+
+--client vllm runs vLLM's own serving benchmark client against
+punica-x and against vLLM's OpenAI server instead: bench_serve_vllm.py.
 """
 
 from __future__ import annotations
@@ -223,8 +226,23 @@ def setup_tenant(url: str, data_dir: Path, paths: list[Path]) -> tuple[str, str]
 
 
 def main() -> None:
+    argv = " ".join(sys.argv[1:]).replace("--client=", "--client ").split()
+    if "--client" in argv and argv[argv.index("--client") + 1 :][:1] == ["vllm"]:
+        import bench_serve_vllm  # vLLM's own client, against vLLM's own server too
+
+        i = argv.index("--client")
+        sys.argv[1:] = argv[:i] + argv[i + 2 :]
+        bench_serve_vllm.main()
+        return
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--client",
+        default="openai",
+        choices=["openai", "vllm"],
+        help="vllm: vLLM's serving benchmark against punica-x and vLLM's server (the "
+        "arguments of bench_serve_vllm.py)",
     )
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--requests", type=int, default=128)

@@ -8,7 +8,11 @@ they are removed). run() executes this file inside that venv with tcmalloc (Debi
 libtcmalloc-minimal4) and the venv's libiomp5.so in LD_PRELOAD and torch.compile left on,
 as vLLM's CPU installation docs ask, and its OpenMP threads bound to the cores we use.
 
+start_server() runs vLLM's OpenAI server from that venv, serving_benchmark() vLLM's serving
+benchmark client (bench_serve_vllm.py runs both against punica-x and vLLM's server).
+
 Worker mode (inside the peer venv):  python peer_vllm.py JOB.json OUT.json
+Client mode (inside the peer venv):  python peer_vllm.py client ARGS (of `vllm bench serve`)
 JOB: {model, prompts, max_tokens, dtype, rank, adapters: {name: path}, workloads: {label:
 [adapter name or null per prompt]}, lora: bool}. OUT: {label: tokens/s, ...}.
 """
@@ -77,25 +81,112 @@ def preload(venv: Path) -> str:
     return f"{tcmalloc}:{iomp}"
 
 
-def run(job: dict, threads: int, bind: str = "all", timeout: float = 3600) -> dict:
-    """Run one job in the peer venv; returns the worker's results. bind "all": vLLM's OpenMP
-    threads on cores 0..threads-1; "auto": vLLM's default (VLLM_CPU_OMP_THREADS_BIND=auto,
-    which keeps a core for its frontend process: on 2 cores, one compute thread)."""
-    python = ensure_venv()
-    venv = python.parent.parent
-    out = Path(job["out_dir"]) / f"vllm-{job['name']}-{bind}.json"
-    job_file = out.with_suffix(".job.json")
-    job_file.write_text(json.dumps(job))
-    env = {
+def peer_env(python: Path, threads: int, bind: str = "all") -> dict[str, str]:
+    """The environment vLLM CPU runs in: tcmalloc + libiomp preloaded, OpenMP threads bound
+    to cores 0..threads-1 ("all") or vLLM's own choice ("auto"), 2 GiB of KV cache, offline."""
+    return {
         **{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
-        "LD_PRELOAD": preload(venv),
+        "LD_PRELOAD": preload(python.parent.parent),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if bind == "all" else "auto",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONPATH": "",
     }
+
+
+def start_server(
+    model_dir: Path,
+    served_name: str,
+    adapters: dict[str, Path],
+    rank: int,
+    port: int,
+    threads: int,
+    log: Path,
+    dtype: str = "float32",
+) -> subprocess.Popen:
+    """vLLM's OpenAI server on 127.0.0.1:port serving model_dir as `served_name` and each
+    adapter under its name (all resident: max_loras = their count); returns once /health
+    answers (first start compiles: a few minutes)."""
+    python = ensure_venv()
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--seed",
+        "0",
+        "--enable-lora",
+        "--max-loras",
+        str(len(adapters)),
+        "--max-lora-rank",
+        str(rank),
+        "--lora-modules",
+        *(f"{name}={path}" for name, path in adapters.items()),
+    ]
+    out = log.open("w")
+    proc = subprocess.Popen(
+        cmd, env=peer_env(python, threads), stdout=out, stderr=subprocess.STDOUT
+    )
+    import httpx
+
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vLLM server not ready after 900 s:\n{log.read_text()[-4000:]}")
+
+
+def serving_benchmark(argv: list[str], api_key: str | None, result: Path, timeout: float) -> dict:
+    """vLLM's serving benchmark client (vllm/benchmarks/serve.py, what `vllm bench serve`
+    runs) with these arguments, in the peer venv; returns its result dict (saved to
+    `result`). The key goes in OPENAI_API_KEY, where the client reads it."""
+    python = ensure_venv()
+    env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("OPENAI_API_KEY", None)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
+    argv = [
+        *argv,
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
+    cmd = [str(python), str(Path(__file__).resolve()), "client", *argv]
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM serving benchmark failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def run(job: dict, threads: int, bind: str = "all", timeout: float = 3600) -> dict:
+    """Run one job in the peer venv; returns the worker's results. bind "all": vLLM's OpenMP
+    threads on cores 0..threads-1; "auto": vLLM's default (VLLM_CPU_OMP_THREADS_BIND=auto,
+    which keeps a core for its frontend process: on 2 cores, one compute thread)."""
+    python = ensure_venv()
+    out = Path(job["out_dir"]) / f"vllm-{job['name']}-{bind}.json"
+    job_file = out.with_suffix(".job.json")
+    job_file.write_text(json.dumps(job))
     cmd = [str(python), str(Path(__file__).resolve()), str(job_file), str(out)]
+    env = peer_env(python, threads, bind)
     proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM peer failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -139,5 +230,19 @@ def worker(job_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(results))
 
 
+def client(argv: list[str]) -> None:
+    """Inside the peer venv: vLLM's serving benchmark, as `vllm bench serve ARGV` (the wheel's
+    `vllm` entry point does not start on a CPU-only install, the module does)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "client":
+        client(sys.argv[2:])
+    else:
+        worker(sys.argv[1], sys.argv[2])
