@@ -21,13 +21,12 @@ lower mean TTFT at every rate; 64 of 64 completed at 2 req/s with default settin
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 from pathlib import Path
 
 import peer_vllm
 from bench_generate import make_adapters
-from bench_serve import bench_server
+from bench_serve import bench_server, free_port
 from harness import describe_machine, machine, print_table, save_plot, write_json
 
 FIELDS = {
@@ -53,12 +52,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="cores vLLM's OpenMP threads bind")
     ap.add_argument("--servers", default="punica-x,vllm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_args(args, url: str, model: str, tokenizer: Path, names: list[str], rate: float):

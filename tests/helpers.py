@@ -147,3 +147,17 @@ def trojan_checkpoint(weights: Path, marker: Path) -> bytes:
     buf = io.BytesIO()
     torch.save({**load_file(weights), "trojan": Trojan(marker)}, buf)
     return buf.getvalue()
+
+
+def compute_scheduled(scheduled) -> list:
+    """What an engine step does to the batcher's scheduled requests, without a model: their
+    KV advances by the scheduled tokens and, once a prompt is done, a token (7) is sampled.
+    Returns the requests that sampled a token."""
+    sampled = []
+    for s in scheduled:
+        r = s.request
+        r.num_computed_tokens += s.num_new_tokens
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(7)
+            sampled.append(r)
+    return sampled

@@ -6,7 +6,7 @@ out still completes exactly as it would alone."""
 from __future__ import annotations
 
 import torch
-from helpers import tiny_llm
+from helpers import compute_scheduled, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.batcher import Batcher
@@ -27,14 +27,10 @@ def run_step(b: Batcher) -> list[str]:
     sampled once the prompt is done), finish at max_tokens; returns who ran."""
     scheduled, overflow = b.schedule()
     assert not overflow
-    for s in scheduled:
-        r = s.request
-        r.num_computed_tokens += s.num_new_tokens
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.sampling.max_tokens:
-                r.status = RequestStatus.FINISHED
-                b.remove(r)
+    for r in compute_scheduled(scheduled):
+        if len(r.output_token_ids) >= r.sampling.max_tokens:
+            r.status = RequestStatus.FINISHED
+            b.remove(r)
     return [s.request.request_id for s in scheduled]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llm
+from helpers import compute_scheduled, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.batcher_mlfq import MLFQBatcher
@@ -51,11 +51,7 @@ def step(b: MLFQBatcher, clock: Clock, seconds: float) -> list[str]:
     sampled when the prompt is done), charge; returns who ran."""
     scheduled, overflow = b.schedule()
     assert not overflow
-    for s in scheduled:
-        r = s.request
-        r.num_computed_tokens += s.num_new_tokens
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_token_ids.append(7)
+    compute_scheduled(scheduled)
     clock.t += seconds
     b.after_step(scheduled, seconds)
     return [s.request.request_id for s in scheduled]
