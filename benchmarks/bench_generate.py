@@ -11,7 +11,11 @@ step times (all requests decoding) give the LoRA cost next to its floor: the byt
 batch's adapters as stored / measured copy bandwidth.
 
     python benchmarks/bench_generate.py [--requests 32] [--max-tokens 64] [--hf-workloads distinct]
-                                        [--peer vllm]
+                                        [--peer vllm] [--dtype auto|float32|bfloat16]
+
+--dtype sets punica-x's serving dtype (auto: bfloat16 on CPUs with AVX512-BF16 / AMX-BF16,
+else float32) and, unless --peer-dtype names another, vLLM's too, so the two columns compare
+one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay float32.
 """
 
 from __future__ import annotations
@@ -181,7 +185,17 @@ def main() -> None:
         help="workloads to run the (slow) HF + PEFT baselines on; '' for none",
     )
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
-    ap.add_argument("--peer-dtype", default="float32", help="the peer's dtype (ours: float32)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="punica-x's serving dtype (auto: its own default on this CPU)",
+    )
+    ap.add_argument(
+        "--peer-dtype",
+        default=None,
+        help="vLLM's dtype: default the one punica-x serves; auto for vLLM's own default",
+    )
     ap.add_argument(
         "--peer-bind",
         default="all,auto",
@@ -194,7 +208,10 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     bandwidth = copy_bandwidth()
 
-    llm = LLM()
+    llm = LLM(dtype=args.dtype)
+    ours_dtype = str(llm.engine.dtype).removeprefix("torch.")
+    args.peer_dtype = args.peer_dtype or ours_dtype
+    print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     paths = make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)
@@ -254,7 +271,8 @@ def main() -> None:
 
     print(
         f"SmolLM2-135M, {n} requests x {args.max_tokens} tokens, rank {args.rank} on all 7 "
-        f"projections, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"projections, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"punica-x {ours_dtype}, vLLM {args.peer_dtype if args.peer != 'none' else '-'}"
     )
     print_table(
         rows,
@@ -281,6 +299,7 @@ def main() -> None:
         "hf_backbone_tok_s": hf_backbone,
         "backbone_ratio": ours_backbone / hf_backbone,
         "backbone_step_ms": backbone_step * 1e3,
+        "dtype": ours_dtype,
     }
     for bind, result in peer.items():
         suffix = "" if bind == "all" else f"_{bind}"
@@ -318,8 +337,10 @@ def main() -> None:
         f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f}"
         " (target <= 1.1)"
     )
+    # float32 figures keep their name; other dtypes get their own file beside them
+    name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
     path = write_json(
-        "bench_generate",
+        name,
         {
             "args": vars(args),
             "copy_bandwidth_GBps": bandwidth / 1e9,
@@ -327,7 +348,7 @@ def main() -> None:
             "rows": rows,
         },
     )
-    plot(rows, summary)
+    plot(rows, summary, name)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
@@ -354,7 +375,7 @@ def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dic
     return out
 
 
-def plot(rows, summary) -> None:
+def plot(rows, summary, result_name: str = "bench_generate") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,9 +399,12 @@ def plot(rows, summary) -> None:
     from harness import machine
 
     m = machine()
-    ax.set_title(f"SmolLM2-135M, 32 concurrent requests, rank-16 LoRA ({m['cpu']}, {m['isa']})")
+    ax.set_title(
+        f"SmolLM2-135M, 32 concurrent requests, rank-16 LoRA, {summary['dtype']} "
+        f"({m['cpu']}, {m['isa']})"
+    )
     ax.legend()
-    save_plot("bench_generate", fig)
+    save_plot(result_name, fig)
 
 
 if __name__ == "__main__":

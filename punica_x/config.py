@@ -18,8 +18,10 @@ def _positive(name: str, value: int | None) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """model: a HF directory (config.json + *.safetensors), a .gguf file, or None for the
-    default SmolLM2-135M-Instruct. dtype "auto": float32 on CPU, bfloat16 (or float16 where
-    bf16 is unsupported) on CUDA. max_model_len: None takes the model's own limit.
+    default SmolLM2-135M-Instruct. dtype "auto": bfloat16 on CPUs that compute in it natively
+    (AVX512-BF16 or AMX-BF16 in the CPU flags), float32 on other CPUs (bf16 works there too,
+    with float32 arithmetic, but is asked for explicitly), bfloat16 (or float16 where bf16 is
+    unsupported) on CUDA. max_model_len: None takes the model's own limit.
     dense_backend / fused_backend: None chooses by device (punica_x.ops.dense, .fused)."""
 
     model: str | None = None
@@ -43,7 +45,9 @@ class ModelConfig:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         if self.torch_device().type == "cpu":
-            return torch.float32
+            from punica_x.ops import isa
+
+            return torch.bfloat16 if isa.native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 

@@ -68,6 +68,15 @@ def check_request(
         compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it
 
 
+def _auto_reason(device) -> str:
+    if device.type != "cpu":
+        return ""
+    from punica_x.ops import isa
+
+    has = "has" if isa.native_bf16() else "lacks"
+    return f": this CPU {has} AVX512-BF16 / AMX-BF16"
+
+
 class Engine:
     """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
 
@@ -81,8 +90,15 @@ class Engine:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         d = self.model.dims
         device, dtype = config.model.torch_device(), config.model.torch_dtype()
-        self.device = device
+        self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
         self.max_model_len = self.loaded.max_model_len
+        log.info(
+            "serving dtype %s on %s (dtype=%s%s)",
+            str(dtype).removeprefix("torch."),
+            device,
+            config.model.dtype,
+            _auto_reason(device) if config.model.dtype == "auto" else "",
+        )
         target = LoraTarget(d.num_layers, d.lora_shapes())
         self.adapters = AdapterPool(target, config.lora, device, dtype)
         spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, config.cache.block_size, dtype)

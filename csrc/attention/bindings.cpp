@@ -8,17 +8,22 @@ namespace {
 
 #define CHECK_ARG(cond, ...) TORCH_CHECK(cond, "paged_attention: ", __VA_ARGS__)
 
+using punica_x::simd::bf16;
+
 void check_cpu(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
   CHECK_ARG(t.device().is_cpu(), name, " must be on the CPU");
   CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The cache is float32 or bfloat16; q, k, v and out must be of the cache's dtype.
 punica_x::KvLayout layout(const torch::Tensor& kv, int64_t layer) {
-  check_cpu(kv, "kv", at::kFloat);
+  CHECK_ARG(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16,
+            "kv must be float32 or bfloat16, got ", kv.scalar_type());
+  check_cpu(kv, "kv", kv.scalar_type());
   CHECK_ARG(kv.dim() == 6 && kv.size(2) == 2, "kv must be [blocks, L, 2, N_kv, P, D], got ", kv.sizes());
   CHECK_ARG(layer >= 0 && layer < kv.size(1), "layer ", layer, " out of range [0, ", kv.size(1), ")");
-  return punica_x::KvLayout{kv.data_ptr<float>(), static_cast<int>(kv.size(1)), static_cast<int>(kv.size(3)),
+  return punica_x::KvLayout{kv.data_ptr(), static_cast<int>(kv.size(1)), static_cast<int>(kv.size(3)),
                             static_cast<int>(kv.size(4)), static_cast<int>(kv.size(5)), static_cast<int>(layer)};
 }
 
@@ -27,8 +32,8 @@ punica_x::KvLayout layout(const torch::Tensor& kv, int64_t layer) {
 void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torch::Tensor kv, int64_t layer,
                      torch::Tensor seqs, torch::Tensor table_start, torch::Tensor block_table, double scale) {
   const punica_x::KvLayout kvl = layout(kv, layer);
-  check_cpu(q, "q", at::kFloat);
-  check_cpu(out, "out", at::kFloat);
+  check_cpu(q, "q", kv.scalar_type());
+  check_cpu(out, "out", kv.scalar_type());
   check_cpu(lse, "lse", at::kFloat);
   CHECK_ARG(q.dim() == 3 && q.size(2) == kvl.head_dim, "q must be [T, H_q, ", kvl.head_dim, "], got ", q.sizes());
   CHECK_ARG(q.size(1) % kvl.num_kv_heads == 0 && q.size(1) / kvl.num_kv_heads <= 16,
@@ -58,15 +63,21 @@ void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torc
   }
   const punica_x::PagedSeqs ps{row, rows, len, ts, bt, static_cast<int>(s)};
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-  punica_x::paged_attention_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), q.data_ptr<float>(),
-                                static_cast<int>(q.size(1)), kvl, ps, static_cast<float>(scale));
+  const int hq = static_cast<int>(q.size(1));
+  if (kv.scalar_type() == at::kFloat)
+    punica_x::paged_attention_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), q.data_ptr<float>(),
+                                  hq, kvl, ps, static_cast<float>(scale));
+  else
+    punica_x::paged_attention_cpu(static_cast<bf16*>(out.data_ptr()), lse.data_ptr<float>(),
+                                  static_cast<const bf16*>(q.data_ptr()), hq, kvl, ps,
+                                  static_cast<float>(scale));
 }
 
 void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
               torch::Tensor offsets) {
   const punica_x::KvLayout kvl = layout(kv, layer);
-  check_cpu(k, "k", at::kFloat);
-  check_cpu(v, "v", at::kFloat);
+  check_cpu(k, "k", kv.scalar_type());
+  check_cpu(v, "v", kv.scalar_type());
   check_cpu(blocks, "blocks", at::kLong);
   check_cpu(offsets, "offsets", at::kLong);
   CHECK_ARG(k.dim() == 3 && k.size(1) == kvl.num_kv_heads && k.size(2) == kvl.head_dim,
@@ -79,8 +90,13 @@ void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v,
     CHECK_ARG(b[t] >= 0 && b[t] < kv.size(0) && o[t] >= 0 && o[t] < kvl.block_size, "row ", t,
               ": slot (", b[t], ", ", o[t], ") out of range");
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-  punica_x::write_kv_cpu(kv.data_ptr<float>(), kvl, k.data_ptr<float>(), v.data_ptr<float>(),
-                         static_cast<int>(k.size(0)), b, o);
+  const int rows = static_cast<int>(k.size(0));
+  if (kv.scalar_type() == at::kFloat)
+    punica_x::write_kv_cpu(kv.data_ptr<float>(), kvl, k.data_ptr<float>(), v.data_ptr<float>(), rows,
+                           b, o);
+  else
+    punica_x::write_kv_cpu(static_cast<bf16*>(kv.data_ptr()), kvl, static_cast<const bf16*>(k.data_ptr()),
+                           static_cast<const bf16*>(v.data_ptr()), rows, b, o);
 }
 
 }  // namespace

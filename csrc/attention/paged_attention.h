@@ -22,17 +22,21 @@ struct PagedSeqs {
 };
 
 struct KvLayout {
-  const float* kv;  // [num_blocks, L, 2, N_kv, P, D]
+  const void* kv;  // [num_blocks, L, 2, N_kv, P, D] of T (float or simd::bf16)
   int num_layers, num_kv_heads, block_size, head_dim;
   int layer;
   int64_t block_stride() const { return int64_t(num_layers) * 2 * num_kv_heads * block_size * head_dim; }
 };
 
-void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads, const KvLayout& kv,
+// T: float or simd::bf16 for q, out and the cache (scores, softmax and sums in float32, lse
+// float32); instantiated for both.
+template <typename T>
+void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
                          const PagedSeqs& seqs, float scale);
 
 // kv[block[t], layer, 0/1, :, offset[t], :] = k[t] / v[t] for every row t (k, v: [T, N_kv, D]).
-void write_kv_cpu(float* kv, const KvLayout& layout, const float* k, const float* v, int rows,
+template <typename T>
+void write_kv_cpu(T* kv, const KvLayout& layout, const T* k, const T* v, int rows,
                   const int64_t* blocks, const int64_t* offsets);
 
 }  // namespace punica_x

@@ -20,7 +20,8 @@ namespace {
 
 using namespace simd;
 
-inline float dot(const float* a, const float* b, int d) {
+template <typename T>
+inline float dot(const float* a, const T* b, int d) {
   int e = 0;
   float s = 0.f;
   if (d >= kLanes) {
@@ -28,7 +29,7 @@ inline float dot(const float* a, const float* b, int d) {
     for (e = kLanes; e + kLanes <= d; e += kLanes) acc += load(a + e) * load(b + e);
     s = hsum(acc);
   }
-  for (; e < d; ++e) s += a[e] * b[e];
+  for (; e < d; ++e) s += a[e] * f32(b[e]);
   return s;
 }
 
@@ -37,9 +38,8 @@ inline float dot(const float* a, const float* b, int d) {
 // added (one load and store of `a` per chunk, not per key).
 constexpr int kChunk = kVecRegs / 2;
 
-template <int V>
-inline void weighted_rows_chunk(float* a, float c, const float* w, const float* v, int keys,
-                                int d) {
+template <typename T, int V>
+inline void weighted_rows_chunk(float* a, float c, const float* w, const T* v, int keys, int d) {
   vf acc[V];
   const vf cv = splat(c);
   for (int j = 0; j < V; ++j) acc[j] = load(a + j * kLanes) * cv;
@@ -50,14 +50,15 @@ inline void weighted_rows_chunk(float* a, float c, const float* w, const float* 
   for (int j = 0; j < V; ++j) store(a + j * kLanes, acc[j]);
 }
 
-template <int... V>
+template <typename T, int... V>
 constexpr auto chunk_table(std::integer_sequence<int, V...>) {
-  using Fn = void (*)(float*, float, const float*, const float*, int, int);
-  return std::array<Fn, sizeof...(V)>{&weighted_rows_chunk<V + 1>...};
+  using Fn = void (*)(float*, float, const float*, const T*, int, int);
+  return std::array<Fn, sizeof...(V)>{&weighted_rows_chunk<T, V + 1>...};
 }
 
-inline void weighted_rows(float* a, float c, const float* w, const float* v, int keys, int d) {
-  static const auto table = chunk_table(std::make_integer_sequence<int, kChunk>{});
+template <typename T>
+inline void weighted_rows(float* a, float c, const float* w, const T* v, int keys, int d) {
+  static const auto table = chunk_table<T>(std::make_integer_sequence<int, kChunk>{});
   int e = 0;
   while (e + kLanes <= d) {
     const int vecs = std::min(kChunk, (d - e) / kLanes);
@@ -66,7 +67,7 @@ inline void weighted_rows(float* a, float c, const float* w, const float* v, int
   }
   for (; e < d; ++e) {  // head sizes that are not a multiple of the vector width
     float x = a[e] * c;
-    for (int k = 0; k < keys; ++k) x += w[k] * v[int64_t(k) * d + e];
+    for (int k = 0; k < keys; ++k) x += w[k] * f32(v[int64_t(k) * d + e]);
     a[e] = x;
   }
 }
@@ -82,8 +83,9 @@ struct Item {
 // Attention of `rows` consecutive query rows x G heads against the keys they may see, one
 // KV block at a time: scores of the block for every (row, head), then a block-wise online
 // softmax update (one rescale per block instead of one per key).
-void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout& kv,
-                 const PagedSeqs& seqs, const Item& it, float scale) {
+template <typename T>
+void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, const PagedSeqs& seqs,
+                 const Item& it, float scale) {
   const int d = kv.head_dim, p = kv.block_size;
   const int g = hq / kv.num_kv_heads;
   const int s = it.seq;
@@ -99,8 +101,8 @@ void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout&
   float* scores = acc + n * d;
   for (int i = 0; i < n; ++i) {
     const int r = i / g, h = it.head * g + i % g;
-    const float* src = q + (int64_t(seqs.row_start[s] + it.row0 + r) * hq + h) * d;
-    for (int e = 0; e < d; ++e) qt[i * d + e] = src[e] * scale;
+    const T* src = q + (int64_t(seqs.row_start[s] + it.row0 + r) * hq + h) * d;
+    for (int e = 0; e < d; ++e) qt[i * d + e] = f32(src[e]) * scale;
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
   }
@@ -108,12 +110,13 @@ void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout&
   const int64_t head_off = (int64_t(kv.layer) * 2 * kv.num_kv_heads + it.head) * p * d;
   const int64_t v_off = int64_t(kv.num_kv_heads) * p * d;
   for (int b = 0; b * p < num_keys; ++b) {
-    const float* kb = kv.kv + table[b] * kv.block_stride() + head_off;  // [P, D]
-    const float* vb = kb + v_off;
+    const T* cache = static_cast<const T*>(kv.kv);
+    const T* kb = cache + table[b] * kv.block_stride() + head_off;  // [P, D]
+    const T* vb = kb + v_off;
     const int keys = std::min(p, num_keys - b * p);
     if ((b + 1) * p < num_keys) {  // blocks are scattered pages: prefetch the next one's K and V
-      const float* next = kv.kv + table[b + 1] * kv.block_stride() + head_off;
-      for (int64_t off = 0; off < int64_t(p) * d; off += 64 / sizeof(float)) {
+      const T* next = cache + table[b + 1] * kv.block_stride() + head_off;
+      for (int64_t off = 0; off < int64_t(p) * d; off += 64 / sizeof(T)) {
         __builtin_prefetch(next + off);
         __builtin_prefetch(next + v_off + off);
       }
@@ -149,16 +152,17 @@ void attend_tile(float* out, float* lse, const float* q, int hq, const KvLayout&
   for (int i = 0; i < n; ++i) {
     const int r = i / g, h = it.head * g + i % g;
     const int64_t row = seqs.row_start[s] + it.row0 + r;
-    float* o = out + (row * hq + h) * d;
+    T* o = out + (row * hq + h) * d;
     const float inv = 1.f / l[i];
-    for (int e = 0; e < d; ++e) o[e] = acc[i * d + e] * inv;
+    for (int e = 0; e < d; ++e) o[e] = narrow<T>(acc[i * d + e] * inv);
     lse[row * hq + h] = m[i] + std::log(l[i]);
   }
 }
 
 }  // namespace
 
-void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads, const KvLayout& kv,
+template <typename T>
+void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
                          const PagedSeqs& seqs, float scale) {
   std::vector<Item> items;
   for (int s = 0; s < seqs.num_seqs; ++s)
@@ -170,17 +174,27 @@ void paged_attention_cpu(float* out, float* lse, const float* q, int num_q_heads
   });
 }
 
-void write_kv_cpu(float* kv, const KvLayout& layout, const float* k, const float* v, int rows,
+template <typename T>
+void write_kv_cpu(T* kv, const KvLayout& layout, const T* k, const T* v, int rows,
                   const int64_t* blocks, const int64_t* offsets) {
   const int nkv = layout.num_kv_heads, p = layout.block_size, d = layout.head_dim;
   for (int t = 0; t < rows; ++t) {
-    float* base = kv + blocks[t] * layout.block_stride() + int64_t(layout.layer) * 2 * nkv * p * d;
+    T* base = kv + blocks[t] * layout.block_stride() + int64_t(layout.layer) * 2 * nkv * p * d;
     for (int h = 0; h < nkv; ++h) {
-      std::memcpy(base + (int64_t(h) * p + offsets[t]) * d, k + (int64_t(t) * nkv + h) * d, d * sizeof(float));
+      std::memcpy(base + (int64_t(h) * p + offsets[t]) * d, k + (int64_t(t) * nkv + h) * d, d * sizeof(T));
       std::memcpy(base + (int64_t(nkv + h) * p + offsets[t]) * d, v + (int64_t(t) * nkv + h) * d,
-                  d * sizeof(float));
+                  d * sizeof(T));
     }
   }
 }
+
+template void paged_attention_cpu<float>(float*, float*, const float*, int, const KvLayout&,
+                                          const PagedSeqs&, float);
+template void paged_attention_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, int,
+                                               const KvLayout&, const PagedSeqs&, float);
+template void write_kv_cpu<float>(float*, const KvLayout&, const float*, const float*, int,
+                                   const int64_t*, const int64_t*);
+template void write_kv_cpu<simd::bf16>(simd::bf16*, const KvLayout&, const simd::bf16*,
+                                        const simd::bf16*, int, const int64_t*, const int64_t*);
 
 }  // namespace punica_x

@@ -6,6 +6,7 @@
 // registers is not compiled into one that spills on every FMA with AVX2's 16 ymm.
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -51,6 +52,56 @@ inline vf splat(float s) {
 }
 
 typedef int vi __attribute__((vector_size(kLanes * sizeof(int))));
+typedef unsigned vu __attribute__((vector_size(kLanes * sizeof(unsigned))));
+
+// bfloat16 storage: the upper 16 bits of a float32. The kernels take float32 or bf16 tensors
+// (weights, activations, KV) and always compute in float32: a bf16 vector is widened on load
+// (zero-extend, shift: two cheap instructions on AVX2 and AVX-512) and rounded to nearest even
+// on store, so bf16 halves the memory traffic on every x86 level, with or without AVX512-BF16.
+struct bf16 {
+  uint16_t bits;
+};
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+
+inline vf load(const bf16* p) {
+  const vu u = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
+  return reinterpret_cast<const vf&>(u);
+}
+
+// Round to nearest even; a NaN stays a (quiet) NaN instead of rounding into infinity.
+inline void store(bf16* p, vf v) {
+  const vu u = reinterpret_cast<const vu&>(v);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = (vu)(v != v);
+  const vu out = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+  *reinterpret_cast<vh*>(p) = __builtin_convertvector(out, vh);
+}
+
+inline float f32(float x) { return x; }
+
+inline float f32(bf16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A float rounded to the storage type T (float: itself).
+template <typename T>
+inline T narrow(float x);
+
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+
+template <>
+inline bf16 narrow<bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (x != x) return bf16{uint16_t((u >> 16) | 0x40u)};
+  return bf16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
 
 // exp(x) per lane: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), a degree-6
 // polynomial for exp(r) (Cephes expf), times 2^n built in the exponent bits. Within 2 ulp of

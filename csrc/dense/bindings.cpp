@@ -8,31 +8,41 @@ namespace {
 
 #define CHECK_ARG(cond, ...) TORCH_CHECK(cond, "dense: ", __VA_ARGS__)
 
-void check_f32_cpu(const torch::Tensor& t, const char* name) {
-  CHECK_ARG(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor, got ",
-            t.scalar_type(), " on ", t.device());
+using punica_x::simd::bf16;
+
+// Every operand of one call has one dtype: float32 or bfloat16.
+void check_cpu(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  CHECK_ARG(t.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16), name,
+            " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, " like the other operands, got ",
+            t.scalar_type());
 }
 
 int64_t panels(int64_t n) { return (n + punica_x::kDensePanel - 1) / punica_x::kDensePanel; }
 
 // weight: [N, K] (nn.Linear layout) -> packed [panels, K, kDensePanel].
 torch::Tensor pack(torch::Tensor weight) {
-  check_f32_cpu(weight, "weight");
+  check_cpu(weight, "weight", weight.scalar_type());
   CHECK_ARG(weight.dim() == 2 && weight.stride(1) == 1, "weight must be 2-D with contiguous rows, got ",
             weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
   auto packed = torch::empty({panels(n), k, punica_x::kDensePanel}, weight.options());
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-  punica_x::dense_pack_cpu(packed.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0), int(k), int(n),
-                           true);
+  if (weight.scalar_type() == at::kFloat)
+    punica_x::dense_pack_cpu(packed.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0), int(k),
+                             int(n), true);
+  else
+    punica_x::dense_pack_cpu(static_cast<bf16*>(packed.data_ptr()), static_cast<const bf16*>(weight.data_ptr()),
+                             weight.stride(0), int(k), int(n), true);
   return packed;
 }
 
 // y[M, N] = x[M, K] @ W (+ bias); y, x with contiguous rows (y may be a column slice).
 void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  check_f32_cpu(y, "y");
-  check_f32_cpu(x, "x");
-  check_f32_cpu(packed, "packed");
+  const auto dtype = x.scalar_type();
+  check_cpu(x, "x", dtype);
+  check_cpu(y, "y", dtype);
+  check_cpu(packed, "packed", dtype);
   CHECK_ARG(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows, got ", x.sizes());
   CHECK_ARG(y.dim() == 2 && y.stride(1) == 1, "y must be 2-D with contiguous rows, got ", y.sizes());
   CHECK_ARG(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == punica_x::kDensePanel,
@@ -41,15 +51,20 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
   CHECK_ARG(packed.size(1) == k, "packed has K=", packed.size(1), ", x has ", k);
   CHECK_ARG(packed.size(0) == panels(n), "packed has ", packed.size(0), " panels, N=", n, " needs ", panels(n));
   CHECK_ARG(y.size(0) == m && y.size(1) == n, "y must be [", m, ", ", n, "], got ", y.sizes());
-  const float* b = nullptr;
+  const void* b = nullptr;
   if (bias.has_value()) {
-    check_f32_cpu(*bias, "bias");
+    check_cpu(*bias, "bias", dtype);
     CHECK_ARG(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be [", n, "]");
-    b = bias->data_ptr<float>();
+    b = bias->data_ptr();
   }
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-  punica_x::dense_gemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                           packed.data_ptr<float>(), b, int(m), int(k), int(n));
+  if (dtype == at::kFloat)
+    punica_x::dense_gemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
+                             packed.data_ptr<float>(), static_cast<const float*>(b), int(m), int(k), int(n));
+  else
+    punica_x::dense_gemm_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), static_cast<const bf16*>(x.data_ptr()),
+                             x.stride(0), static_cast<const bf16*>(packed.data_ptr()),
+                             static_cast<const bf16*>(b), int(m), int(k), int(n));
 }
 
 }  // namespace

@@ -16,11 +16,15 @@ namespace punica_x {
 constexpr int kDenseVecs = PUNICA_X_DENSE_NB;
 constexpr int kDensePanel = kDenseVecs * simd::kLanes;
 
-// packed must hold ceil(n / kDensePanel) * k * kDensePanel floats.
-void dense_pack_cpu(float* packed, const float* w, int64_t w_row_stride, int k, int n, bool w_is_out_by_in);
+// T: float or simd::bf16 for every operand (instantiated for both); float32 accumulation. A
+// bf16 panel is half the bytes, so the memory-bound decode GEMM streams half as much.
+// packed must hold ceil(n / kDensePanel) * k * kDensePanel values.
+template <typename T>
+void dense_pack_cpu(T* packed, const T* w, int64_t w_row_stride, int k, int n, bool w_is_out_by_in);
 
 // y[m, 0:n] = x[m, 0:k] @ W (+ bias[0:n] when bias is not null).
-void dense_gemm_cpu(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* packed,
-                    const float* bias, int m, int k, int n);
+template <typename T>
+void dense_gemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* packed, const T* bias,
+                    int m, int k, int n);
 
 }  // namespace punica_x

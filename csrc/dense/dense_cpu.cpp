@@ -29,17 +29,22 @@ constexpr int kMB = PUNICA_X_DENSE_MB;
 static_assert(kMB * kNB + kNB + 1 <= kVecRegs, "dense tile does not fit the vector registers");
 constexpr int kPrefetchRows = 16;  // panel rows ahead of the current k
 
-template <int MB>
-void tile(const float* x, int64_t xs, const float* w, int k, float* y, int64_t ys) {
+// T: float or bf16 (x, the packed W, y); float32 accumulators started from the panel's bias
+// (float32, zero past the last column; null for none), y rounded once.
+template <typename T, int MB>
+void tile(const T* x, int64_t xs, const T* w, int k, const float* bias, T* y, int64_t ys) {
   vf acc[MB][kNB] = {};
+  if (bias)
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < kNB; ++n) acc[m][n] = load(bias + n * kLanes);
 #pragma GCC unroll 4
   for (int kk = 0; kk < k; ++kk) {
-    for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(float)))
+    for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(T)))
       __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + off);
     vf wv[kNB];
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {
-      const vf xv = splat(x[m * xs + kk]);
+      const vf xv = splat(f32(x[m * xs + kk]));
       for (int n = 0; n < kNB; ++n) acc[m][n] += xv * wv[n];
     }
   }
@@ -47,51 +52,61 @@ void tile(const float* x, int64_t xs, const float* w, int k, float* y, int64_t y
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int, float*, int64_t);
+template <typename T>
+using TileFn = void (*)(const T*, int64_t, const T*, int, const float*, T*, int64_t);
 
-template <int... M>
-constexpr std::array<TileFn, sizeof...(M)> tiles(std::integer_sequence<int, M...>) {
-  return {&tile<M + 1>...};
+template <typename T, int... M>
+constexpr std::array<TileFn<T>, sizeof...(M)> tiles(std::integer_sequence<int, M...>) {
+  return {&tile<T, M + 1>...};
 }
 
-const std::array<TileFn, kMB> kTiles = tiles(std::make_integer_sequence<int, kMB>{});
+template <typename T>
+const std::array<TileFn<T>, kMB> kTiles = tiles<T>(std::make_integer_sequence<int, kMB>{});
 
 }  // namespace
 
-void dense_pack_cpu(float* packed, const float* w, int64_t ws, int k, int n, bool w_is_out_by_in) {
+template <typename T>
+void dense_pack_cpu(T* packed, const T* w, int64_t ws, int k, int n, bool w_is_out_by_in) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
   parallel_items(panels, [&](int64_t p) {
     for (int kk = 0; kk < k; ++kk)
       for (int c = 0; c < kDensePanel; ++c) {
         const int col = int(p) * kDensePanel + c;
-        float v = 0.f;
+        T v = narrow<T>(0.f);
         if (col < n) v = w_is_out_by_in ? w[col * ws + kk] : w[kk * ws + col];
         packed[(p * k + kk) * kDensePanel + c] = v;
       }
   });
 }
 
-void dense_gemm_cpu(float* y, int64_t ys, const float* x, int64_t xs, const float* packed, const float* bias,
-                    int m, int k, int n) {
+template <typename T>
+void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, const T* bias, int m, int k,
+                    int n) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
   parallel_items(panels, [&](int64_t p) {
-    alignas(64) float edge[kMB * kDensePanel];  // the last, partial panel goes through here
-    const float* w = packed + p * int64_t(k) * kDensePanel;
+    alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
+    const T* w = packed + p * int64_t(k) * kDensePanel;
     const int c0 = int(p) * kDensePanel;
     const int cols = std::min(kDensePanel, n - c0);
+    alignas(64) float panel_bias[kDensePanel] = {};
+    for (int c = 0; bias && c < cols; ++c) panel_bias[c] = f32(bias[c0 + c]);
     for (int m0 = 0; m0 < m; m0 += kMB) {
       const int mb = std::min(kMB, m - m0);
-      float* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
+      T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
       const int64_t os = cols == kDensePanel ? ys : kDensePanel;
-      kTiles[mb - 1](x + m0 * xs, xs, w, k, out, os);
+      kTiles<T>[mb - 1](x + m0 * xs, xs, w, k, bias ? panel_bias : nullptr, out, os);
       if (cols < kDensePanel)
         for (int r = 0; r < mb; ++r)
           std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
-      if (bias)
-        for (int r = 0; r < mb; ++r)
-          for (int c = 0; c < cols; ++c) y[(m0 + r) * ys + c0 + c] += bias[c0 + c];
     }
   });
 }
+
+template void dense_pack_cpu<float>(float*, const float*, int64_t, int, int, bool);
+template void dense_pack_cpu<simd::bf16>(simd::bf16*, const simd::bf16*, int64_t, int, int, bool);
+template void dense_gemm_cpu<float>(float*, int64_t, const float*, int64_t, const float*, const float*, int,
+                                    int, int);
+template void dense_gemm_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const simd::bf16*,
+                                         const simd::bf16*, int, int, int);
 
 }  // namespace punica_x

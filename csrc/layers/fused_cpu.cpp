@@ -1,6 +1,8 @@
 // Fused element-wise layers (see fused.h). The arithmetic follows the PyTorch reference step
-// by step (float32 statistics, the same operation order) so results agree to rounding.
+// by step (float32 statistics, the same operation order) so results agree to rounding. T is
+// float or simd::bf16: values are widened to float32, computed, and rounded once on store.
 #include <cmath>
+#include <type_traits>
 
 #include "../common/parallel.h"
 #include "../common/simd.h"
@@ -9,13 +11,38 @@
 namespace punica_x {
 namespace {
 
+using simd::bf16;
+using simd::f32;
+using simd::kLanes;
+using simd::narrow;
+using simd::vf;
+
 constexpr int64_t kRowsPerItem = 4;  // rows per work item: enough work to amortise the pull
 
-inline float inv_rms(const float* x, int hidden, float eps) {
+template <typename T>
+inline float inv_rms(const T* x, int hidden, float eps) {
   double acc = 0.0;  // the mean of squares, accumulated wider than the data
 #pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < hidden; ++i) acc += double(x[i]) * double(x[i]);
+  for (int i = 0; i < hidden; ++i) acc += double(f32(x[i])) * double(f32(x[i]));
   return 1.f / std::sqrt(float(acc / hidden) + eps);
+}
+
+// o[i] = w[i] * round_T(x[i] * inv): the reference rounds the normalised row to the data type
+// before the weight multiplies it.
+template <typename T>
+inline void scale_row(T* o, const T* x, const T* w, float inv, int hidden) {
+  int i = 0;
+  const vf iv = simd::splat(inv);
+  for (; i + kLanes <= hidden; i += kLanes) {
+    vf h = simd::load(x + i) * iv;
+    if constexpr (!std::is_same_v<T, float>) {  // round to T as the reference does
+      T tmp[kLanes];
+      simd::store(tmp, h);
+      h = simd::load(tmp);
+    }
+    simd::store(o + i, simd::load(w + i) * h);
+  }
+  for (; i < hidden; ++i) o[i] = narrow<T>(f32(w[i]) * f32(narrow<T>(f32(x[i]) * inv)));
 }
 
 template <typename F>
@@ -29,62 +56,72 @@ void rows_parallel(int64_t rows, const F& fn) {
 
 }  // namespace
 
-void rms_norm_cpu(float* out, int64_t os, const float* x, int64_t xs, const float* w, int64_t rows,
-                  int hidden, float eps) {
+template <typename T>
+void rms_norm_cpu(T* out, int64_t os, const T* x, int64_t xs, const T* w, int64_t rows, int hidden,
+                  float eps) {
   rows_parallel(rows, [&](int64_t t) {
-    const float* xr = x + t * xs;
-    float* o = out + t * os;
-    const float inv = inv_rms(xr, hidden, eps);
-#pragma omp simd
-    for (int i = 0; i < hidden; ++i) o[i] = w[i] * (xr[i] * inv);
+    const T* xr = x + t * xs;
+    scale_row(out + t * os, xr, w, inv_rms(xr, hidden, eps), hidden);
   });
 }
 
-void add_rms_norm_cpu(float* out, float* residual, const float* x, const float* w, int64_t rows,
-                      int hidden, float eps) {
+template <typename T>
+void add_rms_norm_cpu(T* out, T* residual, const T* x, const T* w, int64_t rows, int hidden,
+                      float eps) {
   rows_parallel(rows, [&](int64_t t) {
-    float* r = residual + t * hidden;
-    const float* xr = x + t * hidden;
-#pragma omp simd
-    for (int i = 0; i < hidden; ++i) r[i] = r[i] + xr[i];
-    const float inv = inv_rms(r, hidden, eps);
-    float* o = out + t * hidden;
-#pragma omp simd
-    for (int i = 0; i < hidden; ++i) o[i] = w[i] * (r[i] * inv);
+    T* r = residual + t * hidden;
+    const T* xr = x + t * hidden;
+    int i = 0;
+    for (; i + kLanes <= hidden; i += kLanes) simd::store(r + i, simd::load(r + i) + simd::load(xr + i));
+    for (; i < hidden; ++i) r[i] = narrow<T>(f32(r[i]) + f32(xr[i]));
+    scale_row(out + t * hidden, r, w, inv_rms(r, hidden, eps), hidden);
   });
 }
 
-void rope_cpu(float* x, int64_t stride, int64_t rows, int heads, int head_dim, const int64_t* positions,
-              const float* cos, const float* sin) {
+template <typename T>
+void rope_cpu(T* x, int64_t stride, int64_t rows, int heads, int head_dim, const int64_t* positions,
+              const T* cos, const T* sin) {
   const int half = head_dim / 2;
   rows_parallel(rows, [&](int64_t t) {
-    const float* c = cos + positions[t] * head_dim;
-    const float* s = sin + positions[t] * head_dim;
+    const T* c = cos + positions[t] * head_dim;
+    const T* s = sin + positions[t] * head_dim;
     for (int h = 0; h < heads; ++h) {
-      float* v = x + t * stride + int64_t(h) * head_dim;
+      T* v = x + t * stride + int64_t(h) * head_dim;
       for (int i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        const float a = x1 * c[i], b = -x2 * s[i];  // q * cos, rotate_half(q) * sin
-        const float d = x2 * c[i + half], e = x1 * s[i + half];
-        v[i] = a + b;
-        v[i + half] = d + e;
+        const float x1 = f32(v[i]), x2 = f32(v[i + half]);
+        const float a = x1 * f32(c[i]), b = -x2 * f32(s[i]);  // q * cos, rotate_half(q) * sin
+        const float d = x2 * f32(c[i + half]), e = x1 * f32(s[i + half]);
+        v[i] = narrow<T>(a + b);
+        v[i + half] = narrow<T>(d + e);
       }
     }
   });
 }
 
-void silu_and_mul_cpu(float* out, const float* gate_up, int64_t rows, int inter) {
+template <typename T>
+void silu_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
   rows_parallel(rows, [&](int64_t t) {
-    const float* g = gate_up + t * 2 * int64_t(inter);
-    const float* u = g + inter;
-    float* o = out + t * inter;
+    const T* g = gate_up + t * 2 * int64_t(inter);
+    const T* u = g + inter;
+    T* o = out + t * inter;
     int i = 0;
-    for (; i + simd::kLanes <= inter; i += simd::kLanes) {
-      const simd::vf gv = simd::load(g + i);
+    for (; i + kLanes <= inter; i += kLanes) {
+      const vf gv = simd::load(g + i);
       simd::store(o + i, gv / (simd::splat(1.f) + simd::exp(-gv)) * simd::load(u + i));
     }
-    for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (; i < inter; ++i) {
+      const float gi = f32(g[i]);
+      o[i] = narrow<T>(gi / (1.f + std::exp(-gi)) * f32(u[i]));
+    }
   });
 }
+
+#define PUNICA_X_FUSED_INSTANTIATE(T)                                                           \
+  template void rms_norm_cpu<T>(T*, int64_t, const T*, int64_t, const T*, int64_t, int, float); \
+  template void add_rms_norm_cpu<T>(T*, T*, const T*, const T*, int64_t, int, float);           \
+  template void rope_cpu<T>(T*, int64_t, int64_t, int, int, const int64_t*, const T*, const T*); \
+  template void silu_and_mul_cpu<T>(T*, const T*, int64_t, int);
+PUNICA_X_FUSED_INSTANTIATE(float)
+PUNICA_X_FUSED_INSTANTIATE(bf16)
 
 }  // namespace punica_x

@@ -81,6 +81,15 @@ SgmvSegments check_segments(const torch::Tensor& w_ptr, const torch::Tensor& ran
                       static_cast<int>(layer)};
 }
 
+using punica_x::simd::bf16;
+
+// The CPU kernels take float32 and bfloat16 (the adapters' weights must be of x's / y's dtype:
+// punica_x.lora casts them to the serving dtype at load).
+void check_cpu_dtype(const torch::Tensor& t, const char* name) {
+  CHECK_ARG(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+            " must be float32 or bfloat16 on CPU, got ", t.scalar_type());
+}
+
 #ifdef PUNICA_X_WITH_CUDA
 punica_x::DType cuda_dtype(at::ScalarType t) {
   switch (t) {
@@ -106,10 +115,14 @@ void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::T
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
   const int h_in = static_cast<int>(x.size(1));
   if (x.device().is_cpu()) {
-    CHECK_ARG(x.scalar_type() == at::kFloat, "x must be float32 on CPU, got ", x.scalar_type());
+    check_cpu_dtype(x, "x");
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-    punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(), x.stride(0),
-                              h_in, p);
+    if (x.scalar_type() == at::kFloat)
+      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(),
+                                x.stride(0), h_in, p);
+    else
+      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0),
+                                static_cast<const bf16*>(x.data_ptr()), x.stride(0), h_in, p);
     return;
   }
 #ifdef PUNICA_X_WITH_CUDA
@@ -148,10 +161,14 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
   CHECK_ARG(y.size(1) >= total, "y has ", y.size(1), " columns, the slices need ", total);
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
   if (y.device().is_cpu()) {
-    CHECK_ARG(y.scalar_type() == at::kFloat, "y must be float32 on CPU, got ", y.scalar_type());
+    check_cpu_dtype(y, "y");
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-    punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(), v.stride(0),
-                              h_out32, p);
+    if (y.scalar_type() == at::kFloat)
+      punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(),
+                                v.stride(0), h_out32, p);
+    else
+      punica_x::sgmv_expand_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0),
+                                v.data_ptr<float>(), v.stride(0), h_out32, p);
     return;
   }
 #ifdef PUNICA_X_WITH_CUDA

@@ -26,10 +26,13 @@ struct SgmvSegments {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// CPU (float32 activations and weights), multi-threaded with the caller's ATen thread pool.
-void sgmv_shrink_cpu(float* v, int64_t v_stride, const float* x, int64_t x_stride, int h_in,
+// CPU, multi-threaded with the caller's ATen thread pool. T (x, y and the weights): float or
+// simd::bf16 (instantiated for both; float32 accumulation, y rounded once per expand).
+template <typename T>
+void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, int h_in,
                      const SgmvSegments& p);
-void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_stride,
+template <typename T>
+void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p);
 
 // CUDA (x, y and weights of `dtype`, v float32). The segment arrays live on the device;

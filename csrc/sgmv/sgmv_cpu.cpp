@@ -24,9 +24,10 @@ namespace {
 
 using namespace simd;
 
-// v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long.
-template <int MB, int JB>
-void shrink_tile(const float* x, int64_t xs, const float* a, int h_in, float* v, int64_t vs) {
+// v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long. T: float or bf16
+// (x and a), v float32.
+template <typename T, int MB, int JB>
+void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t vs) {
   vf acc[MB][JB] = {};
   int k = 0;
   for (; k + kLanes <= h_in; k += kLanes) {
@@ -40,16 +41,16 @@ void shrink_tile(const float* x, int64_t xs, const float* a, int h_in, float* v,
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < JB; ++j) {
       float s = hsum(acc[m][j]);
-      for (int kk = k; kk < h_in; ++kk) s += x[m * xs + kk] * a[int64_t(j) * h_in + kk];
+      for (int kk = k; kk < h_in; ++kk) s += f32(x[m * xs + kk]) * f32(a[int64_t(j) * h_in + kk]);
       v[m * vs + j] = s;
     }
   }
 }
 
 // y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * kLanes; b rows are `ld` long.
-template <int MB, int NB>
-void expand_tile(const float* v, int64_t vs, int r, const float* b, int64_t ld, float* y,
-                 int64_t ys) {
+// T: float or bf16 (b and y; y is rounded once, after the whole sum), v float32.
+template <typename T, int MB, int NB>
+void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y, int64_t ys) {
   vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = load(y + m * ys + n * kLanes);
@@ -66,27 +67,30 @@ void expand_tile(const float* v, int64_t vs, int r, const float* b, int64_t ld, 
 }
 
 // Scalar columns left over when h_out is not a multiple of kLanes.
-void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const float* b, int64_t ld,
-                        int cols, float* y, int64_t ys) {
+template <typename T>
+void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const T* b, int64_t ld,
+                        int cols, T* y, int64_t ys) {
   for (int m = 0; m < rows; ++m)
     for (int c = 0; c < cols; ++c) {
       float s = 0.f;
-      for (int i = 0; i < r; ++i) s += v[m * vs + i] * b[i * ld + c];
-      y[m * ys + c] += s;
+      for (int i = 0; i < r; ++i) s += v[m * vs + i] * f32(b[i * ld + c]);
+      y[m * ys + c] = narrow<T>(f32(y[m * ys + c]) + s);
     }
 }
 
-using ShrinkFn = void (*)(const float*, int64_t, const float*, int, float*, int64_t);
-using ExpandFn = void (*)(const float*, int64_t, int, const float*, int64_t, float*, int64_t);
+template <typename T>
+using ShrinkFn = void (*)(const T*, int64_t, const T*, int, float*, int64_t);
+template <typename T>
+using ExpandFn = void (*)(const float*, int64_t, int, const T*, int64_t, T*, int64_t);
 
-template <int MB, int... J>
-constexpr std::array<ShrinkFn, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
-  return {&shrink_tile<MB, J + 1>...};
+template <typename T, int MB, int... J>
+constexpr std::array<ShrinkFn<T>, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
+  return {&shrink_tile<T, MB, J + 1>...};
 }
 
-template <int MB, int... N>
-constexpr std::array<ExpandFn, sizeof...(N)> expand_row(std::integer_sequence<int, N...>) {
-  return {&expand_tile<MB, N + 1>...};
+template <typename T, int MB, int... N>
+constexpr std::array<ExpandFn<T>, sizeof...(N)> expand_row(std::integer_sequence<int, N...>) {
+  return {&expand_tile<T, MB, N + 1>...};
 }
 
 // Multi-row tiles are MB rows x JB (shrink) or NB (expand) vectors: 4 x 4 of AVX-512's 32
@@ -106,29 +110,32 @@ static_assert(kShrinkMaxJB + 1 <= kVecRegs, "one-row shrink tile spills");  // A
 static_assert(kMB * kExpandNarrowNB + kExpandNarrowNB + 1 <= kVecRegs, "expand tile spills");
 static_assert(kExpandWideNB + 1 <= kVecRegs, "one-row expand tile spills");
 
-template <int... M>
+template <typename T, int... M>
 constexpr auto shrink_table(std::integer_sequence<int, M...>) {
   using Seq = std::make_integer_sequence<int, kShrinkMaxJB>;
-  return std::array<std::array<ShrinkFn, kShrinkMaxJB>, sizeof...(M)>{shrink_row<M + 1>(Seq{})...};
+  return std::array<std::array<ShrinkFn<T>, kShrinkMaxJB>, sizeof...(M)>{
+      shrink_row<T, M + 1>(Seq{})...};
 }
 
-template <int... M>
+template <typename T, int... M>
 constexpr auto expand_table(std::integer_sequence<int, M...>) {
   using Seq = std::make_integer_sequence<int, kExpandNarrowNB>;
-  return std::array<std::array<ExpandFn, kExpandNarrowNB>, sizeof...(M)>{
-      expand_row<M + 1>(Seq{})...};
+  return std::array<std::array<ExpandFn<T>, kExpandNarrowNB>, sizeof...(M)>{
+      expand_row<T, M + 1>(Seq{})...};
 }
 
-ShrinkFn shrink_kernel(int mb, int jb) {
-  static const auto table = shrink_table(std::make_integer_sequence<int, kMB>{});
+template <typename T>
+ShrinkFn<T> shrink_kernel(int mb, int jb) {
+  static const auto table = shrink_table<T>(std::make_integer_sequence<int, kMB>{});
   return table[mb - 1][jb - 1];
 }
 
-ExpandFn expand_kernel(int mb, int nb) {
-  static const std::array<ExpandFn, kExpandWideNB> wide =
-      expand_row<1>(std::make_integer_sequence<int, kExpandWideNB>{});
-  static const auto narrow = expand_table(std::make_integer_sequence<int, kMB>{});
-  return mb == 1 ? wide[nb - 1] : narrow[mb - 1][nb - 1];
+template <typename T>
+ExpandFn<T> expand_kernel(int mb, int nb) {
+  static const std::array<ExpandFn<T>, kExpandWideNB> wide =
+      expand_row<T, 1>(std::make_integer_sequence<int, kExpandWideNB>{});
+  static const auto narrow_tiles = expand_table<T>(std::make_integer_sequence<int, kMB>{});
+  return mb == 1 ? wide[nb - 1] : narrow_tiles[mb - 1][nb - 1];
 }
 
 struct ShrinkItem {
@@ -147,7 +154,8 @@ int rank_sum(const SgmvSegments& p, int s) {
 
 }  // namespace
 
-void sgmv_shrink_cpu(float* v, int64_t v_stride, const float* x, int64_t x_stride, int h_in,
+template <typename T>
+void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, int h_in,
                      const SgmvSegments& p) {
   std::vector<ShrinkItem> items;
   for (int s = 0; s < p.num_segments; ++s) {
@@ -163,15 +171,16 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const float* x, int64_t x_strid
     {  // one shrink tile
       const ShrinkItem& it = items[i];
       const int rank = rank_sum(p, it.seg);
-      const float* a = reinterpret_cast<const float*>(p.w_ptr[it.seg]) +
-                       (int64_t(p.layer) * rank + it.j0) * h_in;
-      shrink_kernel(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, a, h_in,
+      const T* a = reinterpret_cast<const T*>(p.w_ptr[it.seg]) +
+                   (int64_t(p.layer) * rank + it.j0) * h_in;
+      shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, a, h_in,
                                     v + it.row0 * v_stride + it.j0, v_stride);
     }
   });
 }
 
-void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_stride,
+template <typename T>
+void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p) {
   std::vector<ExpandItem> items;
   for (int s = 0; s < p.num_segments; ++s) {
@@ -199,16 +208,16 @@ void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_strid
       }
       const int r = ranks[it.slice];
       const int64_t ld = h_out[it.slice];
-      const float* b = reinterpret_cast<const float*>(p.w_ptr[it.seg]) + p.layer * layer_size +
-                       b_off + it.c0;
+      const T* b = reinterpret_cast<const T*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off +
+                   it.c0;
       const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
       const int vec_cols = it.cn / kLanes * kLanes;
       for (int m0 = 0; m0 < rows; m0 += kMB) {
         const int mb = std::min(kMB, rows - m0);
         const float* vrow = v + (row0 + m0) * v_stride + v_off;
-        float* yrow = y + (row0 + m0) * y_stride + y_off + it.c0;
+        T* yrow = y + (row0 + m0) * y_stride + y_off + it.c0;
         if (vec_cols > 0)
-          expand_kernel(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride);
+          expand_kernel<T>(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride);
         if (vec_cols < it.cn)
           expand_cols_scalar(vrow, v_stride, mb, r, b + vec_cols, ld, it.cn - vec_cols,
                              yrow + vec_cols, y_stride);
@@ -216,5 +225,14 @@ void sgmv_expand_cpu(float* y, int64_t y_stride, const float* v, int64_t v_strid
     }
   });
 }
+
+template void sgmv_shrink_cpu<float>(float*, int64_t, const float*, int64_t, int,
+                                      const SgmvSegments&);
+template void sgmv_shrink_cpu<simd::bf16>(float*, int64_t, const simd::bf16*, int64_t, int,
+                                           const SgmvSegments&);
+template void sgmv_expand_cpu<float>(float*, int64_t, const float*, int64_t, const int32_t*,
+                                      const SgmvSegments&);
+template void sgmv_expand_cpu<simd::bf16>(simd::bf16*, int64_t, const float*, int64_t,
+                                           const int32_t*, const SgmvSegments&);
 
 }  // namespace punica_x

@@ -2,8 +2,8 @@
 
 A backend's plan(spans, block_size, device) is made once per step; the plan's
 write_kv(kv, layer, k, v) and attend(q, kv, layer, scale) -> (out, lse) run per layer.
-Backends: "cpu" (compiled kernel, default on CPU), "torch" (pure PyTorch reference, any
-device), "flashinfer" (CUDA, the [gpu] extra)."""
+Backends: "cpu" (compiled kernel, float32 or bfloat16, default on CPU), "torch" (pure PyTorch
+reference, any device and dtype), "flashinfer" (CUDA float16 / bfloat16, the [gpu] extra)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from punica_x.env import ATTENTION_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import Registry
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry
 
 log = logging.getLogger("punica_x.attention")
 
@@ -42,13 +42,17 @@ BACKENDS = Registry(
     ATTENTION_BACKEND,
     {"cpu": _cpu, "torch": _torch, "flashinfer": _flashinfer},
     default=lambda device, dtype: _default(device, dtype, None),
-    needs={"cpu": ("cpu", None), "flashinfer": ("cuda", None)},
+    needs={
+        "cpu": ("cpu", CPU_KERNEL_DTYPES),
+        "flashinfer": ("cuda", (torch.float16, torch.bfloat16)),
+    },
 )
 
 
 def _default(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
     if device.type != "cuda":
-        return "cpu" if isa_mod.tuned() else "torch"
+        ours = dtype in (None, *CPU_KERNEL_DTYPES)
+        return "cpu" if ours and isa_mod.tuned() else "torch"
     from punica_x.attention.flashinfer_backend import HEAD_DIMS
 
     fits = dtype in (None, torch.float16, torch.bfloat16) and head_dim in (None, *HEAD_DIMS)
@@ -67,12 +71,12 @@ def get_attention_backend(
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
 ):
-    """`name`, else $PUNICA_X_ATTENTION_BACKEND, else by device: cpu on CPU; on CUDA
-    flashinfer where it has a kernel for (dtype, head_dim), torch otherwise. A named
-    backend that cannot run raises."""
+    """`name`, else $PUNICA_X_ATTENTION_BACKEND, else by device: cpu on CPU (float32 or
+    bfloat16, else torch); on CUDA flashinfer where it has a kernel for (dtype, head_dim),
+    torch otherwise. A named backend that cannot run `dtype` raises."""
     device = torch.device(device)
     name = name or ATTENTION_BACKEND.get() or _default(device, dtype, head_dim)
-    return BACKENDS.get(device, None, name)
+    return BACKENDS.get(device, dtype, name)
 
 
 # Timing workload: a decode step of 32 sequences with 128 tokens of context each.
@@ -89,34 +93,36 @@ def choose_attention(
     name: str | None = None,
 ):
     """`name`, else $PUNICA_X_ATTENTION_BACKEND, else: on CUDA by get_attention_backend's
-    rule; on CPU (float32, timing enabled) the faster of cpu/torch on a decode step of the
-    model's heads, timed at first load and cached."""
+    rule; on CPU (float32 or bfloat16, timing enabled) the faster of cpu/torch on a decode
+    step of the model's heads, timed at first load and cached."""
     device = torch.device(device)
     name = name or ATTENTION_BACKEND.get() or None
-    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+    if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return get_attention_backend(device, name, dtype, head_dim)
     names = ("cpu", "torch") if isa_mod.tuned() else ("torch",)
     key = (
         f"heads={num_heads}/{num_kv_heads}x{head_dim} block={block_size} "
         f"decode={TIMING_SEQS}x{TIMING_CONTEXT}"
-    )
+    ) + autotune.dtype_suffix(dtype)
     shape = (num_heads, num_kv_heads, head_dim, block_size)
-    tuned = autotune.choose("attention", key, {n: _timing(n, *shape) for n in names})
-    return BACKENDS.get(device, None, tuned.name)
+    tuned = autotune.choose("attention", key, {n: _timing(n, *shape, dtype) for n in names})
+    return BACKENDS.get(device, dtype, tuned.name)
 
 
-def _timing(name: str, hq: int, nkv: int, d: int, p: int) -> autotune.Candidate:
+def _timing(
+    name: str, hq: int, nkv: int, d: int, p: int, dtype: torch.dtype = torch.float32
+) -> autotune.Candidate:
     from punica_x.attention.paged import SeqSpan
 
     def setup():
-        backend = BACKENDS.get("cpu", None, name)
+        backend = BACKENDS.get("cpu", dtype, name)
         per_seq = -(-TIMING_CONTEXT // p)
-        kv = torch.randn(TIMING_SEQS * per_seq, 1, 2, nkv, p, d)
+        kv = torch.randn(TIMING_SEQS * per_seq, 1, 2, nkv, p, d).to(dtype)
         spans = [
             SeqSpan(s, 1, TIMING_CONTEXT, list(range(s * per_seq, (s + 1) * per_seq)))
             for s in range(TIMING_SEQS)
         ]
-        q = torch.randn(TIMING_SEQS, hq, d)
+        q = torch.randn(TIMING_SEQS, hq, d).to(dtype)
 
         def run():
             backend.plan(spans, p, torch.device("cpu")).attend(q, kv, 0, d**-0.5)

@@ -130,8 +130,16 @@ def time_round_robin(runs: Mapping[str, Callable[[], object]], repeats: int) -> 
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
 
 
+def dtype_suffix(dtype: torch.dtype) -> str:
+    """What a timing key adds for its dtype ("" for float32, so float32 keys stay as they were)."""
+    return "" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}"
+
+
 def choose(kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 7) -> Tuned:
-    """The fastest candidate for (kind, key), from the cache or timed now."""
+    """The fastest candidate for (kind, key), from the cache or timed now (a lone candidate
+    is taken without timing)."""
+    if len(candidates) == 1:
+        return Tuned(next(iter(candidates)), {}, cached=False)
     full = f"{kind}:{key}"
     entry = _lookup(full)
     if entry is not None and entry.get("name") in candidates:

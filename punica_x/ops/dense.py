@@ -2,7 +2,8 @@
 
 Backends (each converts W once, at load, into the layout its forward() reads):
 * ``cpu``: W packed into panels [ceil(N/P), K, P] for the compiled GEMM in csrc/dense
-  (float32 on CPU; P = 48 columns on AVX-512, 24 on AVX2, register tiles sized per ISA).
+  (float32 or bfloat16 on CPU, float32 accumulation; P = 48 columns on AVX-512, 24 on AVX2,
+  register tiles sized per ISA).
 * ``onednn``: oneDNN's linear with W reordered once into its blocked layout (the prepack of
   torch's CPU freezing path); float32 on CPU where torch has oneDNN.
 * ``torch``: W stored transposed, [K, N] contiguous, and ``x @ W_t`` (any device/dtype; on
@@ -10,9 +11,13 @@ Backends (each converts W once, at load, into the layout its forward() reads):
 MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) is measured in benchmarks/bench_dense.py
 but not offered: it uses its pack only at the one batch size it was packed for.
 
-Choice (choose_dense): an explicit name, else $PUNICA_X_DENSE_BACKEND, else on CPU float32
-the fastest for each weight shape by a timing at first load (punica_x.ops.autotune), else
-``torch``. A named backend that cannot run raises.
+Choice (choose_dense): an explicit name, else $PUNICA_X_DENSE_BACKEND, else on CPU (float32
+or bfloat16) the fastest for each weight shape by a timing at first load
+(punica_x.ops.autotune), else ``torch``. A named backend that cannot run raises.
+bfloat16 candidates: ``cpu`` always; ``onednn`` and ``torch`` only on CPUs with AVX512-BF16 or
+AMX-BF16, where oneDNN has bf16 kernels (elsewhere torch's bf16 matmul falls back to a
+reference loop ~25x slower than float32 at 256 rows, AMD EPYC AVX2, and timing it alone would
+take minutes).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from punica_x.env import DENSE_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import Registry, cpu_float32_else_torch
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry, cpu_kernels_else_torch
 
 # Rows a projection sees: decode steps (8, 32 requests) and a prefill chunk (256 tokens).
 PROJECTION_ROWS = (8, 32, 256)
@@ -71,7 +76,7 @@ class PackedCpuDense:
         return self.ext.pack(weight.contiguous())
 
     def forward(self, x, prepared, n, bias):
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        y = torch.empty(x.shape[0], n, dtype=prepared.dtype)
         self.ext.gemm(y, x.contiguous(), prepared, n, bias)
         return y
 
@@ -96,8 +101,8 @@ BACKENDS: Registry[DenseBackend] = Registry(
     "dense",
     DENSE_BACKEND,
     {"cpu": PackedCpuDense, "onednn": OneDnnDense, "torch": TorchDense},
-    default=cpu_float32_else_torch,
-    needs={"cpu": ("cpu", torch.float32), "onednn": ("cpu", torch.float32)},
+    default=cpu_kernels_else_torch,
+    needs={"cpu": ("cpu", CPU_KERNEL_DTYPES), "onednn": ("cpu", CPU_KERNEL_DTYPES)},
 )
 
 
@@ -117,27 +122,34 @@ def choose_dense(
     name: str | None = None,
 ) -> DenseBackend:
     """The backend for an [n, k] weight: `name`, else $PUNICA_X_DENSE_BACKEND, else (float32
-    on CPU, timing enabled) the fastest over x of `rows` rows, else the static default."""
+    or bfloat16 on CPU, timing enabled) the fastest over x of `rows` rows, else the static
+    default."""
     device = torch.device(device)
     name = name or DENSE_BACKEND.get() or None
-    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+    if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return BACKENDS.get(device, dtype, name)
-    candidates = {c: _timing(c, n, k, rows) for c in _cpu_candidates()}
-    tuned = autotune.choose("dense", f"{n}x{k} rows={','.join(map(str, rows))}", candidates)
+    candidates = {c: _timing(c, n, k, rows, dtype) for c in _cpu_candidates(dtype)}
+    key = f"{n}x{k} rows={','.join(map(str, rows))}" + autotune.dtype_suffix(dtype)
+    tuned = autotune.choose("dense", key, candidates)
     return BACKENDS.get(device, dtype, tuned.name)
 
 
-def _cpu_candidates() -> tuple[str, ...]:
+def _cpu_candidates(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    if dtype == torch.bfloat16 and not isa_mod.native_bf16():
+        return ("cpu",) if isa_mod.tuned() else ("torch",)
     names = ("cpu", "onednn", "torch") if isa_mod.tuned() else ("onednn", "torch")
     return tuple(c for c in names if c != "onednn" or torch.backends.mkldnn.is_available())
 
 
-def _timing(name: str, n: int, k: int, rows: tuple[int, ...]) -> autotune.Candidate:
+def _timing(
+    name: str, n: int, k: int, rows: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> autotune.Candidate:
     def setup():
-        backend = BACKENDS.get("cpu", torch.float32, name)
-        copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // (4 * n * k))))
-        weights = [backend.prepare(torch.randn(n, k) * k**-0.5) for _ in range(copies)]
-        xs = [torch.randn(m, k) for m in rows]
+        backend = BACKENDS.get("cpu", dtype, name)
+        size = torch.empty((), dtype=dtype).element_size()
+        copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // (size * n * k))))
+        weights = [backend.prepare((torch.randn(n, k) * k**-0.5).to(dtype)) for _ in range(copies)]
+        xs = [torch.randn(m, k).to(dtype) for m in rows]
         return lambda: [backend.forward(x, w, n, None) for w in weights for x in xs]
 
     return setup

@@ -1,9 +1,11 @@
 """Fused element-wise layers: RMSNorm (+ residual add), in-place RoPE, SiLU-and-mul.
 
-Two implementations with one interface: ``cpu`` (csrc/layers, float32 on CPU: one pass and
+Two implementations with one interface: ``cpu`` (csrc/layers, float32 or bfloat16 on CPU,
+float32 arithmetic: one pass and
 one call per layer instead of 5-16 PyTorch ops, which also keeps the engine thread off the
 GIL) and ``torch`` (the reference, any device and dtype). Shapes: rows are tokens [T, ...].
-choose_fused: a named backend, else $PUNICA_X_FUSED_BACKEND, else on CPU float32 the faster
+choose_fused: a named backend, else $PUNICA_X_FUSED_BACKEND, else on CPU (float32 or
+bfloat16) the faster
 on the model's shapes by a timing at first load (punica_x.ops.autotune), else torch.
 """
 
@@ -15,7 +17,7 @@ from torch.nn import functional as F
 from punica_x.env import FUSED_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import Registry, cpu_float32_else_torch
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry, cpu_kernels_else_torch
 
 TIMING_ROWS = 32  # a decode step of 32 requests
 
@@ -75,13 +77,14 @@ BACKENDS: Registry = Registry(
     "fused",
     FUSED_BACKEND,
     {"cpu": CpuFused, "torch": TorchFused},
-    default=cpu_float32_else_torch,
-    needs={"cpu": ("cpu", torch.float32)},
+    default=cpu_kernels_else_torch,
+    needs={"cpu": ("cpu", CPU_KERNEL_DTYPES)},
 )
 
 
 def get_fused_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None):
-    """`name`, else $PUNICA_X_FUSED_BACKEND, else cpu for float32 on CPU and torch otherwise."""
+    """`name`, else $PUNICA_X_FUSED_BACKEND, else cpu for float32 / bfloat16 on CPU and torch
+    otherwise."""
     return BACKENDS.get(device, dtype, name)
 
 
@@ -90,24 +93,29 @@ def choose_fused(device: torch.device | str, dtype: torch.dtype, dims, name: str
     layer's element-wise work for `dims` (a LlamaDims), timed at first load and cached."""
     device = torch.device(device)
     name = name or FUSED_BACKEND.get() or None
-    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
+    if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return BACKENDS.get(device, dtype, name)
     names = ("cpu", "torch") if isa_mod.tuned() else ("torch",)
     h, i = dims.hidden_size, dims.intermediate_size
     key = f"hidden={h} inter={i} heads={dims.num_heads}x{dims.head_dim} rows={TIMING_ROWS}"
-    tuned = autotune.choose("fused", key, {n: _timing(n, dims) for n in names})
+    key += autotune.dtype_suffix(dtype)
+    tuned = autotune.choose("fused", key, {n: _timing(n, dims, dtype) for n in names})
     return BACKENDS.get(device, dtype, tuned.name)
 
 
-def _timing(name: str, dims) -> autotune.Candidate:
+def _timing(name: str, dims, dtype: torch.dtype = torch.float32) -> autotune.Candidate:
     def setup():
-        f = BACKENDS.get("cpu", torch.float32, name)
+        f = BACKENDS.get("cpu", dtype, name)
         t, h, hd = TIMING_ROWS, dims.hidden_size, dims.head_dim
-        x, res, w = torch.randn(t, h), torch.randn(t, h), torch.ones(h)
-        gate_up = torch.randn(t, 2 * dims.intermediate_size)
-        q = torch.randn(t, dims.num_heads * hd)
+
+        def randn(*shape):
+            return torch.randn(*shape).to(dtype)
+
+        x, res, w = randn(t, h), randn(t, h), torch.ones(h, dtype=dtype)
+        gate_up = randn(t, 2 * dims.intermediate_size)
+        q = randn(t, dims.num_heads * hd)
         positions = torch.arange(t)
-        cos, sin = torch.randn(t, hd), torch.randn(t, hd)
+        cos, sin = randn(t, hd), randn(t, hd)
 
         def run():
             f.rms_norm(x, w, 1e-5)

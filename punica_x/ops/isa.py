@@ -91,3 +91,9 @@ def cflags(isa: str) -> list[str]:
 def tuned() -> bool:
     """Whether the hand-written CPU kernels are tuned for the native level (x86 AVX2/AVX-512)."""
     return resolve() in _MARCH
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16): where
+    dtype=auto serves bfloat16 and oneDNN's bf16 matmul is fast."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

@@ -16,13 +16,22 @@ T = TypeVar("T")
 Rule = Callable[[torch.device, "torch.dtype | None"], str]
 
 
-def cpu_float32_else_torch(device: torch.device, dtype: torch.dtype | None) -> str:
-    """Static default of the float32-only CPU kernels: "cpu" for float32 on a CPU they are
-    tuned for (x86 AVX2 / AVX-512), else "torch". Timing at first load (autotune) refines it."""
+# The dtypes the compiled CPU kernels (csrc: dense, SGMV, attention, fused layers) take.
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_kernels_else_torch(device: torch.device, dtype: torch.dtype | None) -> str:
+    """Static default of the compiled CPU kernels: "cpu" for float32 or bfloat16 on a CPU
+    they are tuned for (x86 AVX2 / AVX-512), else "torch". Timing at first load (autotune)
+    refines it."""
     from punica_x.ops import isa
 
-    cpu32 = device.type == "cpu" and dtype == torch.float32
-    return "cpu" if cpu32 and isa.tuned() else "torch"
+    ours = device.type == "cpu" and dtype in (None, *CPU_KERNEL_DTYPES)
+    return "cpu" if ours and isa.tuned() else "torch"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class Registry(Generic[T]):
@@ -34,7 +43,8 @@ class Registry(Generic[T]):
         default: Rule,
         needs: dict[str, tuple[str, torch.dtype | None]] | None = None,
     ) -> None:
-        """needs[name] = (device type, dtype or None): where that backend can run."""
+        """needs[name] = (device type, dtypes): where that backend can run (dtypes: a dtype,
+        a tuple of them, or None for any)."""
         self.kind, self.env, self.factories, self.default = kind, env, factories, default
         self.needs = needs or {}
         self._made: dict[str, T] = {}
@@ -51,13 +61,17 @@ class Registry(Generic[T]):
         if name not in self.factories:
             raise ValueError(f"unknown {self.kind} backend {name!r}; choose one of {self.names}")
         if name in self.needs:
-            device_type, need_dtype = self.needs[name]
+            device_type, dtypes = self.needs[name]
+            if isinstance(dtypes, torch.dtype):
+                dtypes = (dtypes,)
             if device.type != device_type or (
-                need_dtype is not None and dtype not in (None, need_dtype)
+                dtypes is not None and dtype is not None and dtype not in dtypes
             ):
-                what = f"{need_dtype} on {device_type}" if need_dtype else device_type
+                takes = " or ".join(_dtype_name(d) for d in dtypes) if dtypes else "any dtype"
+                got = _dtype_name(dtype) if dtype is not None else "any dtype"
                 raise ValueError(
-                    f"the {name} {self.kind} backend needs {what}, not {dtype} on {device}"
+                    f"the {name} {self.kind} backend runs {takes} on {device_type}, "
+                    f"not {got} on {device}"
                 )
         if name not in self._made:
             self._made[name] = self.factories[name]()

@@ -18,7 +18,9 @@ Weight layouts (per adapter, all layers in one tensor so the kernel offsets by `
 * ``b``: ``[L, sum_j r_j * h_out_j]``; slice ``j`` is ``B_j[l]`` (``[r_j, h_out_j]``), row-major,
   scaling (lora_alpha / r) already folded in.
 
-Backends: ``cpu`` (compiled C++), ``cuda`` (compiled CUDA), ``torch_ref`` (pure PyTorch).
+Backends: ``cpu`` (compiled C++, float32 or bfloat16), ``cuda`` (compiled CUDA, float32,
+float16 or bfloat16), ``torch_ref`` (pure PyTorch, any dtype). x, y and the adapters' weights
+share one dtype; ``v`` is float32 and every sum is accumulated in float32.
 The default is chosen by device and never silently replaced: a failed build raises.
 """
 
@@ -33,7 +35,7 @@ import torch
 from punica_x.env import SGMV_BACKEND
 from punica_x.ops import _ref, autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import Registry
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,9 +201,16 @@ BACKENDS: Registry[SgmvBackend] = Registry(
         "torch_ref": TorchRefBackend,
     },
     default=lambda device, dtype: (
-        "cuda" if device.type == "cuda" else "cpu" if isa_mod.tuned() else "torch_ref"
+        "cuda"
+        if device.type == "cuda"
+        else "cpu"
+        if isa_mod.tuned() and dtype in (None, *CPU_KERNEL_DTYPES)
+        else "torch_ref"
     ),
-    needs={"cpu": ("cpu", None), "cuda": ("cuda", None)},
+    needs={
+        "cpu": ("cpu", CPU_KERNEL_DTYPES),
+        "cuda": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+    },
 )
 
 
@@ -209,11 +218,15 @@ def available_backends() -> tuple[str, ...]:
     return BACKENDS.names
 
 
-def get_backend(device: torch.device | str, name: str | None = None) -> SgmvBackend:
-    """The SGMV backend for ``device``: ``name``, else $PUNICA_X_SGMV_BACKEND, else by device.
+def get_backend(
+    device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None
+) -> SgmvBackend:
+    """The SGMV backend for ``device``: ``name``, else $PUNICA_X_SGMV_BACKEND, else by device
+    (and ``dtype``: torch_ref where no compiled kernel takes it).
 
-    Raises KernelBuildError when the compiled kernels cannot be built (no silent fallback)."""
-    return BACKENDS.get(device, None, name)
+    Raises ValueError when the named backend cannot run ``dtype`` and KernelBuildError when
+    the compiled kernels cannot be built (no silent fallback)."""
+    return BACKENDS.get(device, dtype, name)
 
 
 def sgmv_shrink(
@@ -230,7 +243,7 @@ def sgmv_shrink(
     """
     if out is None:
         out = torch.zeros(x.shape[0], max(w.max_rank, 1), dtype=torch.float32, device=x.device)
-    (backend or get_backend(x.device)).shrink(out, x, w, layer)
+    (backend or get_backend(x.device, dtype=x.dtype)).shrink(out, x, w, layer)
     return out
 
 
@@ -244,7 +257,7 @@ def sgmv_expand(
     """y[rows_s, cols_j] += v[rows_s, voff_j:voff_j + r_j] @ B_s,j[layer], in place; returns y.
 
     y: [T, >= sum(h_out)] (rows contiguous, may be a view), v: [T, >= max_rank] float32."""
-    (backend or get_backend(y.device)).expand(y, v, w, layer)
+    (backend or get_backend(y.device, dtype=y.dtype)).expand(y, v, w, layer)
     return y
 
 
@@ -263,7 +276,7 @@ def add_lora_sgmv(
         return y
     if workspace is None:
         workspace = torch.zeros(x.shape[0], w.max_rank, dtype=torch.float32, device=x.device)
-    (backend or get_backend(x.device)).add_lora(y, x, workspace, w, layer)
+    (backend or get_backend(x.device, dtype=x.dtype)).add_lora(y, x, workspace, w, layer)
     return y
 
 
@@ -276,29 +289,32 @@ def choose_sgmv(
     lora_shapes: dict[str, tuple[int, int]],
     name: str | None = None,
 ) -> SgmvBackend:
-    """`name`, else $PUNICA_X_SGMV_BACKEND, else: cuda on CUDA; on CPU (float32, timing
-    enabled) the faster of cpu/torch_ref on the model's widest projection at rank 16, with
-    32 rows of 32 adapters and 32 rows of one adapter, timed at first load and cached."""
+    """`name`, else $PUNICA_X_SGMV_BACKEND, else: cuda on CUDA; on CPU (float32 or bfloat16,
+    timing enabled) the faster of cpu/torch_ref on the model's widest projection at rank 16,
+    with 32 rows of 32 adapters and 32 rows of one adapter, timed at first load and cached."""
     device = torch.device(device)
     name = name or SGMV_BACKEND.get() or None
-    if name or device.type != "cpu" or dtype != torch.float32 or not autotune.enabled():
-        return get_backend(device, name)
+    if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
+        return get_backend(device, name, dtype)
     h_in, h_out = max(lora_shapes.values(), key=lambda s: s[0] * s[1])
     names = ("cpu", "torch_ref") if isa_mod.tuned() else ("torch_ref",)
-    key = f"{h_in}x{h_out} rank={TIMING_RANK} rows={TIMING_ROWS}"
-    tuned = autotune.choose("sgmv", key, {n: _timing(n, h_in, h_out) for n in names})
-    return BACKENDS.get(device, None, tuned.name)
+    key = f"{h_in}x{h_out} rank={TIMING_RANK} rows={TIMING_ROWS}" + autotune.dtype_suffix(dtype)
+    tuned = autotune.choose("sgmv", key, {n: _timing(n, h_in, h_out, dtype) for n in names})
+    return BACKENDS.get(device, dtype, tuned.name)
 
 
-def _timing(name: str, h_in: int, h_out: int) -> autotune.Candidate:
+def _timing(
+    name: str, h_in: int, h_out: int, dtype: torch.dtype = torch.float32
+) -> autotune.Candidate:
     def setup():
-        backend = BACKENDS.get("cpu", None, name)
+        backend = BACKENDS.get("cpu", dtype, name)
         r, t = TIMING_RANK, TIMING_ROWS
-        a = [torch.randn(1, r, h_in) * 0.01 for _ in range(t)]
-        b = [torch.randn(1, r * h_out) * 0.01 for _ in range(t)]
+        a = [(torch.randn(1, r, h_in) * 0.01).to(dtype) for _ in range(t)]
+        b = [(torch.randn(1, r * h_out) * 0.01).to(dtype) for _ in range(t)]
         distinct = SgmvWeights.build(list(range(t + 1)), a, b, [[r]] * t, [h_out], "cpu")
         one = SgmvWeights.build([0, t], a[:1], b[:1], [[r]], [h_out], "cpu")
-        x, y, v = torch.randn(t, h_in), torch.zeros(t, h_out), torch.zeros(t, r)
+        x, y = torch.randn(t, h_in).to(dtype), torch.zeros(t, h_out, dtype=dtype)
+        v = torch.zeros(t, r)
 
         def run():
             backend.add_lora(y, x, v, distinct, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import tiny_llm
@@ -202,3 +204,32 @@ def test_seeded_sampling_ignores_the_batch_around_it(llm):
         ].token_ids
         != alone
     )
+
+
+def test_a_dtype_a_named_kernel_cannot_run_is_refused_at_build(tiny_model_dir):
+    """float16 on CPU: no compiled CPU kernel takes it. Named, each is refused when the
+    engine is built (naming the backend and what it runs), never at the first request; left
+    to the defaults, the PyTorch paths serve it."""
+    for option in ("sgmv_backend", "attention_backend", "dense_backend", "fused_backend"):
+        with pytest.raises(ValueError, match=r"runs float32 or bfloat16 on cpu, not float16"):
+            tiny_llm(tiny_model_dir, dtype="float16", **{option: "cpu"})
+    llm = tiny_llm(tiny_model_dir, dtype="float16")
+    assert llm.engine.cache.kv.dtype == torch.float16
+    assert llm.engine.sgmv.name == "torch_ref"
+    out = llm.generate([PROMPTS[0]], sampling=GREEDY)[0]
+    assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == GREEDY.max_tokens
+
+
+def test_bfloat16_runs_the_compiled_kernels_in_bf16(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir, dtype="bfloat16")
+    engine = llm.engine
+    assert engine.cache.kv.dtype == torch.bfloat16
+    if engine.device.type == "cpu" and "PUNICA_X_SGMV_BACKEND" not in os.environ:
+        from punica_x.ops import isa
+
+        if isa.tuned():  # x86: the compiled kernels take bf16, no fallback to the torch paths
+            assert engine.sgmv.name == "cpu"
+            assert engine.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    llm.load_adapter("r16", str(tiny_adapters["r16"]))
+    outs = llm.generate(PROMPTS[:3], ["r16", None, "r16"], GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)

@@ -37,7 +37,7 @@ def test_packed_gemm_checks_inputs(cpu_isa):
     packed = ext.pack(torch.randn(96, 32))
     with pytest.raises(RuntimeError, match="y must be"):
         ext.gemm(torch.empty(3, 96), torch.randn(4, 32), packed, 96, None)
-    with pytest.raises(RuntimeError, match="x must be a float32"):
+    with pytest.raises(RuntimeError, match="x must be a float32 or bfloat16 CPU tensor"):
         ext.gemm(torch.empty(4, 96), torch.randn(4, 32).double(), packed, 96, None)
 
 
@@ -47,8 +47,12 @@ def test_compiled_backends_are_the_defaults_on_cpu():
     assert os.environ.get("PUNICA_X_ATTENTION_BACKEND", "") in ("", "cpu")
     dense = get_dense_backend("cpu", torch.float32)
     assert isinstance(dense, PackedCpuDense) and dense.ext.__file__.endswith(".so")
-    assert isinstance(get_dense_backend("cpu", torch.bfloat16), TorchDense)
+    assert isinstance(get_dense_backend("cpu", torch.bfloat16), PackedCpuDense)
+    # float16: no compiled CPU kernel takes it, the default is torch; naming one is refused
+    assert isinstance(get_dense_backend("cpu", torch.float16), TorchDense)
     attention = get_attention_backend("cpu")
     assert isinstance(attention, CpuAttention) and attention.ext.__file__.endswith(".so")
-    with pytest.raises(ValueError, match="the cpu dense backend needs torch.float32 on cpu"):
+    with pytest.raises(
+        ValueError, match="the cpu dense backend runs float32 or bfloat16 on cpu, not float16"
+    ):
         get_dense_backend("cpu", torch.float16, "cpu")
