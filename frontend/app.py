@@ -154,12 +154,15 @@ def create_app(config: ServerConfig) -> Starlette:
         manager, who = caller(request)
         name, files = await read_upload(request, config.limits)
         record = await manager.upload_adapter(who, name, files)
-        return JSONResponse(record.public(), status_code=201)
+        return JSONResponse(record.public(manager.serving_dtype), status_code=201)
 
     async def list_adapters(request: Request):
         manager, who = caller(request)
         return JSONResponse(
-            {"object": "list", "data": [a.public() for a in manager.list_adapters(who)]}
+            {
+                "object": "list",
+                "data": [a.public(manager.serving_dtype) for a in manager.list_adapters(who)],
+            }
         )
 
     async def adapter(request: Request):
@@ -167,8 +170,8 @@ def create_app(config: ServerConfig) -> Starlette:
         name = request.path_params["name"]
         if request.method == "DELETE":
             record = await manager.delete_adapter(who, name)
-            return JSONResponse({**record.public(), "deleted": True})
-        return JSONResponse(manager.get_adapter(who, name).public())
+            return JSONResponse({**record.public(manager.serving_dtype), "deleted": True})
+        return JSONResponse(manager.get_adapter(who, name).public(manager.serving_dtype))
 
     async def tenants(request: Request):
         state.auth.admin(request)

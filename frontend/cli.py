@@ -2,7 +2,8 @@
 `prepare` builds the kernels and converts the default model ahead of the first start.
 
     punica-x prepare [--isa native|avx2|avx512] [--all-isas] [--no-model]
-    punica-x serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
+    punica-x serve [--model PATH] [--dtype auto|float32|bfloat16|float16] [--host 127.0.0.1]
+                   [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]
     punica-x admin tenant list
     punica-x admin tenant revoke NAME
@@ -35,17 +36,11 @@ def serve(args) -> int:
     from frontend.app import create_app
     from frontend.config import Limits, ServerConfig
     from frontend.store import StoreError
-    from punica_x.config import EngineConfig, ModelConfig
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = EngineConfig(model=ModelConfig(model=args.model))
-    if args.max_batch_size is not None:
-        engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
-    engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
-    if args.kv_cache_bytes is not None:
-        engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
+    engine = engine_config(args)
     limits = Limits()
     for item in args.limit or []:
         name, _, value = item.partition("=")
@@ -98,6 +93,19 @@ def serve(args) -> int:
         ws_max_size=config.limits.max_ws_frame_bytes,
     )
     return 0
+
+
+def engine_config(args):
+    """The runners' EngineConfig from `serve`'s arguments (a Ray runner gets it whole)."""
+    from punica_x.config import EngineConfig, ModelConfig
+
+    engine = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype))
+    if args.max_batch_size is not None:
+        engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
+    engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
+    if args.kv_cache_bytes is not None:
+        engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
+    return engine
 
 
 def admin(args) -> int:
@@ -226,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         from punica_x.prepare import main as prepare
 
         return prepare(argv[1:])
+    args = build_parser().parse_args(argv)
+    return serve(args) if args.command == "serve" else admin(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="punica-x", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -239,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the serving dtype (model weights, KV cache, adapters). auto (default): bfloat16 "
+        "on CPUs with AVX512-BF16 or AMX-BF16, float32 on other CPUs, bfloat16 (else float16) "
+        "on CUDA",
+    )
     s.add_argument(
         "--kv-cache-bytes",
         type=int,
@@ -307,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     pick = down.add_mutually_exclusive_group()
     pick.add_argument("--runner", default=None, help="the runner to drain (id)")
     pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")
-    args = parser.parse_args(argv)
-    return serve(args) if args.command == "serve" else admin(args)
+    return parser
 
 
 if __name__ == "__main__":

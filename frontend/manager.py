@@ -62,6 +62,7 @@ class FrontendManager:
         self.tokenizer = scheduler.tokenizer
         self.model_id = scheduler.info.model.name
         self.max_model_len = scheduler.info.model.max_model_len
+        self.serving_dtype = scheduler.info.model.dtype  # adapters are cast to it at load
         self.admission = Admission(config.limits)
         self.metrics = Metrics(scheduler.stats, scheduler.runners, lambda: scheduler.migrations)
         self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
@@ -175,6 +176,7 @@ class FrontendManager:
                         parsed.target_modules,
                         parsed.sha256,
                         size,
+                        parsed.stored_dtype,
                     )
                 )
                 try:

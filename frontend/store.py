@@ -43,10 +43,11 @@ CREATE TABLE IF NOT EXISTS adapters (
     id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id), name TEXT NOT NULL,
     version INTEGER NOT NULL, rank INTEGER NOT NULL, target_modules TEXT NOT NULL,
     sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
-    state TEXT NOT NULL DEFAULT 'live', UNIQUE (tenant_id, name, version));
+    state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, UNIQUE (tenant_id, name, version));
 """
 ADAPTER_COLUMNS = (
-    "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, state"
+    "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
+    "state, stored_dtype"
 )
 STATES = ("pending", "live", "deleted", "aborted", "broken")
 
@@ -78,8 +79,12 @@ class AdapterRecord:
     path: Path
     created: float
     state: str = "live"
+    # dtype of the uploaded A/B tensors ("float16"; "bfloat16,float32" when the file mixes
+    # them); None for rows from before the column existed (reported as null)
+    stored_dtype: str | None = None
 
-    def public(self) -> dict:
+    def public(self, serving_dtype: str) -> dict:
+        """The API's view; serving_dtype: the runners' dtype, which the adapter is cast to."""
         return {
             "id": f"adapter-{self.id}",
             "name": self.name,
@@ -89,6 +94,7 @@ class AdapterRecord:
             "sha256": self.sha256,
             "size_bytes": self.size_bytes,
             "created": int(self.created),
+            "dtype": {"stored": self.stored_dtype, "serving": serving_dtype},
         }
 
 
@@ -122,11 +128,15 @@ class Store:
         self._lock = threading.Lock()
 
     def _migrate(self) -> None:
-        """Databases from before adapter states had a `deleted` flag instead."""
+        """Databases from before adapter states had a `deleted` flag instead; those from
+        before stored_dtype get the column, NULL in their rows (the API reports null: the
+        dtype is recorded when the upload is parsed, and old rows are not re-read)."""
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(adapters)")}
         if "state" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN state TEXT NOT NULL DEFAULT 'live'")
             self._db.execute("UPDATE adapters SET state = 'deleted' WHERE deleted = 1")
+        if "stored_dtype" not in columns:
+            self._db.execute("ALTER TABLE adapters ADD COLUMN stored_dtype TEXT")
 
     def _rows(self, sql: str, *args) -> list[tuple]:
         with self._lock:
@@ -245,6 +255,7 @@ class Store:
         target_modules: tuple[str, ...],
         sha256: str,
         size_bytes: int,
+        stored_dtype: str | None = None,
     ) -> AdapterRecord:
         """A `pending` row with the next version of `name` (never reused: versions of aborted,
         deleted and broken rows count) and the directory its files will move to."""
@@ -258,7 +269,8 @@ class Store:
             path = self.adapter_dir / str(tenant_id) / name / f"v{version}"
             cur = db.execute(
                 "INSERT INTO adapters (tenant_id, name, version, rank, target_modules, sha256, "
-                "size_bytes, path, created, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
+                "size_bytes, path, created, state, stored_dtype) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
                 (
                     tenant_id,
                     name,
@@ -269,6 +281,7 @@ class Store:
                     size_bytes,
                     str(path),
                     time.time(),
+                    stored_dtype,
                 ),
             )
             return cur.lastrowid
@@ -364,4 +377,5 @@ def _adapter(row) -> AdapterRecord:
         Path(row[8]),
         row[9],
         row[10],
+        row[11],
     )

@@ -35,6 +35,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     model_dir: Path
+    dtype: str  # the serving dtype, as ModelConfig.dtype names it ("float32", "bfloat16")
 
 
 class RunnerHandle(Protocol):

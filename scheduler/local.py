@@ -17,6 +17,7 @@ from punica_x.async_engine import AsyncEngine, RequestStream
 from punica_x.config import EngineConfig
 from punica_x.core import Resume, SamplingParams
 from punica_x.engine import Engine
+from punica_x.lora.adapter import dtype_name
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
 from scheduler.interface import ModelInfo, RunnerStats
@@ -64,7 +65,9 @@ class LocalRunner:
         self.engine = Engine(config, loaded)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
         loaded = self.engine.loaded
-        self.model = ModelInfo(loaded.name, loaded.max_model_len, loaded.model_dir)
+        self.model = ModelInfo(
+            loaded.name, loaded.max_model_len, loaded.model_dir, dtype_name(self.engine.dtype)
+        )
         self.tokenizer = loaded.tokenizer
         self.node = socket.gethostname()
         self.pid = os.getpid()

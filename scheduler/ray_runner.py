@@ -28,7 +28,7 @@ from punica_x.async_engine import RequestStream, RunnerLost
 from punica_x.config import EngineConfig
 from punica_x.core import RequestOutput, Resume, SamplingParams
 from punica_x.engine import check_request
-from punica_x.lora.adapter import LoraTarget
+from punica_x.lora.adapter import LoraTarget, dtype_name
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.interface import ModelInfo, RunnerStats
 
@@ -116,7 +116,12 @@ class RunnerActor:
             node=socket.gethostname(),
             pid=os.getpid(),
             device=str(self.engine.device),
-            model=ModelInfo(loaded.name, loaded.max_model_len, loaded.model_dir),
+            model=ModelInfo(
+                loaded.name,
+                loaded.max_model_len,
+                loaded.model_dir,
+                dtype_name(self.engine.dtype),
+            ),
             lora_target=self.engine.adapters.target,
             max_lora_rank=config.lora.max_lora_rank,
             vocab_size=self.engine.model.dims.vocab_size,

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -77,7 +77,10 @@ class LoraAdapter:
 
     groups[g] = (a [L, R_g, h_in], b [L, sum_j r_j * h_out_j]) for each projection group with
     at least one targeted slice; ranks[g] = rank of each slice of g (0 = not targeted).
-    scaling is folded into b."""
+    scaling is folded into b. The tensors are in the serving dtype (load_peft_adapter's
+    `dtype`), so nbytes is what the adapter costs the pool; stored_dtype is the dtype of the
+    uploaded A/B tensors ("float16"; a comma list, sorted, when the file mixes dtypes:
+    "bfloat16,float32")."""
 
     rank: int
     alpha: float
@@ -86,6 +89,7 @@ class LoraAdapter:
     ranks: dict[str, tuple[int, ...]]
     groups: dict[str, tuple[torch.Tensor, torch.Tensor]]
     sha256: str
+    stored_dtype: str
 
     @property
     def nbytes(self) -> int:
@@ -96,15 +100,7 @@ class LoraAdapter:
             g: (a.to(device, non_blocking=non_blocking), b.to(device, non_blocking=non_blocking))
             for g, (a, b) in self.groups.items()
         }
-        return LoraAdapter(
-            self.rank,
-            self.alpha,
-            self.scaling,
-            self.target_modules,
-            self.ranks,
-            groups,
-            self.sha256,
-        )
+        return replace(self, groups=groups)
 
 
 def load_peft_adapter(
@@ -130,7 +126,13 @@ def load_peft_adapter(
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
     ranks, groups = _to_sgmv_layout(tensors, modules, target, rank, scaling, dtype)
     sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
-    return LoraAdapter(rank, alpha, scaling, modules, ranks, groups, sha)
+    stored = ",".join(sorted({dtype_name(t.dtype) for t in tensors.values()}))
+    return LoraAdapter(rank, alpha, scaling, modules, ranks, groups, sha, stored)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the names ModelConfig.dtype and the API use)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:

@@ -6,13 +6,15 @@
 * acquire(name) binds a request to the current version. If the weights are not resident,
   a background thread loads them (disk -> host cache -> device) while the batch keeps
   running; the request joins a batch once `ref.ready` is true.
-* Device memory is budgeted in bytes of the adapter as stored (rank- and target-aware);
-  unreferenced resident adapters are evicted least-recently-used first. On CPU the device
-  tier aliases the host tensors (no copy), but the budget is still enforced.
+* Device memory is budgeted in bytes of the adapter as served (rank- and target-aware,
+  in the pool's dtype: 2 bytes an element in bfloat16, 4 in float32); unreferenced
+  resident adapters are evicted least-recently-used first. On CPU the device tier aliases
+  the host tensors (no copy), but the budget is still enforced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -247,15 +249,7 @@ class AdapterPool:
         if self.device.type != "cuda":
             return adapter
         groups = {g: (a.pin_memory(), b.pin_memory()) for g, (a, b) in adapter.groups.items()}
-        return LoraAdapter(
-            adapter.rank,
-            adapter.alpha,
-            adapter.scaling,
-            adapter.target_modules,
-            adapter.ranks,
-            groups,
-            adapter.sha256,
-        )
+        return dataclasses.replace(adapter, groups=groups)
 
     def _start_load(self, v: _Version) -> bool:
         if not self._reserve(v.info.nbytes):

@@ -44,6 +44,36 @@ def test_upload_files_and_read_back(server, adapter_dirs):
     assert complete(server, key, "alpha") != complete(server, key, server.model_id)
 
 
+def test_adapters_report_their_stored_and_serving_dtypes(server, adapter_dirs, tmp_path):
+    """`dtype.stored` is what the uploaded safetensors hold, `dtype.serving` the runners'
+    dtype the weights are cast to (the test server runs `--dtype auto`: float32 on a CPU
+    without AVX512-BF16/AMX-BF16, such as the one this was written on)."""
+    from safetensors.torch import load_file, save_file
+
+    from punica_x.config import ModelConfig
+    from punica_x.lora.adapter import dtype_name
+
+    serving = dtype_name(ModelConfig().torch_dtype())
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / FILES[0]).write_bytes((adapter_dirs["a"] / FILES[0]).read_bytes())
+    weights = load_file(adapter_dirs["a"] / FILES[1])
+    save_file({k: t.half() for k, t in weights.items()}, half / FILES[1])
+    key = server.create_tenant("dtypes")
+    r16, r32 = server.upload(key, "half", half), server.upload(key, "full", adapter_dirs["a"])
+    assert r16.status_code == r32.status_code == 201, (r16.text, r32.text)
+    assert r16.json()["dtype"] == {"stored": "float16", "serving": serving}
+    assert r32.json()["dtype"] == {"stored": "float32", "serving": serving}
+    with server.http(key) as c:
+        listed = {a["name"]: a["dtype"] for a in c.get("/v1/adapters").json()["data"]}
+        assert listed == {"full": r32.json()["dtype"], "half": r16.json()["dtype"]}
+        assert c.get("/v1/adapters/half").json() == r16.json()
+    # the float16 upload serves: its weights, cast to the serving dtype, change the output
+    assert complete(server, key, "half") != complete(server, key, server.model_id)
+    with server.http(key) as c:
+        assert c.delete("/v1/adapters/half").json()["dtype"] == r16.json()["dtype"]
+
+
 def test_upload_archives(server, adapter_dirs):
     key = server.create_tenant("archiver")
     members = {f"adapter/{f}": (adapter_dirs["b"] / f).read_bytes() for f in FILES}

@@ -161,6 +161,51 @@ def test_databases_from_before_states_migrate(tmp_path):
     assert _reserve(store, 1).version == 3
 
 
+def test_stored_dtype_is_kept_and_reported_with_the_serving_dtype(tmp_path):
+    store, tid = _store(tmp_path)
+    staging = store.stage(FILES)
+    pending = store.reserve_adapter(tid, "x", 4, ("q_proj",), "s1", 9, "float16")
+    store.install(staging, pending)
+    store.commit_adapter(pending)
+    store = Store(tmp_path / "data")  # a restart reads it back
+    (record,) = store.adapters(tid)
+    assert record.stored_dtype == "float16"
+    assert record.public("bfloat16")["dtype"] == {"stored": "float16", "serving": "bfloat16"}
+
+
+def test_databases_from_before_stored_dtype_migrate(tmp_path):
+    """The schema of the previous release (states, no stored_dtype): its rows keep working
+    and report a stored dtype of null; new rows record theirs."""
+    data = tmp_path / "data"
+    data.mkdir()
+    db = sqlite3.connect(data / "punica-x.sqlite3")
+    db.executescript(
+        """
+        CREATE TABLE tenants (
+            id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL,
+            revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER);
+        CREATE TABLE adapters (
+            id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id),
+            name TEXT NOT NULL, version INTEGER NOT NULL, rank INTEGER NOT NULL,
+            target_modules TEXT NOT NULL, sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL,
+            path TEXT NOT NULL, created REAL NOT NULL, state TEXT NOT NULL DEFAULT 'live',
+            UNIQUE (tenant_id, name, version));
+        INSERT INTO tenants VALUES (1, 't', 0, 0, NULL, NULL);
+        INSERT INTO adapters VALUES (1, 1, 'old', 1, 4, '["q_proj"]', 's', 9, '/nowhere/v1', 0,
+            'live');
+        """
+    )
+    db.commit()
+    db.close()
+    store = Store(data)
+    (old,) = store.adapters(1)
+    assert (old.name, old.state, old.stored_dtype) == ("old", "live", None)
+    assert old.public("float32")["dtype"] == {"stored": None, "serving": "float32"}
+    new = store.reserve_adapter(1, "new", 4, ("q_proj",), "s2", 9, "bfloat16")
+    assert store.adapter_by_id(new.id).stored_dtype == "bfloat16"
+    Store(data)  # opening a migrated database again changes nothing
+
+
 def test_admin_token_is_written_whole(tmp_path):
     from frontend.auth import ensure_admin_token
 

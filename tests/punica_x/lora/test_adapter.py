@@ -166,3 +166,58 @@ def test_rslora_scaling(tiny_model_dir, base, tmp_path):
         x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12, do_sample=False
     )
     assert ours[0].token_ids == out[0, len(ids) :].tolist()
+
+
+def _cast(src, dst, dtypes: dict[str, torch.dtype] | torch.dtype):
+    """A copy of adapter `src` whose A/B tensors are saved in another dtype (one for all, or
+    per tensor name; the rest stay as they are)."""
+    path = rewrite_config(src, dst)
+    weights = load_file(path / "adapter_model.safetensors")
+    if isinstance(dtypes, torch.dtype):
+        dtypes = dict.fromkeys(weights, dtypes)
+    weights = {k: t.to(dtypes.get(k, t.dtype)).contiguous() for k, t in weights.items()}
+    save_file(weights, path / "adapter_model.safetensors")
+    return path
+
+
+def test_stored_dtype_is_the_uploads_and_the_tensors_are_in_the_serving_dtype(
+    tiny_model_dir, tiny_adapters, tmp_path
+):
+    """stored_dtype names what the file holds (a sorted comma list when it mixes dtypes);
+    the SGMV tensors, and so nbytes and the pool's byte budget, are in the serving dtype:
+    2 bytes an element in bfloat16 and float16, whatever the upload held."""
+    from punica_x.config import LoraConfig, ModelConfig
+    from punica_x.lora.adapter import LoraTarget, load_peft_adapter
+    from punica_x.lora.pool import AdapterPool
+    from punica_x.models.loader import describe_model
+
+    dims = describe_model(ModelConfig(model=str(tiny_model_dir))).dims
+    target = LoraTarget(dims.num_layers, dims.lora_shapes())
+    f32 = tiny_adapters["r8"]
+    f16 = _cast(f32, tmp_path / "f16", torch.float16)
+    first_b = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
+    mixed = _cast(f32, tmp_path / "mixed", {first_b: torch.bfloat16})
+    assert load_peft_adapter(f32, target, 64, torch.float32).stored_dtype == "float32"
+    assert load_peft_adapter(f16, target, 64, torch.float32).stored_dtype == "float16"
+    assert load_peft_adapter(mixed, target, 64, torch.float32).stored_dtype == "bfloat16,float32"
+    served = {
+        dtype: load_peft_adapter(f16, target, 64, dtype)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    }
+    numel = sum(a.numel() + b.numel() for a, b in served[torch.float32].groups.values())
+    for dtype, adapter in served.items():
+        assert {t.dtype for pair in adapter.groups.values() for t in pair} == {dtype}
+        assert adapter.stored_dtype == "float16"
+        assert adapter.nbytes == numel * dtype.itemsize
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = AdapterPool(target, LoraConfig(), torch.device("cpu"), dtype)
+        try:
+            info = pool.register("x", f32)
+            assert info.nbytes == numel * dtype.itemsize  # what the device budget charges
+            ref = pool.acquire("x")
+            pool.wait_ready(ref)
+            assert pool.stats.device_bytes_used == numel * dtype.itemsize
+            assert ref.weights.stored_dtype == "float32"  # kept through the load (.to)
+            pool.release(ref)
+        finally:
+            pool.shutdown()
