@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -121,32 +122,55 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
         __builtin_prefetch(next + v_off + off);
       }
     }
-    for (int i = 0; i < n; ++i) {
-      const int visible = std::min(keys, first_pos + it.row0 + i / g + 1 - b * p);
-      const float* qi = qt + i * d;
-      float* sc = scores + i * p;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int k = 0; k < visible; ++k) {
-        sc[k] = dot(qi, kb + k * d, d);
-        block_max = std::max(block_max, sc[k]);
+    // kb_, vb_: the block's K and V rows, as stored or widened to float32
+    auto attend_block = [&](const auto* kb_, const auto* vb_) {
+      for (int i = 0; i < n; ++i) {
+        const int visible = std::min(keys, first_pos + it.row0 + i / g + 1 - b * p);
+        const float* qi = qt + i * d;
+        float* sc = scores + i * p;
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int k = 0; k < visible; ++k) {
+          sc[k] = dot(qi, kb_ + k * d, d);
+          block_max = std::max(block_max, sc[k]);
+        }
+        if (visible <= 0) continue;
+        const float new_m = std::max(m[i], block_max);
+        const float c = std::exp(m[i] - new_m);
+        float sum = 0.f;
+        int k = 0;
+        for (; k + kLanes <= visible; k += kLanes) {
+          const vf e = simd::exp(load(sc + k) - splat(new_m));
+          store(sc + k, e);
+          sum += hsum(e);
+        }
+        for (; k < visible; ++k) {
+          sc[k] = std::exp(sc[k] - new_m);
+          sum += sc[k];
+        }
+        weighted_rows(acc + i * d, c, sc, vb_, visible, d);
+        l[i] = l[i] * c + sum;
+        m[i] = new_m;
       }
-      if (visible <= 0) continue;
-      const float new_m = std::max(m[i], block_max);
-      const float c = std::exp(m[i] - new_m);
-      float sum = 0.f;
-      int k = 0;
-      for (; k + kLanes <= visible; k += kLanes) {
-        const vf e = simd::exp(load(sc + k) - splat(new_m));
-        store(sc + k, e);
-        sum += hsum(e);
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      attend_block(kb, vb);
+    } else if (n == 1) {
+      attend_block(kb, vb);  // one (row, head) pair reads each key once: widen on the fly
+    } else {  // several pairs read every key: widen the block's K and V once
+      thread_local std::vector<float> wide;
+      wide.resize(size_t(2) * p * d);
+      const int64_t len = int64_t(keys) * d;
+      int64_t e = 0;
+      for (; e + kLanes <= len; e += kLanes) {
+        store(wide.data() + e, load(kb + e));
+        store(wide.data() + p * d + e, load(vb + e));
       }
-      for (; k < visible; ++k) {
-        sc[k] = std::exp(sc[k] - new_m);
-        sum += sc[k];
+      for (; e < len; ++e) {
+        wide[e] = f32(kb[e]);
+        wide[p * d + e] = f32(vb[e]);
       }
-      weighted_rows(acc + i * d, c, sc, vb, visible, d);
-      l[i] = l[i] * c + sum;
-      m[i] = new_m;
+      attend_block(static_cast<const float*>(wide.data()),
+                   static_cast<const float*>(wide.data() + p * d));
     }
   }
   for (int i = 0; i < n; ++i) {

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../common/parallel.h"
 #include "../common/simd.h"
@@ -29,22 +31,23 @@ constexpr int kMB = PUNICA_X_DENSE_MB;
 static_assert(kMB * kNB + kNB + 1 <= kVecRegs, "dense tile does not fit the vector registers");
 constexpr int kPrefetchRows = 16;  // panel rows ahead of the current k
 
-// T: float or bf16 (x, the packed W, y); float32 accumulators started from the panel's bias
-// (float32, zero past the last column; null for none), y rounded once.
-template <typename T, int MB>
-void tile(const T* x, int64_t xs, const T* w, int k, const float* bias, T* y, int64_t ys) {
+// x float32 (a bf16 x is widened once per call, see dense_gemm_cpu), W of TW (float or bf16),
+// y of TY; float32 accumulators started from the panel's bias (float32, zero past the last
+// column; null for none), y rounded once.
+template <typename TW, typename TY, int MB>
+void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY* y, int64_t ys) {
   vf acc[MB][kNB] = {};
   if (bias)
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < kNB; ++n) acc[m][n] = load(bias + n * kLanes);
 #pragma GCC unroll 4
   for (int kk = 0; kk < k; ++kk) {
-    for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(T)))
+    for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(TW)))
       __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + off);
     vf wv[kNB];
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {
-      const vf xv = splat(f32(x[m * xs + kk]));
+      const vf xv = splat(x[m * xs + kk]);
       for (int n = 0; n < kNB; ++n) acc[m][n] += xv * wv[n];
     }
   }
@@ -52,16 +55,39 @@ void tile(const T* x, int64_t xs, const T* w, int k, const float* bias, T* y, in
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
 
-template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int, const float*, T*, int64_t);
+template <typename TW, typename TY>
+using TileFn = void (*)(const float*, int64_t, const TW*, int, const float*, TY*, int64_t);
 
-template <typename T, int... M>
-constexpr std::array<TileFn<T>, sizeof...(M)> tiles(std::integer_sequence<int, M...>) {
-  return {&tile<T, M + 1>...};
+template <typename TW, typename TY, int... M>
+constexpr std::array<TileFn<TW, TY>, sizeof...(M)> tiles(std::integer_sequence<int, M...>) {
+  return {&tile<TW, TY, M + 1>...};
 }
 
-template <typename T>
-const std::array<TileFn<T>, kMB> kTiles = tiles<T>(std::make_integer_sequence<int, kMB>{});
+template <typename TW, typename TY>
+const std::array<TileFn<TW, TY>, kMB> kTiles = tiles<TW, TY>(std::make_integer_sequence<int, kMB>{});
+
+// dst[0:n] = src[0:n] widened to float32.
+void widen(float* dst, const bf16* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load(src + i));
+  for (; i < n; ++i) dst[i] = f32(src[i]);
+}
+
+// The rows of one panel: W read as TW (the packed panel itself, or its float32 copy).
+template <typename TW, typename T>
+void panel_rows(T* y, int64_t ys, const float* x, int64_t xs, const TW* w, const float* bias, int m, int k,
+                int c0, int cols) {
+  alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
+  for (int m0 = 0; m0 < m; m0 += kMB) {
+    const int mb = std::min(kMB, m - m0);
+    T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
+    const int64_t os = cols == kDensePanel ? ys : kDensePanel;
+    kTiles<TW, T>[mb - 1](x + m0 * xs, xs, w, k, bias, out, os);
+    if (cols < kDensePanel)
+      for (int r = 0; r < mb; ++r)
+        std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
+  }
+}
 
 }  // namespace
 
@@ -79,25 +105,41 @@ void dense_pack_cpu(T* packed, const T* w, int64_t ws, int k, int n, bool w_is_o
   });
 }
 
+// bf16: x is widened to float32 once per call, and when more than one block of rows reads a
+// panel, the panel is widened once into a per-thread float32 copy (L2-resident) that every
+// row block reads, so the conversions cost per weight, not per weight x row block. Memory
+// still streams the 2-byte panel. One row block (a small decode batch) reads the bf16 panel
+// directly.
 template <typename T>
 void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, const T* bias, int m, int k,
                     int n) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
+  const float* xf;
+  int64_t xfs;
+  std::vector<float> x32;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x, xfs = xs;
+  } else {
+    x32.resize(size_t(m) * k);
+    for (int r = 0; r < m; ++r) widen(x32.data() + int64_t(r) * k, x + r * xs, k);
+    xf = x32.data(), xfs = k;
+  }
   parallel_items(panels, [&](int64_t p) {
-    alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
     const T* w = packed + p * int64_t(k) * kDensePanel;
     const int c0 = int(p) * kDensePanel;
     const int cols = std::min(kDensePanel, n - c0);
     alignas(64) float panel_bias[kDensePanel] = {};
     for (int c = 0; bias && c < cols; ++c) panel_bias[c] = f32(bias[c0 + c]);
-    for (int m0 = 0; m0 < m; m0 += kMB) {
-      const int mb = std::min(kMB, m - m0);
-      T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
-      const int64_t os = cols == kDensePanel ? ys : kDensePanel;
-      kTiles<T>[mb - 1](x + m0 * xs, xs, w, k, bias ? panel_bias : nullptr, out, os);
-      if (cols < kDensePanel)
-        for (int r = 0; r < mb; ++r)
-          std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
+    const float* b = bias ? panel_bias : nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      panel_rows<float>(y, ys, xf, xfs, w, b, m, k, c0, cols);
+    } else if (m <= kMB) {
+      panel_rows<T>(y, ys, xf, xfs, w, b, m, k, c0, cols);
+    } else {
+      thread_local std::vector<float> wide;
+      wide.resize(size_t(k) * kDensePanel + kPrefetchRows * kDensePanel);
+      widen(wide.data(), w, int64_t(k) * kDensePanel);
+      panel_rows<float>(y, ys, xf, xfs, wide.data(), b, m, k, c0, cols);
     }
   });
 }
