@@ -16,7 +16,11 @@ import torch
 from helpers import make_peft_adapter
 from live_server import start_server
 
-KILLS = int(os.environ.get("PUNICA_X_TEST_KILLS", "50"))
+# Kills per run: 20 in make test (each costs a server restart, ~9 s on 2 cores: 50 made this
+# one test 8 of the suite's 18 minutes), 60 in make test-long; PUNICA_X_TEST_KILLS overrides
+# the short run. The old write order failed within 30 kills (issue 13).
+KILLS = int(os.environ.get("PUNICA_X_TEST_KILLS", "20"))
+LONG_KILLS = 60
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -140,10 +144,11 @@ class Client(threading.Thread):
                 self.in_flight = None
 
 
+@pytest.mark.parametrize("kills", [KILLS, pytest.param(LONG_KILLS, marks=pytest.mark.long)])
 def test_sigkill_at_random_points_loses_nothing_and_serves_nothing_wrong(
-    srv_model_dir, payloads, tmp_path
+    srv_model_dir, payloads, tmp_path, kills
 ):
-    rng = random.Random(20261123)
+    rng = random.Random(20261123 + kills)
     data = tmp_path / "data"
     srv = start_server(srv_model_dir, data)
     key = srv.create_tenant("crashes")
@@ -157,7 +162,7 @@ def test_sigkill_at_random_points_loses_nothing_and_serves_nothing_wrong(
     totals = {"kills": 0, "upload": 0, "delete": 0, "in_flight_applied": 0}
     started = time.monotonic()
     try:
-        for _ in range(KILLS):
+        for _ in range(kills):
             client = Client(srv, key, payloads, acked, random.Random(rng.random()))
             client.start()
             time.sleep(rng.uniform(0.02, 0.6))
@@ -192,4 +197,4 @@ def test_sigkill_at_random_points_loses_nothing_and_serves_nothing_wrong(
         f"{totals['delete']} acknowledged deletes, {totals['in_flight_applied']} unanswered "
         f"operations found applied, 0 lost, 0 wrong, {time.monotonic() - started:.0f} s"
     )
-    assert totals["upload"] >= KILLS
+    assert totals["upload"] >= kills
