@@ -20,15 +20,16 @@ import contextlib
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from punica_x.async_engine import RequestStream, RunnerLost
-from punica_x.config import EngineConfig
+from punica_x.config import EngineConfig, dtype_name
 from punica_x.core import RequestOutput, Resume, SamplingParams
 from punica_x.engine import check_request
-from punica_x.lora.adapter import LoraTarget, dtype_name
+from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.interface import ModelInfo, RunnerStats
 
@@ -241,7 +242,9 @@ class RayRunner:
             num_gpus=1 if on_gpu else 0,
             max_concurrency=64,
             scheduling_strategy="SPREAD",  # runners on different nodes when there are several
-            name=f"punica-x-{runner_id}-{os.getpid()}",
+            # readable in `ray list actors`; unique, since a second cluster in this process may
+            # start its runner-1 before the first cluster's actor is gone
+            name=f"punica-x-{runner_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         )
         self.runner_id = runner_id
         self.actor = actor_cls.remote(config, runner_id)
