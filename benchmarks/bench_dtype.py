@@ -24,7 +24,7 @@ from bench_generate import WORKLOADS, decode_step_time, make_adapters, make_prom
 from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
-from punica_x.config import ModelConfig
+from punica_x.config import ModelConfig, dtype_name
 from punica_x.workloads import assign_adapters
 
 DTYPES = ("float32", "bfloat16")
@@ -46,7 +46,7 @@ def main() -> None:
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llms = {d: LLM(dtype=d) for d in DTYPES}
-    auto = str(ModelConfig().torch_dtype()).removeprefix("torch.")
+    auto = dtype_name(ModelConfig().torch_dtype())
     first = llms["float32"]
     prompts = make_prompts(first.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="bench-dtype-"))

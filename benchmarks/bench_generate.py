@@ -31,6 +31,7 @@ import torch
 from harness import copy_bandwidth, describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
+from punica_x.config import dtype_name
 from punica_x.workloads import assign_adapters
 
 WORKLOADS = {
@@ -209,7 +210,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
 
     llm = LLM(dtype=args.dtype)
-    ours_dtype = str(llm.engine.dtype).removeprefix("torch.")
+    ours_dtype = dtype_name(llm.engine.dtype)
     args.peer_dtype = args.peer_dtype or ours_dtype
     print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
     prompts = make_prompts(llm.tokenizer, n)

@@ -10,6 +10,11 @@ GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the names ModelConfig.dtype, the CLI and the API use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")

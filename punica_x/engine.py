@@ -8,7 +8,7 @@ import time
 from punica_x.attention import choose_attention
 from punica_x.batcher import Batcher
 from punica_x.batcher_mlfq import MLFQBatcher
-from punica_x.config import EngineConfig
+from punica_x.config import EngineConfig, dtype_name
 from punica_x.core import (
     FinishReason,
     KVSnapshot,
@@ -94,7 +94,7 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         log.info(
             "serving dtype %s on %s (dtype=%s%s)",
-            str(dtype).removeprefix("torch."),
+            dtype_name(dtype),
             device,
             config.model.dtype,
             _auto_reason(device) if config.model.dtype == "auto" else "",

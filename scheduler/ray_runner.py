@@ -236,7 +236,9 @@ class RayRunner:
         # that inherit this process's environment through a local Ray)
         threads = os.environ.get("PUNICA_X_RUNNER_THREADS")
         env = {"env_vars": {"PUNICA_X_RUNNER_THREADS": threads}} if threads else None
-        actor_cls = ray.remote(RunnerActor).options(
+        actor_cls = ray.remote(
+            RunnerActor
+        ).options(
             runtime_env=env,
             num_cpus=0 if not on_gpu else 1,
             num_gpus=1 if on_gpu else 0,

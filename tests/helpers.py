@@ -161,3 +161,23 @@ def compute_scheduled(scheduled) -> list:
             r.output_token_ids.append(7)
             sampled.append(r)
     return sampled
+
+
+def chat_prompts(tokenizer, questions) -> list[str]:
+    """Each question as a one-turn chat in the model's template, ready for the reply."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+
+
+def llm_with_adapters(adapters: dict, **kwargs):
+    """The default model (LLM(**kwargs)) with every {name: path} adapter loaded."""
+    from punica_x import LLM
+
+    llm = LLM(**kwargs)
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    return llm

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from punica_x.config import dtype_name
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -128,11 +130,6 @@ def load_peft_adapter(
     sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
     stored = ",".join(sorted({dtype_name(t.dtype) for t in tensors.values()}))
     return LoraAdapter(rank, alpha, scaling, modules, ranks, groups, sha, stored)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the names ModelConfig.dtype and the API use)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:

@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from punica_x.config import dtype_name
 from punica_x.env import EnvVar
 
 T = TypeVar("T")
@@ -28,10 +29,6 @@ def cpu_kernels_else_torch(device: torch.device, dtype: torch.dtype | None) -> s
 
     ours = device.type == "cpu" and dtype in (None, *CPU_KERNEL_DTYPES)
     return "cpu" if ours and isa.tuned() else "torch"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class Registry(Generic[T]):
@@ -67,8 +64,8 @@ class Registry(Generic[T]):
             if device.type != device_type or (
                 dtypes is not None and dtype is not None and dtype not in dtypes
             ):
-                takes = " or ".join(_dtype_name(d) for d in dtypes) if dtypes else "any dtype"
-                got = _dtype_name(dtype) if dtype is not None else "any dtype"
+                takes = " or ".join(dtype_name(d) for d in dtypes) if dtypes else "any dtype"
+                got = dtype_name(dtype) if dtype is not None else "any dtype"
                 raise ValueError(
                     f"the {name} {self.kind} backend runs {takes} on {device_type}, "
                     f"not {got} on {device}"

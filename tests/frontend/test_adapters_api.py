@@ -50,8 +50,7 @@ def test_adapters_report_their_stored_and_serving_dtypes(server, adapter_dirs, t
     without AVX512-BF16/AMX-BF16, such as the one this was written on)."""
     from safetensors.torch import load_file, save_file
 
-    from punica_x.config import ModelConfig
-    from punica_x.lora.adapter import dtype_name
+    from punica_x.config import ModelConfig, dtype_name
 
     serving = dtype_name(ModelConfig().torch_dtype())
     half = tmp_path / "half"

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from helpers import chat_prompts, llm_with_adapters, make_peft_adapter
 
-from punica_x import LLM, SamplingParams
+from punica_x import SamplingParams
 from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -62,23 +62,12 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(hf_models):
-    _, adapters = hf_models
-    llm = LLM(dtype="bfloat16")
-    for name, path in adapters.items():
-        llm.load_adapter(name, str(path))
-    return llm
+    return llm_with_adapters(hf_models[1], dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(llm):
-    tok = llm.tokenizer
-    texts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in QUESTIONS
-    ]
-    return [tok(text).input_ids for text in texts]
+    return [llm.tokenizer(text).input_ids for text in chat_prompts(llm.tokenizer, QUESTIONS)]
 
 
 def _hf_run(model, ids: list[int], generate: bool) -> tuple[list[float], list[int]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from helpers import chat_prompts, llm_with_adapters, make_peft_adapter
 
-from punica_x import LLM, SamplingParams
+from punica_x import SamplingParams
 from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -54,21 +54,12 @@ def adapters(hf_base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(adapters):
-    llm = LLM()
-    for name, path in adapters.items():
-        llm.load_adapter(name, str(path))
-    return llm
+    return llm_with_adapters(adapters)
 
 
 @pytest.fixture(scope="module")
 def prompts(llm):
-    tok = llm.tokenizer
-    return [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in QUESTIONS
-    ]
+    return chat_prompts(llm.tokenizer, QUESTIONS)
 
 
 @pytest.fixture(scope="module")

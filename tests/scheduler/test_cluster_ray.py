@@ -113,7 +113,7 @@ def test_runners_are_processes_and_place_by_consolidation(cluster, reference):
 
 def test_ray_runners_report_their_serving_dtype(cluster, config):
     """The actors' dtype reaches the scheduler's ModelInfo (what the frontend reports)."""
-    from punica_x.lora.adapter import dtype_name
+    from punica_x.config import dtype_name
 
     assert cluster.info.model.dtype == dtype_name(config.model.torch_dtype())
     assert {s.handle.model.dtype for s in cluster.slots} == {cluster.info.model.dtype}
