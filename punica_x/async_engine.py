@@ -162,7 +162,9 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.batcher.running
+            # idle: nothing running, or the last step ran nothing (requests wait for blocks
+            # their peers refused): wait a little for commands instead of spinning
+            idle = not self.engine.batcher.running or self.engine.idle_step
             if not self.engine.has_unfinished():
                 self._run_commands(block=None)  # nothing to do: sleep until a command arrives
             else:

@@ -11,12 +11,17 @@ adapter is still loading wait without holding anyone up.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from punica_x.config import BatchConfig
 from punica_x.core import Request, RequestStatus
-from punica_x.kv.blocks import KVCache
+from punica_x.kv.blocks import KVCache, blocks_needed
+from punica_x.kv.rmanager import KVBorrower
 from punica_x.planner import ScheduledRequest
+
+BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
+WAIT = "wait"  # _grow: blocks are not there yet (peers refused); try again later
 
 
 class Batcher:
@@ -28,6 +33,10 @@ class Batcher:
         self.num_preemptions = 0
         self.num_pauses = 0  # running requests left out for higher-priority ones (MLFQ only)
         self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
+        # DistKV: a request that cannot fit in this runner's whole cache borrows blocks on
+        # peers (punica_x/kv/rmanager.py); None: such a request ends with LENGTH
+        self.borrower: KVBorrower | None = None
+        self.borrow_refusals = 0
 
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request (at the head with front: a request moved here from another runner
@@ -46,6 +55,12 @@ class Batcher:
             self.waiting.remove(request)
         if request.block_ids:
             self.cache.release(request.block_ids)
+        self._give_back(request)
+
+    def _give_back(self, request: Request) -> None:
+        if request.remote and self.borrower is not None:
+            self.borrower.give_back(request.request_id, request.remote)
+        request.remote = []
 
     @property
     def num_unfinished(self) -> int:
@@ -57,10 +72,17 @@ class Batcher:
         scheduled: list[ScheduledRequest] = []
         overflow: list[Request] = []
         i = 0
+        now = time.monotonic()
         while i < len(self.running) and budget > 0:
             r = self.running[i]
+            if r.borrow_after > now:  # its peers refused blocks: it waits, keeping its KV
+                i += 1
+                continue
             n = min(r.num_tokens - r.num_computed_tokens, budget)
-            if self._grow(r, r.num_computed_tokens + n, overflow):
+            got = self._grow(r, r.num_computed_tokens + n, overflow)
+            if got == WAIT:
+                i += 1
+            elif got:
                 scheduled.append(ScheduledRequest(r, n))
                 budget -= n
                 i += 1
@@ -69,8 +91,11 @@ class Batcher:
                 break
             if r.adapter is not None and not r.adapter.ready:
                 continue
+            if r.borrow_after > now:
+                break
             n = min(r.num_tokens - r.num_computed_tokens, budget)
-            if not self.cache.ensure_capacity(r.block_ids, r.num_computed_tokens + n):
+            need = r.num_computed_tokens + n
+            if not self._ensure(r, need) and self._borrow(r, need) is not True:
                 break
             self.waiting.remove(r)
             r.status = RequestStatus.RUNNING
@@ -82,9 +107,58 @@ class Batcher:
     def after_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step that ran `scheduled` took `seconds` (FCFS does not use it; see MLFQ)."""
 
-    def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool:
-        """Blocks for num_tokens of r, preempting the newest running requests if needed."""
-        while not self.cache.ensure_capacity(r.block_ids, num_tokens):
+    def _ensure(self, r: Request, num_tokens: int) -> bool:
+        """Room for num_tokens of r: more local blocks, unless it already grows on peers."""
+        if r.remote:
+            held = len(r.block_ids) + sum(len(e.block_ids) for e in r.remote)
+            return held >= blocks_needed(num_tokens, self.cache.block_size)
+        return self.cache.ensure_capacity(r.block_ids, num_tokens)
+
+    def _borrows(self, r: Request, num_tokens: int) -> bool:
+        """Whether r takes blocks from peers: it cannot fit in this runner's whole cache."""
+        need = blocks_needed(num_tokens, self.cache.block_size)
+        return self.borrower is not None and (
+            bool(r.remote) or need > self.cache.allocator.num_blocks
+        )
+
+    def _borrow(self, r: Request, num_tokens: int) -> bool | str:
+        """Blocks for num_tokens of a request that borrows: the free local ones first (while
+        it holds no remote block), then from peers. True when it has them, WAIT when peers
+        refused (it asks again after BORROW_RETRY_S), False when it does not borrow or the
+        whole cluster could never hold it."""
+        if not self._borrows(r, num_tokens):
+            return False
+        size = self.cache.block_size
+        need = blocks_needed(num_tokens, size)
+        if need > self.cache.allocator.num_blocks + self.borrower.capacity_blocks():
+            return False
+        missing = need - len(r.block_ids) - sum(len(e.block_ids) for e in r.remote)
+        if not r.remote:
+            local = self.cache.allocator.allocate(min(missing, self.cache.allocator.num_free))
+            r.block_ids.extend(local or [])
+            missing -= len(local or [])
+        if missing <= 0:
+            return True
+        got = self.borrower.borrow(r.request_id, missing)
+        if got is None:
+            self.borrow_refusals += 1
+            r.borrow_after = time.monotonic() + BORROW_RETRY_S
+            return WAIT
+        for extent in got:
+            r.remote.append(extent)
+        return True
+
+    def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool | str:
+        """Blocks for num_tokens of r, preempting the newest running requests if needed (or
+        borrowing, for a request too long for this runner: WAIT when peers refuse)."""
+        while not self._ensure(r, num_tokens):
+            if self._borrows(r, num_tokens):
+                got = self._borrow(r, num_tokens)
+                if got is True or got == WAIT:
+                    return got
+                self.running.remove(r)  # the whole cluster cannot hold it
+                overflow.append(r)
+                return False
             victim = self.running[-1]
             if victim is r and len(self.running) == 1:
                 self.running.remove(r)
@@ -98,6 +172,7 @@ class Batcher:
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.cache.release(r.block_ids)
+        self._give_back(r)
         r.num_computed_tokens = 0
         r.num_preemptions += 1
         r.status = RequestStatus.WAITING

@@ -15,6 +15,7 @@ import torch
 from punica_x.ops.sgmv import SgmvWeights
 
 if TYPE_CHECKING:
+    from punica_x.kv.rmanager import RemoteExtent
     from punica_x.lora.pool import AdapterRef
 
 
@@ -142,6 +143,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # KV swapped out to the host pool (MLFQ): it holds the first num_computed_tokens tokens
     host_block_ids: list[int] = field(default_factory=list)
+    # DistKV: blocks borrowed from peer runners, after block_ids in logical order (a request
+    # with remote blocks grows only there); borrow_after: when a refused borrow is retried
+    remote: list[RemoteExtent] = field(default_factory=list)
+    borrow_after: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -6,6 +6,7 @@ import logging
 import time
 
 from punica_x.attention import choose_attention
+from punica_x.attention.dist import DistContext
 from punica_x.batcher import Batcher
 from punica_x.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig, dtype_name
@@ -21,6 +22,7 @@ from punica_x.core import (
 )
 from punica_x.detokenizer import Detokenizer
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
+from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
 from punica_x.kv.swap import SwapPool
 from punica_x.logprobs import record_prompt_logprobs, sampled_logprobs
 from punica_x.lora.adapter import LoraTarget
@@ -132,6 +134,30 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
         self.requests: dict[str, Request] = {}
+        self.rmanager: RManager | None = None  # DistKV (enable_distkv)
+        self.idle_step = False  # the last step ran nothing (requests wait for blocks)
+        self.peer_losses = 0
+
+    def enable_distkv(
+        self,
+        runner_id: str,
+        borrower: KVBorrower,
+        caps: LendCaps,
+        overlap: bool = True,
+        pool=None,
+    ) -> RManager:
+        """Take part in DistKV: lend blocks to peers within `caps` (the returned rManager
+        serves them) and let requests too long for this runner borrow through `borrower`.
+        overlap: remote micro-attention runs (on `pool`) while the local part runs."""
+        if self.swap is not None:
+            raise ValueError(
+                "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
+                "move borrowed blocks"
+            )
+        self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
+        self.batcher.borrower = borrower
+        self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
+        return self.rmanager
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
@@ -234,7 +260,8 @@ class Engine:
         partial_prompt_logprobs = req.sampling.prompt_logprobs is not None and len(
             req.prompt_logprobs
         ) < len(req.prompt_token_ids)
-        if with_kv and req.num_computed_tokens > 0 and not partial_prompt_logprobs:
+        local = not req.remote  # borrowed blocks stay where they are: it recomputes
+        if with_kv and local and req.num_computed_tokens > 0 and not partial_prompt_logprobs:
             n = req.num_computed_tokens
             if req.host_block_ids:  # swapped out by the MLFQ batcher
                 kv = KVSnapshot(n, self.swap.export(req))
@@ -271,8 +298,15 @@ class Engine:
             self.model.dims.vocab_size,
             self.max_model_len,
             self.cache.block_size,
-            self.cache.allocator.num_blocks,
+            self.capacity_blocks(),
         )
+
+    def capacity_blocks(self) -> int:
+        """The most KV blocks one request can hold: this runner's cache, plus what its peers
+        could lend under DistKV."""
+        borrower = self.batcher.borrower
+        extra = borrower.capacity_blocks() if borrower is not None else 0
+        return self.cache.allocator.num_blocks + extra
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: it leaves the batch and frees its KV blocks now."""
@@ -301,11 +335,16 @@ class Engine:
         for r in overflow:
             outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
         self._tell_preempted()
+        self.idle_step = not scheduled
         if not scheduled:
             return outputs
         started = time.perf_counter()
-        batch, ordered = self.planner.plan(scheduled)
-        logits = self.model(batch, self.cache.kv, self.sgmv)
+        try:
+            batch, ordered = self.planner.plan(scheduled)
+            logits = self.model(batch, self.cache.kv, self.sgmv)
+        except PeerLost as exc:
+            self._lost_peer(exc.owner)
+            return outputs
         sampling = [s.request for s in ordered if s.samples]
         sample_logits = logits[: len(sampling)]
         tokens = self.sampler(sample_logits, sampling)
@@ -370,13 +409,26 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
+    def _lost_peer(self, owner: str) -> None:
+        """A runner holding borrowed blocks is gone: the requests with blocks there lose
+        them and recompute from their tokens (borrowing again elsewhere); this step's other
+        requests run again next step (what it wrote is rewritten identically)."""
+        self.peer_losses += 1
+        log.warning("runner %s holding borrowed KV blocks is gone", owner)
+        for r in list(self.batcher.running):
+            if any(e.owner == owner for e in r.remote):
+                r.remote = [e for e in r.remote if e.owner != owner]
+                self.batcher._preempt(r)
+
     def _too_big(self, r: Request) -> str:
         """The error of a request that outgrew the whole KV cache (running alone, nothing left
-        to preempt): it ends with LENGTH where it stands."""
-        capacity = self.cache.allocator.num_blocks * self.cache.block_size
+        to preempt) or, under DistKV, all the blocks the cluster can give one request: it ends
+        with LENGTH where it stands."""
+        capacity = self.capacity_blocks() * self.cache.block_size
+        where = "cluster's KV caches hold" if self.rmanager else "whole cache holds"
         error = (
             f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
-            f"whole cache holds {capacity} tokens, so it cannot fit even alone; it ends here "
+            f"{where} {capacity} tokens, so it cannot fit even alone; it ends here "
             f"after {len(r.output_token_ids)} generated tokens"
         )
         log.warning("request %s: %s", r.request_id, error)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from punica_x.attention.dist import DistContext, DistSeq, plan_dist
 from punica_x.attention.paged import SeqSpan
 from punica_x.core import Batch, LoraBatchMeta, Request
 from punica_x.lora.adapter import GROUPS, LoraTarget
@@ -36,6 +37,7 @@ class BatchPlanner:
         self, target: LoraTarget, block_size: int, device: torch.device, attention
     ) -> None:
         self.attention = attention
+        self.dist: DistContext | None = None  # set when the runner takes part in DistKV
         self.block_size = block_size
         self.device = device
         shapes = target.shapes
@@ -47,6 +49,7 @@ class BatchPlanner:
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
+        dist: list[DistSeq] = []
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[Request, tuple[int, ...]]] = []
@@ -55,7 +58,12 @@ class BatchPlanner:
             row = len(ids)
             ids.extend(r.all_token_ids[start : start + s.num_new_tokens])
             positions.extend(range(start, start + s.num_new_tokens))
-            spans.append(SeqSpan(row, s.num_new_tokens, start + s.num_new_tokens, r.block_ids))
+            end = start + s.num_new_tokens
+            if r.remote:
+                remote = tuple(r.remote)
+                dist.append(DistSeq(row, s.num_new_tokens, end, r.block_ids, remote, r.request_id))
+            else:
+                spans.append(SeqSpan(row, s.num_new_tokens, end, r.block_ids))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
             if r.sampling.prompt_logprobs is not None:
@@ -67,10 +75,16 @@ class BatchPlanner:
                     prompt_rows.extend(row + t - 1 - start for t in range(first, last + 1))
                     prompt_targets.append((r, tuple(range(first, last + 1))))
         dev = self.device
+        if dist:
+            attention = plan_dist(
+                self.attention, spans, dist, len(ids), self.block_size, dev, self.dist
+            )
+        else:
+            attention = self.attention.plan(spans, self.block_size, dev)
         batch = Batch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            attention=self.attention.plan(spans, self.block_size, dev),
+            attention=attention,
             lora=self._plan_lora(ordered, len(ids)),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             logit_rows=(

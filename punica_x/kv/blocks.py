@@ -7,13 +7,15 @@ block ids (its block table) and token ``i`` of it lives in block ``table[i // P]
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 
 class BlockAllocator:
-    """Free list of block ids. allocate() is all-or-nothing."""
+    """Free list of block ids. allocate() is all-or-nothing. Thread-safe: a runner's own
+    step and its rManager lending blocks to peers (DistKV) take blocks from one list."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -21,6 +23,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._used = [False] * num_blocks
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -32,19 +35,21 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int] | None:
         """n block ids, or None (and nothing taken) when fewer than n are free."""
-        if n > len(self._free):
-            return None
-        ids = [self._free.pop() for _ in range(n)]
-        for i in ids:
-            self._used[i] = True
-        return ids
+        with self._lock:
+            if n > len(self._free):
+                return None
+            ids = [self._free.pop() for _ in range(n)]
+            for i in ids:
+                self._used[i] = True
+            return ids
 
     def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if not self._used[i]:
-                raise RuntimeError(f"block {i} freed twice")
-            self._used[i] = False
-            self._free.append(i)
+        with self._lock:
+            for i in ids:
+                if not self._used[i]:
+                    raise RuntimeError(f"block {i} freed twice")
+                self._used[i] = False
+                self._free.append(i)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -1,0 +1,235 @@
+"""DistAttention (Infinite-LLM sec. 4; Lamina's overlap): attention of a step in which some
+requests hold KV blocks on other runners.
+
+A request's tokens are covered by segments in logical order: its local blocks first (its
+block table), then each RemoteExtent it borrowed. Its rows' attention is the exact merge
+(ScaleReduce, attention.merge) of one micro-attention per segment. For a segment holding
+keys [t0, t1) and rows at positions [a, b) (b = kv_len):
+- rows at positions in [t0, t1) attend causally: one SeqSpan (they are its last rows);
+- rows at positions >= t1 see the whole segment: one single-row SeqSpan each;
+- rows before t0 do not see it; the new K/V of rows in [t0, t1) is written there.
+Local segments run through this runner's attention backend together with the requests that
+hold no remote blocks; each remote owner gets the query rows that see its blocks (and the
+new K/V that lands there) once per layer, computes its micro-attentions where the blocks
+live and returns (out, lse): KV never travels. The remote calls start before the local
+attention runs and are collected after it (the overlap; `overlap=False` runs them after)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+
+import torch
+
+from punica_x.attention.merge import merge_attention
+from punica_x.attention.paged import SeqSpan
+from punica_x.kv.rmanager import KVBorrower, MicroPlan, RemoteExtent
+
+
+@dataclass(frozen=True)
+class DistSeq:
+    """A request of the step that holds remote blocks: rows [row_start, row_start +
+    num_rows) are its last num_rows of kv_len tokens; block_ids are its local blocks (the
+    first tokens), remote the rest."""
+
+    row_start: int
+    num_rows: int
+    kv_len: int
+    block_ids: list[int]
+    remote: tuple[RemoteExtent, ...]
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class SegmentWork:
+    """What one segment does for one request's rows. first_row: the first of the request's
+    rows (offset from its row_start) that sees the segment; spans: in coordinates of the
+    rows from first_row on; writes: (row offset, block, slot offset) of new K/V stored here."""
+
+    first_row: int
+    spans: tuple[SeqSpan, ...]
+    writes: tuple[tuple[int, int, int], ...]
+
+
+def segment_work(
+    num_rows: int, kv_len: int, t0: int, block_ids: list[int] | tuple[int, ...], block_size: int
+) -> SegmentWork | None:
+    """The micro-attention of rows at positions [kv_len - num_rows, kv_len) over a segment
+    whose blocks hold positions [t0, t0 + len(block_ids) * block_size); None when no row
+    sees it (it is empty, or starts at or after kv_len)."""
+    a, b = kv_len - num_rows, kv_len
+    t1 = t0 + len(block_ids) * block_size
+    if t0 >= b or t1 == t0:
+        return None
+    first = max(0, t0 - a)
+    end = min(b, t1)
+    lo = max(a, t0)
+    blocks = list(block_ids)
+    spans = []
+    causal = end - lo
+    if causal > 0:
+        spans.append(SeqSpan(0, causal, end - t0, blocks))
+    for j in range(max(causal, 0), num_rows - first):
+        spans.append(SeqSpan(j, 1, t1 - t0, blocks))  # rows past the segment see all of it
+    writes = tuple(
+        (p - a, blocks[(p - t0) // block_size], (p - t0) % block_size) for p in range(lo, end)
+    )
+    return SegmentWork(first, tuple(spans), writes)
+
+
+def shift(spans, rows: int) -> list[SeqSpan]:
+    return [SeqSpan(s.row_start + rows, s.num_rows, s.kv_len, s.block_ids) for s in spans]
+
+
+@dataclass
+class _RemoteCall:
+    owner: str
+    q_rows: list[int] = field(default_factory=list)
+    kv_rows: list[int] = field(default_factory=list)
+    spans: list[SeqSpan] = field(default_factory=list)
+    write_blocks: list[int] = field(default_factory=list)
+    write_offsets: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    # (index of the DistSeq, first row offset in it, rows, offset in this call's q)
+    items: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class DistContext:
+    """What a runner needs to plan DistAttention: its id, its peers, a thread pool for the
+    remote calls (None: run them in the step's thread) and whether they overlap the local
+    attention."""
+
+    runner_id: str
+    borrower: KVBorrower
+    pool: Executor | None = None
+    overlap: bool = True
+
+
+def plan_dist(
+    backend,
+    plain: list[SeqSpan],
+    seqs: list[DistSeq],
+    num_rows: int,
+    block_size: int,
+    device: torch.device,
+    ctx: DistContext,
+) -> DistPlan:
+    """plain: spans of the requests with local KV only (full-batch row coordinates)."""
+    local_spans = list(plain)
+    writes: list[tuple[int, int, int]] = []
+    for sp in plain:
+        for pos in range(sp.kv_len - sp.num_rows, sp.kv_len):
+            row = sp.row_start + pos - (sp.kv_len - sp.num_rows)
+            writes.append((row, sp.block_ids[pos // block_size], pos % block_size))
+    covered = torch.zeros(num_rows, dtype=torch.bool)
+    for sp in plain:
+        covered[sp.row_start : sp.row_start + sp.num_rows] = True
+    calls: dict[str, _RemoteCall] = {}
+    for si, seq in enumerate(seqs):
+        t0 = 0
+        segments = [(None, seq.block_ids)] + [(e.owner, e.block_ids) for e in seq.remote]
+        for owner, blocks in segments:
+            work = segment_work(seq.num_rows, seq.kv_len, t0, blocks, block_size)
+            t0 += len(blocks) * block_size
+            if work is None:
+                continue
+            base = seq.row_start + work.first_row
+            seen = seq.num_rows - work.first_row
+            if owner is None:
+                local_spans += shift(work.spans, base)
+                covered[base : base + seen] = True
+                writes += [(seq.row_start + r, blk, off) for r, blk, off in work.writes]
+                continue
+            call = calls.setdefault(owner, _RemoteCall(owner))
+            call.items.append((si, work.first_row, seen, len(call.q_rows)))
+            call.spans += shift(work.spans, len(call.q_rows))
+            call.q_rows += range(base, base + seen)
+            for r, blk, off in work.writes:
+                call.kv_rows.append(seq.row_start + r)
+                call.write_blocks.append(blk)
+                call.write_offsets.append(off)
+            if seq.request_id not in call.request_ids:
+                call.request_ids.append(seq.request_id)
+    remote = []
+    for call in calls.values():
+        plan = MicroPlan(
+            tuple(call.request_ids),
+            tuple(call.spans),
+            tuple(call.write_blocks),
+            tuple(call.write_offsets),
+        )
+        micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
+        remote.append((call, micro, _ints(call.q_rows, device), _ints(call.kv_rows, device)))
+    local = backend.plan(local_spans, block_size, device)
+    w = list(zip(*writes)) if writes else ([], [], [])
+    uncovered = (~covered).nonzero().flatten().to(device)
+    return DistPlan(
+        local=local,
+        seqs=seqs,
+        remote=remote,
+        write_rows=_ints(w[0], device),
+        write_blocks=_ints(w[1], device),
+        write_offsets=_ints(w[2], device),
+        uncovered=uncovered,
+        pool=ctx.pool,
+        overlap=ctx.overlap,
+    )
+
+
+def _ints(xs, device) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int64, device=device)
+
+
+@dataclass
+class DistPlan:
+    """The step's attention plan when some request holds remote blocks (same interface as
+    a backend's plan: write_kv, then attend, per layer)."""
+
+    local: object
+    seqs: list[DistSeq]
+    remote: list
+    write_rows: torch.Tensor
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    uncovered: torch.Tensor
+    pool: Executor | None
+    overlap: bool
+    _k: torch.Tensor | None = None
+    _v: torch.Tensor | None = None
+
+    def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new K/V rows that land in local blocks; keep the rest for attend()."""
+        if self.write_rows.numel():
+            kv[self.write_blocks, layer, 0, :, self.write_offsets] = k[self.write_rows]
+            kv[self.write_blocks, layer, 1, :, self.write_offsets] = v[self.write_rows]
+        self._k, self._v = k, v
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
+        """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32), merged over every
+        runner holding a part of each request's keys."""
+        k, v = self._k, self._v
+        pending = []
+        if self.overlap:
+            pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
+        out, lse = self.local.attend(q, kv, layer, scale)
+        if self.uncovered.numel():  # rows whose request has no local key they can see
+            out[self.uncovered] = 0
+            lse[self.uncovered] = float("-inf")
+        if not self.overlap:
+            pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
+        for (call, _, q_rows, _), result in zip(self.remote, pending):
+            o, s = result.result() if isinstance(result, Future) else result
+            for _, _, n, at in call.items:  # rows of one request (unique within an item)
+                rows = q_rows[at : at + n]
+                m_out, m_lse = merge_attention(out[rows], lse[rows], o[at : at + n], s[at : at + n])
+                out[rows] = m_out
+                lse[rows] = m_lse
+        return out, lse
+
+    def _start(self, entry, layer, q, k, v, scale):
+        call, micro, q_rows, kv_rows = entry
+        args = (layer, q[q_rows], k[kv_rows], v[kv_rows], scale)
+        if self.pool is None:
+            return micro.run(*args)
+        return self.pool.submit(micro.run, *args)

@@ -1,0 +1,140 @@
+"""DistKV over in-process runners (tiny model): a request too long for its runner borrows
+blocks on peers, computes attention where they live, and its greedy output equals one runner
+with room for all of it; losing a creditor mid-decode recomputes it with the same output;
+admission and growth stop at the cluster's capacity with errors that say so."""
+
+from __future__ import annotations
+
+import pytest
+
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason, SamplingParams
+from punica_x.engine import Engine
+from punica_x.models.loader import load_model
+from scheduler.distkv import KVNetwork, default_caps
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+PROMPT = [(i * 7) % 200 + 3 for i in range(150)]  # 190 tokens with the output: 12 blocks
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir):
+    return load_model(ModelConfig(model=str(tiny_model_dir)))
+
+
+def engine(shared, num_blocks, chunk=2048) -> Engine:
+    config = EngineConfig(
+        model=ModelConfig(model="unused"),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        batch=BatchConfig(max_batched_tokens=chunk),
+    )
+    return Engine(config, shared)
+
+
+def network(engines: dict[str, Engine]) -> KVNetwork:
+    net = KVNetwork()
+    for rid, e in engines.items():
+        caps = default_caps(e.cache.allocator.num_blocks)
+        borrower = net.add_runner(rid)
+        net.attach(rid, e.enable_distkv(rid, borrower, caps, pool=net.pool))
+    return net
+
+
+def run(e: Engine, prompts, others=(), on_step=None) -> dict:
+    for i, p in enumerate(prompts):
+        e.add_request(p, GREEDY, request_id=f"q{i}")
+    final = {}
+    steps = 0
+    while e.has_unfinished():
+        for out in e.step():
+            if out.finished:
+                final[out.request_id] = out
+        for o in others:
+            o.step()
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+    return final
+
+
+@pytest.fixture(scope="module")
+def reference(shared):
+    big = engine(shared, 64)
+    short = PROMPT[:20]
+    return {k: v.token_ids for k, v in run(big, [PROMPT, short]).items()}
+
+
+@pytest.mark.parametrize("chunk", [16, 100, 2048])
+def test_a_request_longer_than_its_runner_borrows_and_matches_one_big_runner(
+    shared, reference, chunk
+):
+    a, b, c = engine(shared, 4, chunk), engine(shared, 6), engine(shared, 6)
+    net = network({"a": a, "b": b, "c": c})
+    most = []
+
+    def watch(_):
+        r = a.requests.get("q0")
+        if r is not None:
+            most.append(sum(len(e.block_ids) for e in r.remote))
+
+    out = run(a, [PROMPT, PROMPT[:20]], on_step=watch)
+    assert out["q0"].token_ids == reference["q0"]
+    assert out["q1"].token_ids == reference["q1"]  # a plain request in the same batches
+    assert max(most) == 8  # 12 blocks: 4 local, 8 borrowed
+    assert b.rmanager.calls > 0 and c.rmanager.calls > 0
+    # everything went back: the ledger holds no debt, every cache is free again
+    assert net.ledger.debts() == {}
+    assert [e.cache.allocator.num_free for e in (a, b, c)] == [4, 6, 6]
+
+
+def test_a_creditor_lost_mid_decode_recomputes_with_identical_output(shared, reference):
+    a, b, c = engine(shared, 4), engine(shared, 10), engine(shared, 10)
+    net = network({"a": a, "b": b, "c": c})
+    killed = []
+
+    def kill(steps):
+        r = a.requests.get("q0")
+        if not killed and r is not None and len(r.output_token_ids) == 20:
+            holder = r.remote[0].owner
+            net.remove(holder, dead=True)
+            killed.append(holder)
+
+    out = run(a, [PROMPT], on_step=kill)
+    assert killed and out["q0"].token_ids == reference["q0"]
+    assert a.peer_losses == 1 and out["q0"].finish_reason is FinishReason.LENGTH
+    survivor = c if killed[0] == "b" else b
+    assert survivor.cache.allocator.num_free == 10 and net.ledger.debts() == {}
+
+
+def test_a_refused_borrow_waits_for_room_then_completes(shared, reference):
+    a, b = engine(shared, 4), engine(shared, 10)
+    net = network({"a": a, "b": b})
+    own = b.cache.allocator.allocate(10)  # b's own work holds every block for a while
+    released = []
+
+    def release(steps):
+        if steps == 5:
+            b.cache.allocator.free(own)
+            released.append(a.batcher.borrow_refusals)
+
+    out = run(a, [PROMPT], on_step=release)
+    assert released[0] > 0  # it asked and was refused before room appeared
+    assert out["q0"].token_ids == reference["q0"]
+    assert net.ledger.refusals > 0
+
+
+def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
+    a, b = engine(shared, 4), engine(shared, 6)
+    alone = engine(shared, 4)
+    long = [5] * 150
+    with pytest.raises(ValueError, match="the KV cache holds 64"):
+        alone.check_prompt(long)  # without DistKV: one runner's cache
+    network({"a": a, "b": b})
+    assert a.capacity_blocks() == 4 + 5  # b lends 90% of its 6 blocks
+    a.check_prompt(long[:143])
+    with pytest.raises(ValueError, match="the KV cache holds 144"):
+        a.check_prompt(long)
+    out = run(a, [long[:130]])["q0"]  # fits to 144 tokens, asks for 170
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 15
+    assert "the cluster's KV caches hold 144 tokens" in out.error
