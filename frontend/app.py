@@ -89,7 +89,9 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
 
         with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
             runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
-        return Scheduler(runners, ray_factory, config.idle_after_s, tokenizer=meta.tokenizer)
+        return Scheduler(
+            runners, ray_factory, config.idle_after_s, tokenizer=meta.tokenizer, distkv=False
+        )
     first = LocalRunner(engine, "runner-0")
     shared = first.engine.loaded
 
@@ -97,7 +99,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         return LocalRunner(engine, runner_id, shared=shared)
 
     runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
-    return Scheduler(runners, factory, config.idle_after_s)
+    return Scheduler(runners, factory, config.idle_after_s, distkv=config.distkv)
 
 
 def create_app(config: ServerConfig) -> Starlette:

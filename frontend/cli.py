@@ -65,6 +65,7 @@ def serve(args) -> int:
             runner_backend=args.runner_backend,
             ray_address=args.ray_address,
             autoscale=args.autoscale,
+            distkv=not args.no_distkv,
         )
     except ValueError as exc:
         print(f"punica-x: {exc}", file=sys.stderr)
@@ -162,7 +163,17 @@ def _status(base: str, token: str) -> int:
 
 
 def _runner_table(data: dict) -> str:
-    head = ("ID", "BACKEND", "NODE", "STATE", "RUNNING", "WAITING", "KV USED/FREE", "ADAPTERS")
+    head = (
+        "ID",
+        "BACKEND",
+        "NODE",
+        "STATE",
+        "RUNNING",
+        "WAITING",
+        "KV USED/FREE",
+        "LENT/BORROWED",
+        "ADAPTERS",
+    )
     rows = [head]
     for r in data["runners"]:
         rows.append(
@@ -174,6 +185,7 @@ def _runner_table(data: dict) -> str:
                 str(r["running"]),
                 str(r["waiting"]),
                 f"{r['kv_blocks_used']}/{r['kv_blocks_free']}",
+                f"{r.get('kv_blocks_lent', 0)}/{r.get('kv_blocks_borrowed', 0)}",
                 str(r["resident_adapters"]),
             )
         )
@@ -295,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MIN:MAX",
         help="start and drain runners on the scaling advice, keeping MIN..MAX (dead ones replaced)",
+    )
+    s.add_argument(
+        "--no-distkv",
+        action="store_true",
+        help="no DistKV: a prompt longer than one runner's KV cache is refused (by default "
+        "thread runners lend each other KV blocks for it)",
     )
     s.add_argument(
         "--ray-address",

@@ -44,6 +44,8 @@ class ServerConfig:
     ray_address: str | None = None  # join this Ray cluster ("auto": the local one); else start one
     autoscale: str | None = None  # "MIN:MAX": act on the scaling advice (scheduler/autoscale.py)
     idle_after_s: float = 60.0  # a runner idle this long (others with room) is advised away
+    # DistKV: a prompt too long for one runner borrows KV blocks on the others (thread runners)
+    distkv: bool = True
 
     def __post_init__(self) -> None:
         if self.runners < 1:

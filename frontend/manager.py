@@ -28,6 +28,7 @@ from frontend.metrics import Metrics
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.uploads import CONFIG, WEIGHTS
 from punica_x.core import MAX_LOGPROBS, RequestOutput, SamplingParams
+from punica_x.engine import ContextTooLong
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.structured import JSON_OBJECT, canonical_schema, compile_json_schema
@@ -498,6 +499,8 @@ class FrontendManager:
             raise ApiError(
                 404, "model_not_found", f"the model {model!r} does not exist", "model"
             ) from None
+        except ContextTooLong as exc:
+            raise bad_request("context_length_exceeded", str(exc)) from None
         except ValueError as exc:
             raise bad_request("invalid_prompt", str(exc)) from None
         except NoRunner:

@@ -59,6 +59,11 @@ class RunnerCollector:
                 "runner_waiting": ("requests waiting in a runner's batcher", "waiting"),
                 "runner_kv_blocks_used": ("KV blocks in use on a runner", "kv_blocks_used"),
                 "runner_kv_blocks_free": ("free KV blocks on a runner", "kv_blocks_free"),
+                "kv_blocks_lent": ("KV blocks a runner lends to peers (DistKV)", "kv_blocks_lent"),
+                "kv_blocks_borrowed": (
+                    "KV blocks a runner's requests hold on peers (DistKV)",
+                    "kv_blocks_borrowed",
+                ),
             }
             for name, (doc, key) in per.items():
                 g = GaugeMetricFamily(f"punica_x_{name}", doc, labels=["runner"])

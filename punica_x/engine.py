@@ -36,6 +36,11 @@ from punica_x.structured import Grammars
 log = logging.getLogger(__name__)
 
 
+class ContextTooLong(ValueError):
+    """The prompt does not fit in the KV memory one request can have (the frontend answers
+    HTTP 400 context_length_exceeded)."""
+
+
 def check_request(
     ids: list[int],
     sampling: SamplingParams,
@@ -43,14 +48,16 @@ def check_request(
     max_model_len: int,
     block_size: int,
     num_blocks: int,
+    holder: str = "the KV cache holds",
 ) -> None:
-    """The refusals of a request that depend only on the model and the KV pool's size, and
-    an uncompilable JSON schema (ValueError naming the problem); shared by runners and the
+    """The refusals of a request that depend only on the model and the KV pool's size
+    (num_blocks: the most one request can hold; `holder` names it in the error), and an
+    uncompilable JSON schema (ValueError naming the problem); shared by runners and the
     control plane in front."""
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= max_model_len:
-        raise ValueError(
+        raise ContextTooLong(
             f"the prompt has {len(ids)} tokens; the model's context is "
             f"{max_model_len} (room for at least one new token is needed)"
         )
@@ -58,8 +65,8 @@ def check_request(
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
     if blocks_needed(len(ids) + 1, block_size) > num_blocks:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; the KV cache holds {num_blocks * block_size}"
+        raise ContextTooLong(
+            f"the prompt has {len(ids)} tokens; {holder} {num_blocks * block_size}"
         )
     bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -299,7 +306,12 @@ class Engine:
             self.max_model_len,
             self.cache.block_size,
             self.capacity_blocks(),
+            "the cluster's KV caches (DistKV) hold" if self._peers_lend() else "the KV cache holds",
         )
+
+    def _peers_lend(self) -> bool:
+        borrower = self.batcher.borrower
+        return borrower is not None and borrower.capacity_blocks() > 0
 
     def capacity_blocks(self) -> int:
         """The most KV blocks one request can hold: this runner's cache, plus what its peers
@@ -425,7 +437,7 @@ class Engine:
         to preempt) or, under DistKV, all the blocks the cluster can give one request: it ends
         with LENGTH where it stands."""
         capacity = self.capacity_blocks() * self.cache.block_size
-        where = "cluster's KV caches hold" if self.rmanager else "whole cache holds"
+        where = "cluster's KV caches hold" if self._peers_lend() else "whole cache holds"
         error = (
             f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
             f"{where} {capacity} tokens, so it cannot fit even alone; it ends here "

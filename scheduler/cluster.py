@@ -10,6 +10,10 @@ holds every request's prompt and everything it has streamed, so a request can mo
 - failure: a runner whose engine stopped (a step raised, its thread or process died) loses
   nothing: its requests continue on the other runners from what they had streamed.
 
+DistKV (scheduler/distkv.py): a request whose KV fits on no single runner is placed on the
+runner with the most room and borrows blocks on the others through the gManager's ledger
+(thread runners; `distkv=False` refuses such a prompt, naming one runner's limit).
+
 A move recomputes (Punica sec. 5.3): the target prefills prompt + generated tokens and goes
 on (see punica_x.core.Resume); the client's stream continues with no token missing or
 repeated, and greedy and seeded output equal a run that never moved. A request that fails
@@ -35,6 +39,7 @@ from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
 from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from scheduler.distkv import KVNetwork, default_caps
 from scheduler.interface import ModelInfo, RunnerStats
 from scheduler.local import LocalRunner
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
@@ -46,7 +51,9 @@ from scheduler.placement import (
     advise,
     blocks_for,
     drain_choice,
+    fits_alone,
     place,
+    place_distributed,
 )
 
 log = logging.getLogger(__name__)
@@ -91,7 +98,11 @@ class RunnerSlot:
         h = self.handle
         if h is None:
             return RunnerSnapshot(self.runner_id, self.state, 0, 0, 0, 0, 1, index=self.index)
-        committed = sum(blocks_for(s.num_tokens, h.block_size) for s in self.streams.values())
+        committed = sum(
+            min(blocks_for(s.num_tokens, h.block_size), h.kv_blocks_total)  # a DistKV one
+            for s in self.streams.values()  # holds at most this runner's blocks here
+        )
+        committed += kv_lent(h)
         return RunnerSnapshot(
             runner_id=self.runner_id,
             state=self.state,
@@ -106,9 +117,17 @@ class RunnerSlot:
         )
 
 
+def kv_lent(handle) -> int:
+    """Blocks a runner lends to peers' requests (DistKV); 0 when it takes no part."""
+    rm = getattr(getattr(handle, "engine", None), "rmanager", None)
+    return rm.lent_blocks if rm is not None else 0
+
+
 class Scheduler:
     """runners: started runners (at least one). factory(runner_id) builds one more runner of
-    the same backend (blocking; it runs on a worker thread) for scale-up; None: fixed size."""
+    the same backend (blocking; it runs on a worker thread) for scale-up; None: fixed size.
+    distkv: thread runners lend each other KV blocks for requests no single one can hold
+    (lend_fraction of each runner's blocks at most)."""
 
     def __init__(
         self,
@@ -116,6 +135,9 @@ class Scheduler:
         factory: Callable[[str], LocalRunner] | None = None,
         idle_after: float = 60.0,
         tokenizer=None,
+        distkv: bool = True,
+        lend_fraction: float = 0.9,
+        distkv_overlap: bool = True,
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
@@ -147,6 +169,34 @@ class Scheduler:
         self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
+        self.lend_fraction, self.distkv_overlap = lend_fraction, distkv_overlap
+        self.kv_network: KVNetwork | None = None
+        if distkv:
+            if any(r.backend != "thread" for r in runners):
+                log.warning(
+                    "DistKV runs between thread runners only; it is off for %s runners",
+                    runners[0].backend,
+                )
+            else:
+                self.kv_network = KVNetwork()
+                for slot in self.slots:
+                    self._join_distkv(slot)
+
+    def _join_distkv(self, slot: RunnerSlot) -> None:
+        """The runner lends blocks and may borrow them (before it takes any request)."""
+        net, h = self.kv_network, slot.handle
+        if net is None or getattr(h, "engine", None) is None:
+            return
+        caps = default_caps(h.kv_blocks_total, self.lend_fraction)
+        borrower = net.add_runner(slot.runner_id)
+        rm = h.engine.enable_distkv(
+            slot.runner_id, borrower, caps, self.distkv_overlap, pool=net.pool
+        )
+        net.attach(slot.runner_id, rm, getattr(h, "node", ""))
+
+    def _leave_distkv(self, slot: RunnerSlot, dead: bool) -> None:
+        if self.kv_network is not None:
+            self.kv_network.remove(slot.runner_id, dead)
 
     # -- requests -----------------------------------------------------------------------------
     async def open(
@@ -185,7 +235,12 @@ class Scheduler:
         return [s.snapshot() for s in self.slots]
 
     def _place(self, stream: ClusterStream, exclude: frozenset[str] = frozenset()):
-        rid = place(self.snapshots(), stream.demand(), exclude)
+        snaps, demand = self.snapshots(), stream.demand()
+        rid = place(snaps, demand, exclude)
+        if rid is None and self.kv_network is not None:
+            active = [s for s in snaps if s.state == ACTIVE and s.runner_id not in exclude]
+            if active and not any(fits_alone(s, demand) for s in active):
+                rid = place_distributed(snaps, demand, exclude)
         return None if rid is None else self._slot(rid)
 
     async def _attach(self, stream: ClusterStream, slot: RunnerSlot, initial: bool = False) -> None:
@@ -283,6 +338,8 @@ class Scheduler:
         source = stream.slot
         if source is None or stream.closed or stream.moving:
             return
+        if not any(fits_alone(s, stream.demand()) for s in self.snapshots() if s.state == ACTIVE):
+            return  # a DistKV request: no runner holds it alone, moving it gains nothing
         target = self._place(stream, exclude=frozenset({source.runner_id}))
         if target is not None:
             self._spawn(self.migrate(stream, "kv_pressure", target))
@@ -370,6 +427,7 @@ class Scheduler:
             return
         log.error("runner %s failed: %s; its requests continue elsewhere", slot.runner_id, error)
         slot.state, slot.error = "dead", error
+        self._leave_distkv(slot, dead=True)
         self.failures[slot.runner_id] += 1
         dead = [s for s in self.slots if s.state == "dead"]
         for old in dead[: max(0, len(dead) - KEEP_DEAD)]:
@@ -426,6 +484,7 @@ class Scheduler:
             if slot.handle is not None:
                 await asyncio.to_thread(slot.handle.shutdown)
             raise
+        self._join_distkv(slot)
         slot.state = ACTIVE
         slot.idle_since = time.monotonic()
         log.info("runner %s is active", slot.runner_id)
@@ -446,12 +505,16 @@ class Scheduler:
         if len(self._active()) <= 1:
             raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
         slot.state = "draining"
+        rm = getattr(getattr(slot.handle, "engine", None), "rmanager", None)
+        if rm is not None:
+            rm.caps = dataclasses.replace(rm.caps, max_blocks=0)  # lends nothing more
         log.info("draining runner %s (%d requests)", runner_id, len(slot.streams))
         while slot.streams:
             for stream in list(slot.streams.values()):
                 if stream.inner is not None and not stream.moving:
                     await self.migrate(stream, "drain", mode=mode)
             await asyncio.sleep(0.01)  # requests still being opened there, or finishing
+        self._leave_distkv(slot, dead=True)  # blocks it still lends go with it: debtors recompute
         await asyncio.to_thread(slot.handle.shutdown)
         self.slots.remove(slot)
         log.info("runner %s drained and stopped", runner_id)
@@ -470,6 +533,7 @@ class Scheduler:
     def runners(self) -> list[dict]:
         """What GET /admin/runners lists, one dict per runner."""
         self.check_runners()
+        ledger = self.kv_network.ledger if self.kv_network is not None else None
         rows = []
         for slot in self.slots:
             h = slot.handle
@@ -486,6 +550,9 @@ class Scheduler:
                     "waiting": stats.waiting if stats else 0,
                     "kv_blocks_used": stats.kv_blocks_used if stats else 0,
                     "kv_blocks_free": stats.kv_blocks_free if stats else 0,
+                    # DistKV, as the gManager's ledger has it: blocks lent to / borrowed from peers
+                    "kv_blocks_lent": ledger.lent_by(slot.runner_id) if ledger else 0,
+                    "kv_blocks_borrowed": ledger.borrowed(slot.runner_id) if ledger else 0,
                     "resident_adapters": len(h.resident_adapters()) if stats else 0,
                     "error": slot.error,
                 }
@@ -547,6 +614,8 @@ class Scheduler:
         for s in self.slots:
             if s.handle is not None and s.state != "dead":
                 s.handle.shutdown()
+        if self.kv_network is not None:
+            self.kv_network.shutdown()
 
 
 class ClusterStream:

@@ -83,6 +83,22 @@ def place(
     return max(fits, key=key).runner_id
 
 
+def place_distributed(
+    runners: Sequence[RunnerSnapshot], demand: Demand, exclude: frozenset[str] = frozenset()
+) -> str | None:
+    """For a request no single runner can hold (DistKV): the active runner with batch room
+    and the most free KV blocks, when the active runners' free blocks together hold it (it
+    borrows the rest from the others); None: it waits."""
+    active = [r for r in runners if r.state == ACTIVE and r.runner_id not in exclude]
+    room = [r for r in active if r.working_set < (r.max_working_set or r.max_batch_size)]
+    if not room:
+        return None
+    need = max(blocks_for(demand.num_tokens, r.block_size) for r in active)
+    if sum(max(0, r.kv_blocks_room) for r in active) < need:
+        return None
+    return max(room, key=lambda r: (r.kv_blocks_room, -r.index)).runner_id
+
+
 def fits_alone(r: RunnerSnapshot, demand: Demand) -> bool:
     """Whether `demand` could ever run on r (an empty r has room for it)."""
     return blocks_for(demand.num_tokens, r.block_size) <= r.kv_blocks_total

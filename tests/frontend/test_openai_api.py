@@ -157,4 +157,7 @@ def test_a_request_that_outgrows_the_whole_kv_cache_ends_with_length(tight_serve
     with tight_server.http(key) as c:
         body = {"model": tight_server.model_id, "prompt": [5] * TIGHT_KV_TOKENS, "max_tokens": 4}
         r = c.post("/v1/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_prompt", r.text
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].endswith(f"the KV cache holds {TIGHT_KV_TOKENS}")

@@ -5,6 +5,8 @@ admission and growth stop at the cluster's capacity with errors that say so."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
@@ -133,8 +135,65 @@ def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
     network({"a": a, "b": b})
     assert a.capacity_blocks() == 4 + 5  # b lends 90% of its 6 blocks
     a.check_prompt(long[:143])
-    with pytest.raises(ValueError, match="the KV cache holds 144"):
+    with pytest.raises(ValueError, match=r"KV caches \(DistKV\) hold 144"):
         a.check_prompt(long)
     out = run(a, [long[:130]])["q0"]  # fits to 144 tokens, asks for 170
     assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 15
     assert "the cluster's KV caches hold 144 tokens" in out.error
+
+
+def cluster(shared, sizes, distkv=True):
+    from scheduler.cluster import Scheduler
+    from scheduler.local import LocalRunner
+
+    runners = []
+    for i, n in enumerate(sizes):
+        config = EngineConfig(
+            model=ModelConfig(model="unused"),
+            cache=CacheConfig(block_size=BLOCK, num_blocks=n),
+            batch=BatchConfig(max_batched_tokens=64),
+        )
+        runners.append(LocalRunner(config, f"runner-{i}", shared=shared))
+    return Scheduler(runners, distkv=distkv)
+
+
+def test_the_scheduler_places_a_too_long_request_and_the_runners_lend(shared, reference):
+    """Thread runners of 6 blocks each: a 190-token request (12 blocks) is placed on one,
+    borrows on the others, and the admin view shows the loans while it runs."""
+    from punica_x.engine import ContextTooLong
+
+    async def main():
+        sched = cluster(shared, [6, 6, 6])
+        stream = await sched.open(PROMPT, GREEDY, None, "long")
+        tokens, views = [], []
+        async for out in stream:
+            tokens += out.new_token_ids
+            if len(tokens) == 30:
+                views = sched.runners()
+        with pytest.raises(ContextTooLong, match=r"KV caches \(DistKV\) hold 256"):
+            await sched.open([5] * 300, GREEDY, None, "too-long")  # 6 + 5 + 5 blocks
+        after = sched.runners()
+        sched.shutdown()
+        return tokens, views, after
+
+    tokens, views, after = asyncio.run(main())
+    assert tokens == reference["q0"]
+    borrowed = {v["id"]: v["kv_blocks_borrowed"] for v in views}
+    lent = {v["id"]: v["kv_blocks_lent"] for v in views}
+    home = max(borrowed, key=borrowed.get)
+    assert borrowed[home] == 6 and sum(lent.values()) == 6 and lent[home] == 0
+    assert all(v["kv_blocks_lent"] == v["kv_blocks_borrowed"] == 0 for v in after)
+
+
+def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared):
+    from punica_x.engine import ContextTooLong
+
+    async def main():
+        sched = cluster(shared, [6, 6, 6], distkv=False)
+        try:
+            with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
+                await sched.open(PROMPT, GREEDY, None, "long")
+        finally:
+            sched.shutdown()
+
+    asyncio.run(main())
