@@ -17,7 +17,7 @@ from collections import deque
 from punica_x.config import BatchConfig
 from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
-from punica_x.kv.rmanager import KVBorrower
+from punica_x.kv.rmanager import KVBorrower, RemoteExtent
 from punica_x.planner import ScheduledRequest
 
 BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
@@ -144,8 +144,12 @@ class Batcher:
             self.borrow_refusals += 1
             r.borrow_after = time.monotonic() + BORROW_RETRY_S
             return WAIT
-        for extent in got:
-            r.remote.append(extent)
+        for extent in got:  # one segment per owner run: one micro-attention call each
+            last = r.remote[-1] if r.remote else None
+            if last is not None and last.owner == extent.owner:
+                r.remote[-1] = RemoteExtent(last.owner, last.block_ids + extent.block_ids)
+            else:
+                r.remote.append(extent)
         return True
 
     def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool | str:

@@ -150,12 +150,13 @@ class Engine:
         runner_id: str,
         borrower: KVBorrower,
         caps: LendCaps,
-        overlap: bool = True,
+        overlap: bool = False,
         pool=None,
     ) -> RManager:
         """Take part in DistKV: lend blocks to peers within `caps` (the returned rManager
         serves them) and let requests too long for this runner borrow through `borrower`.
-        overlap: remote micro-attention runs (on `pool`) while the local part runs."""
+        overlap: remote micro-attention runs on `pool` while the local part runs (else in
+        the step's thread after it: where runners share the cores, that is faster)."""
         if self.swap is not None:
             raise ValueError(
                 "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "

@@ -127,7 +127,9 @@ class Scheduler:
     """runners: started runners (at least one). factory(runner_id) builds one more runner of
     the same backend (blocking; it runs on a worker thread) for scale-up; None: fixed size.
     distkv: thread runners lend each other KV blocks for requests no single one can hold
-    (lend_fraction of each runner's blocks at most)."""
+    (lend_fraction of each runner's blocks at most). distkv_overlap: run the peers'
+    micro-attention on worker threads while the local part runs; off by default because
+    thread runners share the CPU's cores, and there it measured slower (bench_distkv)."""
 
     def __init__(
         self,
@@ -137,7 +139,7 @@ class Scheduler:
         tokenizer=None,
         distkv: bool = True,
         lend_fraction: float = 0.9,
-        distkv_overlap: bool = True,
+        distkv_overlap: bool = False,
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")

@@ -11,8 +11,9 @@ keys [t0, t1) and rows at positions [a, b) (b = kv_len):
 Local segments run through this runner's attention backend together with the requests that
 hold no remote blocks; each remote owner gets the query rows that see its blocks (and the
 new K/V that lands there) once per layer, computes its micro-attentions where the blocks
-live and returns (out, lse): KV never travels. The remote calls start before the local
-attention runs and are collected after it (the overlap; `overlap=False` runs them after)."""
+live and returns (out, lse): KV never travels. With `overlap` the remote calls start on a
+thread pool before the local attention runs and are collected after it (Lamina); without,
+they run in the step's thread after it."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ class DistContext:
     runner_id: str
     borrower: KVBorrower
     pool: Executor | None = None
-    overlap: bool = True
+    overlap: bool = False
 
 
 def plan_dist(
@@ -230,6 +231,6 @@ class DistPlan:
     def _start(self, entry, layer, q, k, v, scale):
         call, micro, q_rows, kv_rows = entry
         args = (layer, q[q_rows], k[kv_rows], v[kv_rows], scale)
-        if self.pool is None:
+        if self.pool is None or not self.overlap:  # in this thread, after the local part
             return micro.run(*args)
         return self.pool.submit(micro.run, *args)

@@ -34,12 +34,12 @@ def engine(shared, num_blocks, chunk=2048) -> Engine:
     return Engine(config, shared)
 
 
-def network(engines: dict[str, Engine]) -> KVNetwork:
+def network(engines: dict[str, Engine], overlap: bool = False) -> KVNetwork:
     net = KVNetwork()
     for rid, e in engines.items():
         caps = default_caps(e.cache.allocator.num_blocks)
         borrower = net.add_runner(rid)
-        net.attach(rid, e.enable_distkv(rid, borrower, caps, pool=net.pool))
+        net.attach(rid, e.enable_distkv(rid, borrower, caps, overlap, pool=net.pool))
     return net
 
 
@@ -67,12 +67,12 @@ def reference(shared):
     return {k: v.token_ids for k, v in run(big, [PROMPT, short]).items()}
 
 
-@pytest.mark.parametrize("chunk", [16, 100, 2048])
+@pytest.mark.parametrize(("chunk", "overlap"), [(16, False), (100, True), (2048, False)])
 def test_a_request_longer_than_its_runner_borrows_and_matches_one_big_runner(
-    shared, reference, chunk
+    shared, reference, chunk, overlap
 ):
     a, b, c = engine(shared, 4, chunk), engine(shared, 6), engine(shared, 6)
-    net = network({"a": a, "b": b, "c": c})
+    net = network({"a": a, "b": b, "c": c}, overlap)
     most = []
 
     def watch(_):

@@ -1,0 +1,193 @@
+"""DistKV: how long a context N runners serve together, and what decoding costs when part
+of the KV lives on peers.
+
+    python benchmarks/bench_distkv.py [--blocks 32] [--context 2048] [--decode 32]
+                                      [--rounds 3] [--model PATH]
+
+1. Longest context: 1, 2 and 4 runners of --blocks KV blocks each (thread runners in one
+   process sharing the weights, DistKV through scheduler/distkv.py). The longest prompt the
+   cluster admits is run to completion; target >= 0.9 x N x the single-runner length.
+2. Decode time per token of one greedy request holding --context tokens, with 0% (all
+   local), 50% (one creditor) and 75% (three creditors, 25% each) of its KV on peers, the
+   remote micro-attention overlapping the local part or not (--no-overlap rows). Every
+   configuration runs --rounds times, interleaved; medians. Target: <= 1.25x all-local at
+   75% remote."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import describe_machine, print_table, save_plot, write_json  # noqa: E402
+
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
+from punica_x.core import SamplingParams  # noqa: E402
+from punica_x.engine import Engine  # noqa: E402
+from punica_x.models.loader import load_model  # noqa: E402
+from scheduler.distkv import KVNetwork, default_caps  # noqa: E402
+
+BLOCK = 16
+
+
+def engines(loaded, model: str, sizes: list[int], overlap: bool = True) -> list[Engine]:
+    """One engine per size (blocks), all in one DistKV network: engine 0 is the debtor."""
+    net = KVNetwork()
+    out = []
+    for i, n in enumerate(sizes):
+        config = EngineConfig(
+            model=ModelConfig(model=model),
+            cache=CacheConfig(block_size=BLOCK, num_blocks=n),
+            batch=BatchConfig(max_batched_tokens=512),
+        )
+        e = Engine(config, loaded)
+        rid = f"runner-{i}"
+        borrower = net.add_runner(rid)
+        net.attach(rid, e.enable_distkv(rid, borrower, default_caps(n), overlap, net.pool))
+        out.append(e)
+    return out
+
+
+def longest(loaded, model: str, blocks: int, n: int) -> dict:
+    """Run the longest prompt n runners of `blocks` blocks admit; return what was served."""
+    debtor = engines(loaded, model, [blocks] * n)[0]
+    capacity = debtor.capacity_blocks() * BLOCK  # tokens one request can hold
+    prompt = [(7 * i) % 20000 + 100 for i in range(capacity - 2)]
+    debtor.check_prompt(prompt)
+    t0 = time.perf_counter()
+    debtor.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    final = None
+    while debtor.has_unfinished():
+        for out in debtor.step():
+            final = out if out.finished else final
+    ok = final is not None and final.error is None and len(final.token_ids) == 2
+    return {
+        "runners": n,
+        "blocks_per_runner": blocks,
+        "served_tokens": len(prompt) + len(final.token_ids) if ok else 0,
+        "seconds": time.perf_counter() - t0,
+        "completed": ok,
+    }
+
+
+def decode_time(
+    loaded, model: str, context: int, remote: float, creditors: int, overlap: bool, decode: int
+) -> float:
+    """Seconds per decode token of one request with `context` tokens, `remote` of them on
+    `creditors` peers (0: all local)."""
+    need = -(-(context + decode + 1) // BLOCK)
+    local = need + 2 if remote == 0 else round(need * (1 - remote))
+    peer = -(-(need - local) // max(1, creditors))
+    sizes = [local] + [-(-(peer + 2) * 10 // 9)] * creditors  # lend cap 90%
+    debtor = engines(loaded, model, sizes, overlap)[0]
+    prompt = [(13 * i) % 20000 + 100 for i in range(context)]
+    debtor.add_request(
+        prompt, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True)
+    )
+    while not any(o.token_ids for o in debtor.step()):  # prefill
+        pass
+    t0 = time.perf_counter()
+    steps = 0
+    while debtor.has_unfinished():
+        debtor.step()
+        steps += 1
+    return (time.perf_counter() - t0) / steps
+
+
+CONFIGS = [  # (label, remote fraction, creditors, overlap)
+    ("all local", 0.0, 0, True),
+    ("50% remote", 0.5, 1, True),
+    ("50% remote, no overlap", 0.5, 1, False),
+    ("75% remote", 0.75, 3, True),
+    ("75% remote, no overlap", 0.75, 3, False),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=32, help="KV blocks per runner (longest)")
+    ap.add_argument("--context", type=int, default=2048, help="tokens held (decode timing)")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    machine = describe_machine()
+    print(machine)
+    mc = ModelConfig(
+        model=args.model, max_model_len=max(args.context, 4 * args.blocks * BLOCK) + 64
+    )
+    loaded = load_model(mc)
+    model = mc.model
+    lengths = [longest(loaded, model, args.blocks, n) for n in (1, 2, 4)]
+    single = lengths[0]["served_tokens"]
+    for row in lengths:
+        row["vs_n_x_single"] = row["served_tokens"] / (row["runners"] * single)
+    print_table(
+        lengths,
+        ["runners", "blocks_per_runner", "served_tokens", "vs_n_x_single", "completed", "seconds"],
+        "longest context served",
+    )
+    times: dict[str, list[float]] = {c[0]: [] for c in CONFIGS}
+    decode_time(loaded, model, 256, 0.5, 1, True, 4)  # warm-up
+    for r in range(args.rounds):
+        for label, remote, creditors, overlap in CONFIGS:
+            times[label].append(
+                decode_time(loaded, model, args.context, remote, creditors, overlap, args.decode)
+            )
+        print(
+            f"  round {r + 1}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in times.items()),
+            flush=True,
+        )
+    base = statistics.median(times["all local"])
+    decode = [
+        {
+            "config": label,
+            "ms_per_token": 1e3 * statistics.median(times[label]),
+            "vs_all_local": statistics.median(times[label]) / base,
+        }
+        for label, *_ in CONFIGS
+    ]
+    print_table(
+        decode,
+        ["config", "ms_per_token", "vs_all_local"],
+        f"decode, {args.context} tokens of context",
+    )
+    write_json(
+        "bench_distkv",
+        {
+            "machine": machine,
+            "args": vars(args),
+            "longest": lengths,
+            "decode": decode,
+            "raw_s": times,
+        },
+    )
+    plot(lengths, decode, args.context)
+
+
+def plot(lengths: list[dict], decode: list[dict], context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    n = [r["runners"] for r in lengths]
+    a.plot(n, [r["served_tokens"] for r in lengths], "-o", label="served")
+    a.plot(n, [r * lengths[0]["served_tokens"] for r in n], "--", label="N x one runner")
+    a.set_xlabel("runners")
+    a.set_ylabel("longest context (tokens)")
+    a.legend()
+    a.grid(alpha=0.3)
+    b.barh([d["config"] for d in decode], [d["ms_per_token"] for d in decode])
+    b.set_xlabel(f"ms per decode token ({context} tokens of context)")
+    fig.tight_layout()
+    save_plot("bench_distkv", fig)
+
+
+if __name__ == "__main__":
+    main()
