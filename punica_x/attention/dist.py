@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from punica_x.attention.merge import merge_attention
 from punica_x.attention.paged import SeqSpan
 from punica_x.kv.rmanager import KVBorrower, MicroPlan, RemoteExtent
 
@@ -161,7 +160,7 @@ def plan_dist(
             tuple(call.write_offsets),
         )
         micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
-        remote.append((call, micro, _ints(call.q_rows, device), _ints(call.kv_rows, device)))
+        remote.append((call, micro, _index(call.q_rows, device), _index(call.kv_rows, device)))
     local = backend.plan(local_spans, block_size, device)
     w = list(zip(*writes)) if writes else ([], [], [])
     uncovered = (~covered).nonzero().flatten().to(device)
@@ -180,6 +179,22 @@ def plan_dist(
 
 def _ints(xs, device) -> torch.Tensor:
     return torch.tensor(list(xs), dtype=torch.int64, device=device)
+
+
+def _index(rows: list[int], device) -> slice | torch.Tensor:
+    """Rows as a slice when they are consecutive (a view, no gather), else an index."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return _ints(rows, device)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, s: torch.Tensor) -> None:
+    """ScaleReduce in place: (out, lse) [R, H, D], [R, H] absorb a part (o, s) over other
+    keys. The part's weight is exp(s - logaddexp(lse, s)) = sigmoid(s - lse), so the merge
+    is one lerp; s must be finite (a part that sees at least one key)."""
+    w = torch.sigmoid(s - lse).unsqueeze(-1)
+    out.lerp_(o.to(out.dtype), w.to(out.dtype))
+    torch.logaddexp(lse, s, out=lse)
 
 
 @dataclass
@@ -219,13 +234,11 @@ class DistPlan:
             lse[self.uncovered] = float("-inf")
         if not self.overlap:
             pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
-        for (call, _, q_rows, _), result in zip(self.remote, pending):
+        for (call, _, _, _), result in zip(self.remote, pending):
             o, s = result.result() if isinstance(result, Future) else result
-            for _, _, n, at in call.items:  # rows of one request (unique within an item)
-                rows = q_rows[at : at + n]
-                m_out, m_lse = merge_attention(out[rows], lse[rows], o[at : at + n], s[at : at + n])
-                out[rows] = m_out
-                lse[rows] = m_lse
+            for si, first, n, at in call.items:  # consecutive rows of one request
+                r0 = self.seqs[si].row_start + first
+                merge_into(out[r0 : r0 + n], lse[r0 : r0 + n], o[at : at + n], s[at : at + n])
         return out, lse
 
     def _start(self, entry, layer, q, k, v, scale):
