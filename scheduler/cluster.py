@@ -189,6 +189,9 @@ class Scheduler:
         net, h = self.kv_network, slot.handle
         if net is None or getattr(h, "engine", None) is None:
             return
+        if h.engine.swap is not None:
+            log.warning("runner %s runs the mlfq policy: it takes no part in DistKV", h.runner_id)
+            return
         caps = default_caps(h.kv_blocks_total, self.lend_fraction)
         borrower = net.add_runner(slot.runner_id)
         rm = h.engine.enable_distkv(

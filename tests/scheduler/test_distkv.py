@@ -142,7 +142,7 @@ def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
     assert "the cluster's KV caches hold 144 tokens" in out.error
 
 
-def cluster(shared, sizes, distkv=True):
+def cluster(shared, sizes, distkv=True, policy="fcfs"):
     from scheduler.cluster import Scheduler
     from scheduler.local import LocalRunner
 
@@ -151,7 +151,7 @@ def cluster(shared, sizes, distkv=True):
         config = EngineConfig(
             model=ModelConfig(model="unused"),
             cache=CacheConfig(block_size=BLOCK, num_blocks=n),
-            batch=BatchConfig(max_batched_tokens=64),
+            batch=BatchConfig(max_batched_tokens=64, policy=policy),
         )
         runners.append(LocalRunner(config, f"runner-{i}", shared=shared))
     return Scheduler(runners, distkv=distkv)
@@ -191,6 +191,23 @@ def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared):
     async def main():
         sched = cluster(shared, [6, 6, 6], distkv=False)
         try:
+            with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
+                await sched.open(PROMPT, GREEDY, None, "long")
+        finally:
+            sched.shutdown()
+
+    asyncio.run(main())
+
+
+def test_mlfq_runners_take_no_part_and_the_cluster_still_starts(shared):
+    """The mlfq policy swaps KV to host memory, which does not move borrowed blocks: its
+    runners are left out of DistKV (logged), so a too-long prompt is refused as without it."""
+    from punica_x.engine import ContextTooLong
+
+    async def main():
+        sched = cluster(shared, [6, 6], policy="mlfq")
+        try:
+            assert all(s.handle.engine.rmanager is None for s in sched.slots)
             with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
                 await sched.open(PROMPT, GREEDY, None, "long")
         finally:
