@@ -58,8 +58,16 @@ class Batcher:
         self._give_back(request)
 
     def _give_back(self, request: Request) -> None:
-        if request.remote and self.borrower is not None:
-            self.borrower.give_back(request.request_id, request.remote)
+        """Free a request's blocks after its local prefix: its own (moved home by a DGFM
+        swap) here, the others back to their owners."""
+        if request.remote:
+            me = self.borrower.runner_id if self.borrower is not None else None
+            home = [i for e in request.remote if e.owner == me for i in e.block_ids]
+            if home:
+                self.cache.allocator.free(home)
+            away = [e for e in request.remote if e.owner != me]
+            if away and self.borrower is not None:
+                self.borrower.give_back(request.request_id, away)
         request.remote = []
 
     @property
@@ -133,10 +141,12 @@ class Batcher:
         if need > self.cache.allocator.num_blocks + self.borrower.capacity_blocks():
             return False
         missing = need - len(r.block_ids) - sum(len(e.block_ids) for e in r.remote)
-        if not r.remote:
-            local = self.cache.allocator.allocate(min(missing, self.cache.allocator.num_free))
-            r.block_ids.extend(local or [])
-            missing -= len(local or [])
+        local = self.cache.allocator.allocate(min(missing, self.cache.allocator.num_free)) or []
+        if r.remote:  # past the local prefix: free local blocks join as an extent of ours
+            self._append(r, [RemoteExtent(self.borrower.runner_id, tuple(local))] if local else [])
+        else:
+            r.block_ids.extend(local)
+        missing -= len(local)
         if missing <= 0:
             return True
         got = self.borrower.borrow(r.request_id, missing)
@@ -144,13 +154,19 @@ class Batcher:
             self.borrow_refusals += 1
             r.borrow_after = time.monotonic() + BORROW_RETRY_S
             return WAIT
-        for extent in got:  # one segment per owner run: one micro-attention call each
+        self._append(r, got)
+        return True
+
+    @staticmethod
+    def _append(r: Request, extents: list[RemoteExtent]) -> None:
+        """Add extents after r's blocks; one segment per owner run (one micro-attention
+        call per owner per layer)."""
+        for extent in extents:
             last = r.remote[-1] if r.remote else None
             if last is not None and last.owner == extent.owner:
                 r.remote[-1] = RemoteExtent(last.owner, last.block_ids + extent.block_ids)
             else:
                 r.remote.append(extent)
-        return True
 
     def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool | str:
         """Blocks for num_tokens of r, preempting the newest running requests if needed (or

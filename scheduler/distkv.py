@@ -13,7 +13,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from punica_x.core import Request
 from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
+from scheduler.dgfm import Swap, plan_swaps
 from scheduler.gmanager import DebtLedger, Heartbeat
 
 
@@ -85,6 +87,99 @@ class KVNetwork:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- DGFM -------------------------------------------------------------------------------
+    def defragment(self, engines: dict, min_swap: int = 4) -> list[Swap]:
+        """Plan the debt-cycle swaps (scheduler/dgfm.py) and carry them out. `engines`
+        (runner id -> Engine) must not be stepping meanwhile (the caller pauses them).
+        Returns the swaps done, with the blocks each moved."""
+        swaps, _ = plan_swaps(self.ledger.debts(), min_swap)
+        done = []
+        for swap in swaps:
+            if all(rid in engines for rid in swap.cycle):
+                moved = self.execute_swap(swap, engines)
+                if moved:
+                    done.append(Swap(swap.cycle, moved))
+        return done
+
+    def execute_swap(self, swap: Swap, engines: dict) -> int:
+        """Around the cycle, each debtor's blocks held on its creditor move home into the
+        blocks its own debtor vacates there: every runner's memory use stays, the debts on
+        the cycle drop by the blocks moved, which returns. The cycle's runners lend nothing
+        meanwhile. KV is copied first for every edge, then blocks are freed and taken."""
+        rms = {rid: self.manager(rid) for rid in swap.cycle}
+        for rm in rms.values():
+            rm.frozen = True
+        try:
+            with self._lock:
+                picks = [_pick(engines[d], c, swap.blocks) for d, c in swap.edges()]
+                n = min(sum(len(ids) for _, ids in p) for p in picks)  # loans may have ended
+                picks = [_trim(p, n) for p in picks]
+                if n == 0:
+                    return 0
+                data = [
+                    [rms[c].cache.kv[list(ids)].clone() for _, ids in p]
+                    for (_, c), p in zip(swap.edges(), picks)
+                ]
+                for (d, c), p in zip(swap.edges(), picks):
+                    for req, ids in p:
+                        rms[c].reclaim(d, req.request_id, ids)
+                        self.ledger.returned(d, c, len(ids))
+                for (d, c), p, blocks in zip(swap.edges(), picks, data):
+                    cache = engines[d].cache
+                    for (req, ids), kv in zip(p, blocks):
+                        new = cache.allocator.allocate(len(ids))
+                        if new is None:  # cannot happen: its debtor just freed as many
+                            raise RuntimeError(f"DGFM: no room on {d} for {len(ids)} blocks")
+                        cache.kv[new] = kv.to(cache.kv.device)
+                        _relocate(req, c, ids, d, new)
+                return n
+        finally:
+            for rm in rms.values():
+                rm.frozen = False
+
+
+def _pick(engine, creditor: str, blocks: int) -> list[tuple[Request, tuple[int, ...]]]:
+    """Up to `blocks` blocks that requests of `engine` hold on `creditor` (from the end of
+    each request's extents there)."""
+    out, left = [], blocks
+    for r in list(engine.requests.values()):
+        ids = [i for e in r.remote if e.owner == creditor for i in e.block_ids]
+        take = ids[max(0, len(ids) - left) :]
+        if take:
+            out.append((r, tuple(take)))
+            left -= len(take)
+        if left == 0:
+            break
+    return out
+
+
+def _trim(picks, n: int):
+    out = []
+    for r, ids in picks:
+        if n <= 0:
+            break
+        out.append((r, ids[len(ids) - min(n, len(ids)) :]))
+        n -= min(n, len(ids))
+    return out
+
+
+def _relocate(r: Request, owner: str, moved: tuple[int, ...], home: str, new: list[int]) -> None:
+    """In r's extents, blocks `moved` of `owner` are now blocks `new` of `home` (same
+    logical positions); runs of one owner stay one extent."""
+    where = dict(zip(moved, new))
+    flat = [
+        (home, where[i]) if e.owner == owner and i in where else (e.owner, i)
+        for e in r.remote
+        for i in e.block_ids
+    ]
+    extents: list[RemoteExtent] = []
+    for o, i in flat:
+        if extents and extents[-1].owner == o:
+            extents[-1] = RemoteExtent(o, extents[-1].block_ids + (i,))
+        else:
+            extents.append(RemoteExtent(o, (i,)))
+    r.remote = extents
 
 
 class Borrower:

@@ -8,8 +8,10 @@ keys [t0, t1) and rows at positions [a, b) (b = kv_len):
 - rows at positions in [t0, t1) attend causally: one SeqSpan (they are its last rows);
 - rows at positions >= t1 see the whole segment: one single-row SeqSpan each;
 - rows before t0 do not see it; the new K/V of rows in [t0, t1) is written there.
-Local segments run through this runner's attention backend together with the requests that
-hold no remote blocks; each remote owner gets the query rows that see its blocks (and the
+The local prefix runs through this runner's attention backend together with the requests
+that hold no remote blocks (local blocks past it, brought home by DGFM or taken after the
+request began borrowing, go through this runner's own rManager like a peer's); each remote
+owner gets the query rows that see its blocks (and the
 new K/V that lands there) once per layer, computes its micro-attentions where the blocks
 live and returns (out, lse): KV never travels. With `overlap` the remote calls start on a
 thread pool before the local attention runs and are collected after it (Lamina); without,
@@ -136,7 +138,7 @@ def plan_dist(
                 continue
             base = seq.row_start + work.first_row
             seen = seq.num_rows - work.first_row
-            if owner is None:
+            if owner is None:  # the local prefix: with the plain requests in one backend plan
                 local_spans += shift(work.spans, base)
                 covered[base : base + seen] = True
                 writes += [(seq.row_start + r, blk, off) for r, blk, off in work.writes]

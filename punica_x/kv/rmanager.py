@@ -37,7 +37,8 @@ class PeerLost(RuntimeError):
 @dataclass(frozen=True)
 class RemoteExtent:
     """Blocks of one request lent by runner `owner`: its physical ids there, in the order
-    of the request's logical blocks."""
+    of the request's logical blocks. An extent whose owner is the request's own runner holds
+    local blocks that came home (DGFM swaps) after the request had begun borrowing."""
 
     owner: str
     block_ids: tuple[int, ...]
@@ -87,6 +88,8 @@ class KVPeer(Protocol):
 class KVBorrower(Protocol):
     """How a runner reaches its peers' rManagers (built by the scheduler)."""
 
+    runner_id: str
+
     def borrow(self, request_id: str, num_blocks: int) -> list[RemoteExtent] | None:
         """num_blocks blocks from peers (all or nothing), or None when they refuse now."""
 
@@ -115,6 +118,7 @@ class RManager:
         self.refusals = 0
         self.calls = 0
         self.alive = True
+        self.frozen = False  # lends nothing while a DGFM swap moves its blocks
 
     # -- lending --------------------------------------------------------------------------
     @property
@@ -137,7 +141,7 @@ class RManager:
             key = (debtor, request_id)
             new_request = key not in self._loans
             requests = len(self._loans) + (1 if new_request else 0)
-            n = min(num_blocks, self.lendable())
+            n = 0 if self.frozen else min(num_blocks, self.lendable())
             ids = self.cache.allocator.allocate(n) if n > 0 else None
             if not ids or requests > self.caps.max_requests:
                 if ids:
@@ -181,10 +185,14 @@ class RManager:
 
     # -- serving micro-attention ----------------------------------------------------------
     def prepare(self, debtor: str, plan: MicroPlan) -> _Micro:
-        """Check that every block the plan touches is lent to `debtor`, plan the attention."""
+        """Check that every block the plan touches is lent to `debtor` (or, for this runner's
+        own requests, not lent to anyone), plan the attention."""
         self._check_alive()
         used = {b for sp in plan.spans for b in sp.block_ids} | set(plan.write_blocks)
-        stray = sorted(b for b in used if self._owner.get(b) != debtor)
+        mine = debtor == self.runner_id
+        stray = sorted(
+            b for b in used if (b in self._owner if mine else self._owner.get(b) != debtor)
+        )
         if stray:
             raise ValueError(
                 f"blocks {stray[:8]} of runner {self.runner_id} are not lent to {debtor}"

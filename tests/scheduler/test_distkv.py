@@ -214,3 +214,47 @@ def test_mlfq_runners_take_no_part_and_the_cluster_still_starts(shared):
             sched.shutdown()
 
     asyncio.run(main())
+
+
+def test_dgfm_swaps_a_debt_cycle_home_and_the_outputs_stay_identical(shared):
+    """A lends to B while B's request borrows on A (A's short request freed its blocks):
+    a 2-cycle of 10 blocks. The swap brings each side's blocks home, keeps every runner's
+    memory use, and both long requests finish exactly as on one big runner."""
+    long_a = [(i * 5) % 200 + 3 for i in range(330)]  # 21 blocks, 22 by the end
+    long_b = [(i * 11) % 200 + 3 for i in range(230)]  # 15 blocks
+    short = [(i * 3) % 200 + 3 for i in range(150)]  # 10 blocks, done after its prefill
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    big = engine(shared, 64)
+    want = {}
+    for i, p in enumerate((long_a, long_b)):
+        big.add_request(p, sp, request_id=f"w{i}")
+    while big.has_unfinished():
+        want.update({o.request_id: o.token_ids for o in big.step() if o.finished})
+    a, b, c = engine(shared, 20), engine(shared, 14), engine(shared, 4)
+    net = network({"a": a, "b": b, "c": c})
+    a.add_request(short, SamplingParams(max_tokens=1), request_id="s")
+    a.add_request(long_a, sp, request_id="w0")
+    outs = {o.request_id: o for o in a.step()}  # prefills: w0 takes 10 local + 11 on b
+    assert outs["s"].finished and a.cache.allocator.num_free == 10
+    b.add_request(long_b, sp, request_id="w1")
+    outs.update({o.request_id: o for o in b.step()})  # 3 local + 12 borrowed, 10 of them on a
+    debts = net.ledger.debts()
+    assert debts[("a", "b")] == 11 and debts[("b", "a")] == 10
+    used = [e.cache.allocator.num_used for e in (a, b, c)]
+    swaps = net.defragment({"a": a, "b": b, "c": c}, min_swap=4)
+    assert [(s.cycle, s.blocks) for s in swaps] == [(("a", "b"), 10)]
+    after = net.ledger.debts()
+    assert after[("a", "b")] == 1 and ("b", "a") not in after
+    assert [e.cache.allocator.num_used for e in (a, b, c)] == used  # no block lost or made
+    home = {
+        rid: sum(len(x.block_ids) for x in e.requests[w].remote if x.owner == rid)
+        for rid, e, w in (("a", a, "w0"), ("b", b, "w1"))
+    }
+    assert home == {"a": 10, "b": 10}
+    final = {}
+    while a.has_unfinished() or b.has_unfinished():
+        for e in (a, b):
+            final.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+    assert final == want
+    assert net.ledger.debts() == {}
+    assert [e.cache.allocator.num_free for e in (a, b, c)] == [20, 14, 4]
