@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -39,6 +40,7 @@ from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
 from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from scheduler.dgfm import Swap, plan_swaps
 from scheduler.distkv import KVNetwork, default_caps
 from scheduler.interface import ModelInfo, RunnerStats
 from scheduler.local import LocalRunner
@@ -58,6 +60,8 @@ from scheduler.placement import (
 
 log = logging.getLogger(__name__)
 
+DGFM_INTERVAL_S = 1.0  # how often the scheduler looks for debt cycles to swap home
+DGFM_MIN_SWAP = 4  # blocks: smaller swaps are not worth pausing the runners
 MAX_FAILURES = 3  # runners a request may see fail under it before it ends with an error
 KEEP_DEAD = 8  # dead runners still listed (GET /admin/runners) before the oldest is dropped
 
@@ -117,6 +121,25 @@ class RunnerSlot:
         )
 
 
+def paused(handles, fn):
+    """Run fn (on this thread) while every runner in `handles` is held between two steps:
+    each engine thread runs a command that waits until fn is done."""
+    entered = threading.Barrier(len(handles) + 1, timeout=30)
+    done = threading.Event()
+
+    def hold() -> None:
+        entered.wait()
+        done.wait(60)
+
+    for h in handles:
+        h.async_engine.submit(hold)
+    try:
+        entered.wait()
+        return fn()
+    finally:
+        done.set()
+
+
 def kv_lent(handle) -> int:
     """Blocks a runner lends to peers' requests (DistKV); 0 when it takes no part."""
     rm = getattr(getattr(handle, "engine", None), "rmanager", None)
@@ -173,6 +196,9 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self.lend_fraction, self.distkv_overlap = lend_fraction, distkv_overlap
         self.kv_network: KVNetwork | None = None
+        self.kv_swapped_blocks = 0  # blocks DGFM brought home
+        self._closed = False
+        self._dgfm_started = False
         if distkv:
             if any(r.backend != "thread" for r in runners):
                 log.warning(
@@ -203,6 +229,35 @@ class Scheduler:
         if self.kv_network is not None:
             self.kv_network.remove(slot.runner_id, dead)
 
+    async def defragment_kv(self, min_swap: int = DGFM_MIN_SWAP) -> list[Swap]:
+        """DGFM: swap the debt cycles of at least min_swap blocks home (scheduler/dgfm.py),
+        with the runners on them paused between steps. Returns the swaps done."""
+        net = self.kv_network
+        if net is None:
+            return []
+        swaps, _ = plan_swaps(net.ledger.debts(), min_swap)
+        rids = {r for s in swaps for r in s.cycle}
+        slots = [s for s in self.slots if s.runner_id in rids and s.state in (ACTIVE, "draining")]
+        if not swaps or len(slots) != len(rids):
+            return []  # nothing to do, or a runner on a cycle is gone
+        engines = {s.runner_id: s.handle.engine for s in slots}
+        done = await asyncio.to_thread(
+            paused, [s.handle for s in slots], lambda: net.defragment(engines, min_swap)
+        )
+        for s in done:
+            self.kv_swapped_blocks += s.blocks * len(s.cycle)
+            log.info("DGFM: %d blocks of each of %s came home", s.blocks, " -> ".join(s.cycle))
+        return done
+
+    async def _dgfm_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(DGFM_INTERVAL_S)
+            if self.kv_network is not None and self.kv_network.ledger.debts():
+                try:
+                    await self.defragment_kv()
+                except Exception:
+                    log.exception("DGFM swap failed")
+
     # -- requests -----------------------------------------------------------------------------
     async def open(
         self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
@@ -214,6 +269,9 @@ class Scheduler:
         active = self._active()
         if not active:
             raise NoRunner("no runner is active")
+        if self.kv_network is not None and not self._dgfm_started:
+            self._dgfm_started = True
+            self._spawn(self._dgfm_loop())
         active[0].handle.validate(prompt, sampling, adapter)
         stream = ClusterStream(self, list(prompt), sampling, adapter, request_id)
         if self._queue:  # first come, first served: nobody overtakes a waiting request
@@ -616,6 +674,7 @@ class Scheduler:
         return bool(self._active())
 
     def shutdown(self) -> None:
+        self._closed = True
         for s in self.slots:
             if s.handle is not None and s.state != "dead":
                 s.handle.shutdown()

@@ -258,3 +258,31 @@ def test_dgfm_swaps_a_debt_cycle_home_and_the_outputs_stay_identical(shared):
     assert final == want
     assert net.ledger.debts() == {}
     assert [e.cache.allocator.num_free for e in (a, b, c)] == [20, 14, 4]
+
+
+def test_paused_holds_every_runner_between_steps_while_fn_runs(shared):
+    """DGFM swaps run with the cycle's runners paused: a command sent to a paused runner
+    waits until the swap is done."""
+    import threading
+
+    from scheduler.cluster import paused
+
+    async def main():
+        sched = cluster(shared, [6, 6])
+        handles = [s.handle for s in sched.slots]
+        ran = threading.Event()
+
+        def swap():
+            late = handles[0].async_engine.submit(ran.set)
+            assert not ran.wait(0.3), "a paused runner ran a command"
+            return late
+
+        try:
+            late = await asyncio.to_thread(paused, handles, swap)
+            await asyncio.wrap_future(late)
+            assert ran.is_set()
+            assert await sched.defragment_kv() == []  # no debts, nothing to swap
+        finally:
+            sched.shutdown()
+
+    asyncio.run(main())
