@@ -90,7 +90,11 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
             runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
         return Scheduler(
-            runners, ray_factory, config.idle_after_s, tokenizer=meta.tokenizer, distkv=False
+            runners,
+            ray_factory,
+            config.idle_after_s,
+            tokenizer=meta.tokenizer,
+            distkv=config.distkv,
         )
     first = LocalRunner(engine, "runner-0")
     shared = first.engine.loaded

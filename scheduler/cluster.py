@@ -142,8 +142,7 @@ def paused(handles, fn):
 
 def kv_lent(handle) -> int:
     """Blocks a runner lends to peers' requests (DistKV); 0 when it takes no part."""
-    rm = getattr(getattr(handle, "engine", None), "rmanager", None)
-    return rm.lent_blocks if rm is not None else 0
+    return handle.stats().kv_blocks_lent
 
 
 class Scheduler:
@@ -195,24 +194,29 @@ class Scheduler:
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
         self.lend_fraction, self.distkv_overlap = lend_fraction, distkv_overlap
-        self.kv_network: KVNetwork | None = None
+        self.kv_network: KVNetwork | None = None  # thread runners
+        self.kv_ray = None  # ray runners: scheduler/distkv_ray.py RayKVGroup
         self.kv_swapped_blocks = 0  # blocks DGFM brought home
         self._closed = False
         self._dgfm_started = False
         if distkv:
-            if any(r.backend != "thread" for r in runners):
-                log.warning(
-                    "DistKV runs between thread runners only; it is off for %s runners",
-                    runners[0].backend,
-                )
-            else:
+            if all(r.backend == "ray" for r in runners):
+                from scheduler.distkv_ray import RayKVGroup
+
+                self.kv_ray = RayKVGroup(lend_fraction, overlap=True)
+            elif all(r.backend == "thread" for r in runners):
                 self.kv_network = KVNetwork()
-                for slot in self.slots:
-                    self._join_distkv(slot)
+            else:
+                log.warning("DistKV needs runners of one backend; it is off")
+            for slot in self.slots:
+                self._join_distkv(slot)
 
     def _join_distkv(self, slot: RunnerSlot) -> None:
         """The runner lends blocks and may borrow them (before it takes any request)."""
         net, h = self.kv_network, slot.handle
+        if self.kv_ray is not None and h.backend == "ray":
+            self.kv_ray.join(h)
+            return
         if net is None or getattr(h, "engine", None) is None:
             return
         if h.engine.swap is not None:
@@ -228,6 +232,8 @@ class Scheduler:
     def _leave_distkv(self, slot: RunnerSlot, dead: bool) -> None:
         if self.kv_network is not None:
             self.kv_network.remove(slot.runner_id, dead)
+        if self.kv_ray is not None:
+            self.kv_ray.leave(slot.runner_id)
 
     async def defragment_kv(self, min_swap: int = DGFM_MIN_SWAP) -> list[Swap]:
         """DGFM: swap the debt cycles of at least min_swap blocks home (scheduler/dgfm.py),
@@ -300,7 +306,7 @@ class Scheduler:
     def _place(self, stream: ClusterStream, exclude: frozenset[str] = frozenset()):
         snaps, demand = self.snapshots(), stream.demand()
         rid = place(snaps, demand, exclude)
-        if rid is None and self.kv_network is not None:
+        if rid is None and (self.kv_network is not None or self.kv_ray is not None):
             active = [s for s in snaps if s.state == ACTIVE and s.runner_id not in exclude]
             if active and not any(fits_alone(s, demand) for s in active):
                 rid = place_distributed(snaps, demand, exclude)
@@ -547,7 +553,7 @@ class Scheduler:
             if slot.handle is not None:
                 await asyncio.to_thread(slot.handle.shutdown)
             raise
-        self._join_distkv(slot)
+        await asyncio.to_thread(self._join_distkv, slot)
         slot.state = ACTIVE
         slot.idle_since = time.monotonic()
         log.info("runner %s is active", slot.runner_id)
@@ -596,7 +602,6 @@ class Scheduler:
     def runners(self) -> list[dict]:
         """What GET /admin/runners lists, one dict per runner."""
         self.check_runners()
-        ledger = self.kv_network.ledger if self.kv_network is not None else None
         rows = []
         for slot in self.slots:
             h = slot.handle
@@ -613,9 +618,9 @@ class Scheduler:
                     "waiting": stats.waiting if stats else 0,
                     "kv_blocks_used": stats.kv_blocks_used if stats else 0,
                     "kv_blocks_free": stats.kv_blocks_free if stats else 0,
-                    # DistKV, as the gManager's ledger has it: blocks lent to / borrowed from peers
-                    "kv_blocks_lent": ledger.lent_by(slot.runner_id) if ledger else 0,
-                    "kv_blocks_borrowed": ledger.borrowed(slot.runner_id) if ledger else 0,
+                    # DistKV: blocks lent to peers' requests / its requests hold on peers
+                    "kv_blocks_lent": stats.kv_blocks_lent if stats else 0,
+                    "kv_blocks_borrowed": stats.kv_blocks_borrowed if stats else 0,
                     "resident_adapters": len(h.resident_adapters()) if stats else 0,
                     "error": slot.error,
                 }

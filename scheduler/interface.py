@@ -28,6 +28,9 @@ class RunnerStats:
     swaps_in: int = 0
     swap_bytes_out: int = 0
     swap_bytes_in: int = 0
+    # DistKV: blocks this runner lends to peers' requests, and its requests hold on peers
+    kv_blocks_lent: int = 0
+    kv_blocks_borrowed: int = 0
 
 
 @dataclass(frozen=True)

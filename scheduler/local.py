@@ -36,7 +36,21 @@ def engine_stats(e: Engine) -> RunnerStats:
         preemptions=e.batcher.num_preemptions,
         pauses=e.batcher.num_pauses,
         **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
+        **_distkv_gauges(e),
     )
+
+
+def _distkv_gauges(e: Engine) -> dict[str, int]:
+    rm = e.rmanager
+    if rm is None:
+        return {}
+    borrowed = sum(
+        len(x.block_ids)
+        for r in list(e.requests.values())  # read from another thread: a gauge, not a ledger
+        for x in list(r.remote)
+        if x.owner != rm.runner_id
+    )
+    return dict(kv_blocks_lent=rm.lent_blocks, kv_blocks_borrowed=borrowed)
 
 
 def _swap_counters(s) -> dict[str, int]:

@@ -208,6 +208,46 @@ class RunnerActor:
     def unregister_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)
 
+    # -- DistKV (scheduler/distkv_ray.py) ---------------------------------------------------
+    def kv_enable(self, gmanager, peers: dict, capacity: int, caps, overlap: bool) -> None:
+        """Lend within `caps`, borrow through the ledger actor from `peers` (runner id ->
+        actor handle)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from scheduler.distkv_ray import RayBorrower
+
+        self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity)
+        self.kv_pool = ThreadPoolExecutor(4, thread_name_prefix="distkv")
+        self.rm = self.engine.enable_distkv(
+            self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
+        )
+        self.micro: dict[str, object] = {}
+
+    def kv_peers(self, peers: dict, capacity: int) -> None:
+        self.borrower.peers, self.borrower.capacity = dict(peers), capacity
+
+    def kv_heartbeat(self):
+        from scheduler.gmanager import Heartbeat
+
+        return Heartbeat(self.runner_id, self.rm.lendable(), 0.0, self.info_.node)
+
+    def kv_lend(self, debtor: str, request_id: str, num_blocks: int):
+        return self.rm.lend(debtor, request_id, num_blocks)
+
+    def kv_reclaim(self, debtor: str, request_id: str, block_ids: tuple[int, ...]) -> None:
+        self.rm.reclaim(debtor, request_id, block_ids)
+
+    def kv_reclaim_debtor(self, debtor: str) -> int:
+        self.micro.pop(debtor, None)
+        return self.rm.reclaim_debtor(debtor)
+
+    def kv_prepare(self, debtor: str, plan) -> None:
+        """One debtor step's plan over blocks lent to it (replaces its previous step's)."""
+        self.micro[debtor] = self.rm.prepare(debtor, plan)
+
+    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
+        return self.micro[debtor].run(layer, q, k, v, scale)
+
     def alive(self) -> str | None:
         """None while the engine steps, else why it stopped."""
         return None if self.async_engine.alive() else (self.async_engine.error or "stopped")
@@ -271,6 +311,7 @@ class RayRunner:
         self._acked = 0  # highest event seq the pump has dispatched
         self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
         self._versions = 0
+        self.kv_capacity = 0  # blocks its peers could lend one request (DistKV; RayKVGroup)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
@@ -281,7 +322,8 @@ class RayRunner:
             i.vocab_size,
             i.model.max_model_len,
             i.block_size,
-            i.kv_blocks_total,
+            i.kv_blocks_total + self.kv_capacity,
+            "the cluster's KV caches (DistKV) hold" if self.kv_capacity else "the KV cache holds",
         )
         if adapter is not None and adapter not in self._names:
             raise UnknownAdapterError(adapter)
@@ -418,6 +460,9 @@ class RayRunner:
         return self._snapshot.resident
 
     def stats(self) -> RunnerStats:
+        # a runner that never took a request still reports (a DistKV creditor's loans)
+        with contextlib.suppress(RuntimeError):  # no running event loop here
+            self._ensure_pump()
         return self._snapshot.stats
 
     def alive(self) -> bool:

@@ -211,3 +211,57 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
     for (tokens, last), want in zip(results, expected):
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert tokens == last.token_ids == want.token_ids
+
+
+def test_distkv_between_processes_serves_a_request_no_runner_holds(local_ray, tiny_model_dir):
+    """Three actors of 6 blocks (96 tokens) each: a 190-token request is placed on one,
+    borrows blocks on the other two processes (micro-attention there, per layer), and its
+    greedy tokens equal one engine with room for all of it. Then killing a process that
+    lends to another one mid-decode makes it recompute, with the same tokens."""
+    from punica_x.models.loader import describe_model
+
+    prompt = [(i * 7) % 200 + 3 for i in range(150)]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    # 175 tokens: 11 blocks, which the two runners left after the kill still hold (6 + 5)
+    sp2 = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+    ref = tiny_llm(tiny_model_dir)
+    want, want2 = (ref.generate([prompt], None, s)[0].token_ids for s in (sp, sp2))
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir)),
+        cache=CacheConfig(num_blocks=6),
+        batch=BatchConfig(max_batch_size=4, max_batched_tokens=64),
+    )
+
+    async def lender(sched, timeout=10.0):
+        """A runner seen lending blocks (its gauges come with its polls), or None."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            rows = [r for r in sched.runners() if r["kv_blocks_lent"] > 0]
+            if rows:
+                return rows[0]
+            await asyncio.sleep(0.05)
+        return None
+
+    async def main():
+        runners = [RayRunner(config, f"runner-{i}") for i in range(3)]
+        sched = Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
+        try:
+            first = await consume(await sched.open(prompt, sp, None, "long"))
+            stream = await sched.open(prompt, sp2, None, "long-2")
+            tokens, victim = [], None
+            async for out in stream:
+                tokens += out.new_token_ids
+                if victim is None and len(tokens) >= 2:
+                    victim = await lender(sched)
+                    if victim is not None:
+                        os.kill(victim["pid"], signal.SIGKILL)
+            return first, tokens, stream._last, victim
+        finally:
+            sched.shutdown()
+
+    (tokens, last), tokens2, last2, victim = asyncio.run(main())
+    assert last.finish_reason is FinishReason.LENGTH, last.error
+    assert tokens == last.token_ids == want
+    assert victim is not None, "no runner was seen lending"
+    assert last2.finish_reason is FinishReason.LENGTH, last2.error
+    assert tokens2 == last2.token_ids == want2
