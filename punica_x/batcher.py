@@ -189,6 +189,11 @@ class Batcher:
                 return False
         return True
 
+    def preempt(self, r: Request) -> None:
+        """Send a running request back to the head of the queue, its KV freed (it
+        recomputes from its tokens)."""
+        self._preempt(r)
+
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.cache.release(r.block_ids)

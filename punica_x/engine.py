@@ -431,7 +431,7 @@ class Engine:
         for r in list(self.batcher.running):
             if any(e.owner == owner for e in r.remote):
                 r.remote = [e for e in r.remote if e.owner != owner]
-                self.batcher._preempt(r)
+                self.batcher.preempt(r)
 
     def _too_big(self, r: Request) -> str:
         """The error of a request that outgrew the whole KV cache (running alone, nothing left

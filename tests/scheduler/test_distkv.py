@@ -185,27 +185,18 @@ def test_the_scheduler_places_a_too_long_request_and_the_runners_lend(shared, re
     assert all(v["kv_blocks_lent"] == v["kv_blocks_borrowed"] == 0 for v in after)
 
 
-def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared):
+@pytest.mark.parametrize("kind", ["no-distkv", "mlfq"])
+def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared, kind):
+    """--no-distkv, or the mlfq policy (its KV swapping does not move borrowed blocks, so its
+    runners are left out of DistKV, logged): a too-long prompt is refused as on one runner,
+    and the cluster still starts."""
     from punica_x.engine import ContextTooLong
 
     async def main():
-        sched = cluster(shared, [6, 6, 6], distkv=False)
-        try:
-            with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
-                await sched.open(PROMPT, GREEDY, None, "long")
-        finally:
-            sched.shutdown()
-
-    asyncio.run(main())
-
-
-def test_mlfq_runners_take_no_part_and_the_cluster_still_starts(shared):
-    """The mlfq policy swaps KV to host memory, which does not move borrowed blocks: its
-    runners are left out of DistKV (logged), so a too-long prompt is refused as without it."""
-    from punica_x.engine import ContextTooLong
-
-    async def main():
-        sched = cluster(shared, [6, 6], policy="mlfq")
+        if kind == "mlfq":
+            sched = cluster(shared, [6, 6], policy="mlfq")
+        else:
+            sched = cluster(shared, [6, 6, 6], distkv=False)
         try:
             assert all(s.handle.engine.rmanager is None for s in sched.slots)
             with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
