@@ -109,9 +109,12 @@ def make_peft_adapter(
 
 
 def tiny_llm(model_dir: Path, **kwargs):
+    """The tiny model in float32 unless `dtype` says otherwise: the exactness tests compare
+    with HF in float32, and dtype=auto is bfloat16 on CPUs with AVX512-BF16 / AMX-BF16."""
     from punica_x import LLM
 
     kwargs.setdefault("kv_cache_bytes", 64 << 20)
+    kwargs.setdefault("dtype", "float32")
     return LLM(model=str(model_dir), **kwargs)
 
 
@@ -174,9 +177,11 @@ def chat_prompts(tokenizer, questions) -> list[str]:
 
 
 def llm_with_adapters(adapters: dict, **kwargs):
-    """The default model (LLM(**kwargs)) with every {name: path} adapter loaded."""
+    """The default model (LLM(**kwargs), float32 unless `dtype` says otherwise, as tiny_llm)
+    with every {name: path} adapter loaded."""
     from punica_x import LLM
 
+    kwargs.setdefault("dtype", "float32")
     llm = LLM(**kwargs)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))

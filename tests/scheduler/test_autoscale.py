@@ -17,13 +17,14 @@ from scheduler.cluster import Scheduler
 from scheduler.local import LocalRunner
 
 SP = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)  # the tiny model holds 512
 
 
 @pytest.fixture(scope="module")
 def factory(tiny_model_dir):
-    shared = load_model(ModelConfig(model=str(tiny_model_dir)))
+    shared = load_model(ModelConfig(model=str(tiny_model_dir), dtype="float32"))
     config = EngineConfig(
-        model=ModelConfig(model="unused"),
+        model=ModelConfig(model="unused", dtype="float32"),
         cache=CacheConfig(num_blocks=64),
         batch=BatchConfig(max_batch_size=1),
     )
@@ -45,10 +46,13 @@ def test_queue_scales_up_and_idle_scales_down(factory):
         sched = Scheduler([factory("runner-0")], factory, idle_after=0.3)
         scaler = Autoscaler(sched, AutoscaleConfig(1, 2, interval=0.02))
         task = asyncio.create_task(scaler.run())
-        a = await sched.open([5, 6, 7], SP, None, "a")
+        # `a` holds runner-0's one batch slot until `b` is done, however fast this machine
+        # decodes (30 tokens of the tiny model could finish before a new runner starts)
+        a = await sched.open([5, 6, 7], LONG, None, "a")
         b = await sched.open([8, 9, 10], SP, None, "b")
         assert b.slot is None  # queued: runner-0's batch is full
-        outs = await drain_all([a, b])
+        outs = await drain_all([b])
+        await a.aclose()
         grown = [s.runner_id for s in sched.slots]
         for _ in range(200):  # wait for the idle runner to be drained (0.3 s idle)
             if len(sched.slots) == 1:

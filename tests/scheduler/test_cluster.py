@@ -24,7 +24,7 @@ TEXTS = [f"request number {i} says hello to the cluster" for i in range(8)]
 
 @pytest.fixture(scope="module")
 def shared(tiny_model_dir):
-    return load_model(ModelConfig(model=str(tiny_model_dir)))
+    return load_model(ModelConfig(model=str(tiny_model_dir), dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def reference(ref_llm):
 
 def make_cluster(shared, n=3, batch=2, num_blocks=64, grow=True):
     config = EngineConfig(
-        model=ModelConfig(model="unused"),
+        model=ModelConfig(model="unused", dtype="float32"),
         cache=CacheConfig(num_blocks=num_blocks),
         batch=BatchConfig(max_batch_size=batch),
     )

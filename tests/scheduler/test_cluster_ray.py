@@ -38,7 +38,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
     return EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir)),
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
         cache=CacheConfig(num_blocks=64),
         batch=BatchConfig(max_batch_size=3),
     )
@@ -189,7 +189,7 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
 
     prompts, _ = reference
     config = EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir)),
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
         cache=CacheConfig(num_blocks=6),
         batch=BatchConfig(max_batch_size=4),
     )
@@ -227,7 +227,7 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(local_ray, ti
     ref = tiny_llm(tiny_model_dir)
     want, want2 = (ref.generate([prompt], None, s)[0].token_ids for s in (sp, sp2))
     config = EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir)),
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
         cache=CacheConfig(num_blocks=6),
         batch=BatchConfig(max_batch_size=4, max_batched_tokens=64),
     )

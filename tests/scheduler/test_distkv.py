@@ -22,12 +22,12 @@ PROMPT = [(i * 7) % 200 + 3 for i in range(150)]  # 190 tokens with the output: 
 
 @pytest.fixture(scope="module")
 def shared(tiny_model_dir):
-    return load_model(ModelConfig(model=str(tiny_model_dir)))
+    return load_model(ModelConfig(model=str(tiny_model_dir), dtype="float32"))
 
 
 def engine(shared, num_blocks, chunk=2048) -> Engine:
     config = EngineConfig(
-        model=ModelConfig(model="unused"),
+        model=ModelConfig(model="unused", dtype="float32"),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
         batch=BatchConfig(max_batched_tokens=chunk),
     )
@@ -149,7 +149,7 @@ def cluster(shared, sizes, distkv=True, policy="fcfs"):
     runners = []
     for i, n in enumerate(sizes):
         config = EngineConfig(
-            model=ModelConfig(model="unused"),
+            model=ModelConfig(model="unused", dtype="float32"),
             cache=CacheConfig(block_size=BLOCK, num_blocks=n),
             batch=BatchConfig(max_batched_tokens=64, policy=policy),
         )

@@ -79,7 +79,7 @@ def test_logits_match_hf(tmp_path, variant):
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
         m.save_pretrained(folder)
-    loaded = load_model(ModelConfig(model=str(folder)))
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"))
     ids = torch.randint(
         3, loaded.model.dims.vocab_size, (70,), generator=torch.Generator().manual_seed(1)
     ).tolist()
@@ -105,7 +105,7 @@ def test_mistral_config(tmp_path):
     )
     torch.manual_seed(3)
     MistralForCausalLM(cfg).save_pretrained(folder)
-    loaded = load_model(ModelConfig(model=str(folder)))
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"))
     assert loaded.max_model_len == 96  # capped at the sliding window (full attention inside it)
     ids = list(range(5, 85))
     torch.testing.assert_close(
@@ -129,7 +129,7 @@ def test_mistral_config(tmp_path):
 def test_unsupported_configs_refused(tmp_path, overrides, match):
     folder = make_tiny_llama(tmp_path / "x", **overrides)
     with pytest.raises(ValueError, match=match):
-        load_model(ModelConfig(model=str(folder)))
+        load_model(ModelConfig(model=str(folder), dtype="float32"))
 
 
 def test_pickle_checkpoints_refused(tmp_path, tiny_model_dir):
@@ -140,7 +140,7 @@ def test_pickle_checkpoints_refused(tmp_path, tiny_model_dir):
             (folder / f.name).write_bytes(f.read_bytes())
     (folder / "pytorch_model.bin").write_bytes(b"not really")
     with pytest.raises(ValueError, match="only pickle weights"):
-        load_model(ModelConfig(model=str(folder)))
+        load_model(ModelConfig(model=str(folder), dtype="float32"))
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
