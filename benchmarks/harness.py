@@ -108,7 +108,7 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
 def results_dir(group: str | None = None) -> Path:
     """benchmarks/results/<group>: one folder per kind of machine, so figures from an AVX2
     and an AVX-512 CPU never overwrite each other. group: None = the ISA the CPU kernels
-    are built for (avx2, avx512, generic); "cuda" for GPU runs."""
+    are built for (avx2, avx512, avx512_bf16, generic); "cuda" for GPU runs."""
     from punica_x.ops import isa
 
     path = RESULTS / (group or isa.resolve())

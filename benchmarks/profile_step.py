@@ -28,6 +28,7 @@ from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import CpuAttentionPlan
+from punica_x.config import dtype_name
 from punica_x.workloads import assign_adapters
 
 MODEL_PARTS = ["dense", "lm_head", "sgmv", "attention", "kv_write", "elementwise"]
@@ -105,12 +106,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: this CPU's default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests
 
-    llm = LLM()
+    llm = LLM(dtype=args.dtype)
+    dtype = dtype_name(llm.engine.dtype)
+    name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
     for i, p in enumerate(make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)):
@@ -134,9 +138,9 @@ def main() -> None:
         }
         for p in [*parts, "step"]
     ]
-    print(f"SmolLM2-135M, {n} requests decoding, {args.threads} threads, ms per decode step")
+    print(f"SmolLM2-135M {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
     print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
-    path = write_json("profile_step", {"args": vars(args), "rows": rows})
+    path = write_json(name, {"args": vars(args), "dtype": dtype, "rows": rows})
 
     import matplotlib
 
@@ -152,9 +156,9 @@ def main() -> None:
         for c, v in zip(configs, values):
             left[c] += v
     ax.set_xlabel("ms per decode step")
-    ax.set_title(f"Where a decode step's time goes (batch {n})")
+    ax.set_title(f"Where a decode step's time goes (batch {n}, {dtype})")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    print(f"wrote {path} and {save_plot('profile_step', fig)}")
+    print(f"wrote {path} and {save_plot(name, fig)}")
 
 
 if __name__ == "__main__":

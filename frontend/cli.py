@@ -1,7 +1,7 @@
 """`punica-x` command line: `serve` runs the HTTP server; `admin tenant ...` talks to it;
 `prepare` builds the kernels and converts the default model ahead of the first start.
 
-    punica-x prepare [--isa native|avx2|avx512] [--all-isas] [--no-model]
+    punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
     punica-x serve [--model PATH] [--dtype auto|float32|bfloat16|float16] [--host 127.0.0.1]
                    [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]

@@ -48,7 +48,8 @@ FUSED_BACKEND = EnvVar(
 CPU_ISA = EnvVar(
     "PUNICA_X_CPU_ISA",
     "native",
-    "instruction set the CPU kernels are built for: native (best this CPU runs), avx2, avx512",
+    "instruction set the CPU kernels are built for: native (best this CPU runs), avx2, avx512, "
+    "avx512_bf16",
 )
 AUTOTUNE = EnvVar(
     "PUNICA_X_AUTOTUNE",

@@ -2,7 +2,7 @@
 convert the default model, so no request path (a server's start, a test) ever waits on a
 compiler. scripts/bootstrap.sh runs it; `punica-x prepare` is the same command.
 
-    python -m punica_x.prepare [--isa native|avx2|avx512] [--all-isas] [--no-model]
+    python -m punica_x.prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
 
 Prints one line per kernel (built, with its time, or already built) and one for the model.
 Kernels build in parallel processes, one per extension; the build directories' locks make

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(params=CPU_ISAS)
 def cpu_isa(request) -> str:
-    """An instruction-set level whose kernel builds the test runs (avx2, avx512)."""
+    """An instruction-set level whose kernel builds the test runs (avx2, avx512, avx512_bf16)."""
     return request.param
 
 

@@ -19,7 +19,7 @@ CPU_ISAS = [
             level not in isa_mod.runnable_levels(), reason=f"this CPU cannot run {level} code"
         ),
     )
-    for level in ("avx2", "avx512")
+    for level in ("avx2", "avx512", "avx512_bf16")
 ]
 
 TINY_TEXT = [

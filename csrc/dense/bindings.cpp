@@ -20,13 +20,21 @@ void check_cpu(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
 
 int64_t panels(int64_t n) { return (n + punica_x::kDensePanel - 1) / punica_x::kDensePanel; }
 
-// weight: [N, K] (nn.Linear layout) -> packed [panels, K, kDensePanel].
+// [rows, columns] of one packed panel for K and a dtype (dense.h: bf16 on the avx512_bf16
+// build packs K pairs side by side).
+std::pair<int64_t, int64_t> panel_shape(int64_t k, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return {punica_x::dense_packed_rows<float>(k), punica_x::kDensePanel};
+  return {punica_x::dense_packed_rows<bf16>(k), punica_x::kDensePanel * punica_x::kDenseKPack<bf16>};
+}
+
+// weight: [N, K] (nn.Linear layout) -> packed [panels, rows, columns] (panel_shape).
 torch::Tensor pack(torch::Tensor weight) {
   check_cpu(weight, "weight", weight.scalar_type());
   CHECK_ARG(weight.dim() == 2 && weight.stride(1) == 1, "weight must be 2-D with contiguous rows, got ",
             weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
-  auto packed = torch::empty({panels(n), k, punica_x::kDensePanel}, weight.options());
+  const auto [rows, cols] = panel_shape(k, weight.scalar_type());
+  auto packed = torch::empty({panels(n), rows, cols}, weight.options());
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   if (weight.scalar_type() == at::kFloat)
     punica_x::dense_pack_cpu(packed.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0), int(k),
@@ -45,10 +53,11 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
   check_cpu(packed, "packed", dtype);
   CHECK_ARG(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows, got ", x.sizes());
   CHECK_ARG(y.dim() == 2 && y.stride(1) == 1, "y must be 2-D with contiguous rows, got ", y.sizes());
-  CHECK_ARG(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == punica_x::kDensePanel,
-            "packed must be contiguous [panels, K, ", punica_x::kDensePanel, "], got ", packed.sizes());
   const int64_t m = x.size(0), k = x.size(1);
-  CHECK_ARG(packed.size(1) == k, "packed has K=", packed.size(1), ", x has ", k);
+  const auto [rows, cols] = panel_shape(k, dtype);
+  CHECK_ARG(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == rows && packed.size(2) == cols,
+            "packed must be contiguous [panels, ", rows, ", ", cols, "] for x with K=", k, ", got ",
+            packed.sizes());
   CHECK_ARG(packed.size(0) == panels(n), "packed has ", packed.size(0), " panels, N=", n, " needs ", panels(n));
   CHECK_ARG(y.size(0) == m && y.size(1) == n, "y must be [", m, ", ", n, "], got ", y.sizes());
   const void* b = nullptr;

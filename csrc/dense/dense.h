@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/simd.h"
 
@@ -16,9 +17,20 @@ namespace punica_x {
 constexpr int kDenseVecs = PUNICA_X_DENSE_NB;
 constexpr int kDensePanel = kDenseVecs * simd::kLanes;
 
+// K values stored side by side in a packed row: 2 for bf16 on the avx512_bf16 build (the pair
+// vdpbf16ps multiplies into one float32 lane; an odd K's last pair is (w, 0)), else 1.
+template <typename T>
+constexpr int kDenseKPack = std::is_same_v<T, simd::bf16> && simd::kBf16Dot ? 2 : 1;
+
+// Packed layout: [ceil(N / kDensePanel)][ceil(K / KP)][kDensePanel][KP], KP = kDenseKPack<T>.
+template <typename T>
+constexpr int64_t dense_packed_rows(int64_t k) {
+  return (k + kDenseKPack<T> - 1) / kDenseKPack<T>;
+}
+
 // T: float or simd::bf16 for every operand (instantiated for both); float32 accumulation. A
 // bf16 panel is half the bytes, so the memory-bound decode GEMM streams half as much.
-// packed must hold ceil(n / kDensePanel) * k * kDensePanel values.
+// packed must hold ceil(n / kDensePanel) * dense_packed_rows<T>(k) * kDensePanel * KP values.
 template <typename T>
 void dense_pack_cpu(T* packed, const T* w, int64_t w_row_stride, int k, int n, bool w_is_out_by_in);
 

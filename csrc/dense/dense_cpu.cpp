@@ -4,6 +4,7 @@
 // decode steps. With W packed once at load, an MB-row x 3-vector register tile streams each
 // panel once from memory and reuses it from L2 for every row block. The tile is sized to the
 // register file: 8 x 48 (24 accumulators of 32 zmm) on AVX-512, 4 x 24 (12 of 16 ymm) on AVX2;
+// bf16 on the avx512_bf16 build multiplies K pairs with vdpbf16ps (tile_dot);
 // the AVX-512 tile compiled for AVX2 needs ~56 registers and spills on every FMA (6 GFLOP/s
 // instead of ~150 at M = 32).
 #include <ATen/Parallel.h>
@@ -66,6 +67,47 @@ constexpr std::array<TileFn<TW, TY>, sizeof...(M)> tiles(std::integer_sequence<i
 template <typename TW, typename TY>
 const std::array<TileFn<TW, TY>, kMB> kTiles = tiles<TW, TY>(std::make_integer_sequence<int, kMB>{});
 
+#if defined(__AVX512BF16__)
+// The avx512_bf16 build's bf16 tile: x stays bf16 (a K pair of a row broadcast as one 32-bit
+// lane), W packed in K pairs ([K/2][kDensePanel][2]), vdpbf16ps adds both products of a pair
+// into the float32 accumulator: per panel row pair, kNB loads and MB x kNB instructions for
+// 2 x MB x kDensePanel multiply-adds, twice the fp32 tile's work per instruction.
+template <typename TY, int MB>
+void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias, TY* y, int64_t ys) {
+  constexpr int kRow = 2 * kDensePanel;  // bf16 values in one packed row (a K pair)
+  vf acc[MB][kNB] = {};
+  if (bias)
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < kNB; ++n) acc[m][n] = load(bias + n * kLanes);
+  const int pairs = k / 2;
+  auto step = [&](int kk, auto splat_x) {
+    vbh wv[kNB];
+    for (int n = 0; n < kNB; ++n) wv[n] = load_pairs(w + int64_t(kk) * kRow + n * 2 * kLanes);
+    for (int m = 0; m < MB; ++m) {
+      const vbh xv = splat_x(x + m * xs + 2 * kk);
+      for (int n = 0; n < kNB; ++n) acc[m][n] = dot_pairs(acc[m][n], xv, wv[n]);
+    }
+  };
+#pragma GCC unroll 2
+  for (int kk = 0; kk < pairs; ++kk) {
+    for (int off = 0; off < kRow; off += 32) __builtin_prefetch(w + (kk + kPrefetchRows) * kRow + off);
+    step(kk, [](const bf16* p) { return splat_pair(p); });
+  }
+  if (k & 1) step(pairs, [](const bf16* p) { return splat_pair(p, false); });
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
+}
+
+using DotFn = void (*)(const bf16*, int64_t, const bf16*, int, const float*, bf16*, int64_t);
+
+template <int... M>
+constexpr std::array<DotFn, sizeof...(M)> dot_tiles(std::integer_sequence<int, M...>) {
+  return {&tile_dot<bf16, M + 1>...};
+}
+
+const std::array<DotFn, kMB> kDotTiles = dot_tiles(std::make_integer_sequence<int, kMB>{});
+#endif
+
 // dst[0:n] = src[0:n] widened to float32.
 void widen(float* dst, const bf16* src, int64_t n) {
   int64_t i = 0;
@@ -73,16 +115,17 @@ void widen(float* dst, const bf16* src, int64_t n) {
   for (; i < n; ++i) dst[i] = f32(src[i]);
 }
 
-// The rows of one panel: W read as TW (the packed panel itself, or its float32 copy).
-template <typename TW, typename T>
-void panel_rows(T* y, int64_t ys, const float* x, int64_t xs, const TW* w, const float* bias, int m, int k,
-                int c0, int cols) {
+// The rows of one panel through the tiles of `table` (x of TX, W of TW: the packed panel
+// itself, or its float32 copy).
+template <typename T, typename TX, typename TW, typename Table>
+void panel_rows(const Table& table, T* y, int64_t ys, const TX* x, int64_t xs, const TW* w, const float* bias,
+                int m, int k, int c0, int cols) {
   alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
   for (int m0 = 0; m0 < m; m0 += kMB) {
     const int mb = std::min(kMB, m - m0);
     T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
     const int64_t os = cols == kDensePanel ? ys : kDensePanel;
-    kTiles<TW, T>[mb - 1](x + m0 * xs, xs, w, k, bias, out, os);
+    table[mb - 1](x + m0 * xs, xs, w, k, bias, out, os);
     if (cols < kDensePanel)
       for (int r = 0; r < mb; ++r)
         std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
@@ -93,53 +136,61 @@ void panel_rows(T* y, int64_t ys, const float* x, int64_t xs, const TW* w, const
 
 template <typename T>
 void dense_pack_cpu(T* packed, const T* w, int64_t ws, int k, int n, bool w_is_out_by_in) {
+  constexpr int kp = kDenseKPack<T>;
   const int panels = (n + kDensePanel - 1) / kDensePanel;
+  const int64_t rows = dense_packed_rows<T>(k);
   parallel_items(panels, [&](int64_t p) {
-    for (int kk = 0; kk < k; ++kk)
+    for (int kk = 0; kk < rows * kp; ++kk)
       for (int c = 0; c < kDensePanel; ++c) {
         const int col = int(p) * kDensePanel + c;
         T v = narrow<T>(0.f);
-        if (col < n) v = w_is_out_by_in ? w[col * ws + kk] : w[kk * ws + col];
-        packed[(p * k + kk) * kDensePanel + c] = v;
+        if (col < n && kk < k) v = w_is_out_by_in ? w[col * ws + kk] : w[kk * ws + col];
+        packed[((p * rows + kk / kp) * kDensePanel + c) * kp + kk % kp] = v;
       }
   });
 }
 
-// bf16: x is widened to float32 once per call, and when more than one block of rows reads a
-// panel, the panel is widened once into a per-thread float32 copy (L2-resident) that every
-// row block reads, so the conversions cost per weight, not per weight x row block. Memory
-// still streams the 2-byte panel. One row block (a small decode batch) reads the bf16 panel
-// directly.
+// bf16 on the avx512_bf16 build: x and the K-pair panels go straight into vdpbf16ps.
+// bf16 elsewhere: x is widened to float32 once per call, and when more than one block of rows
+// reads a panel, the panel is widened once into a per-thread float32 copy (L2-resident) that
+// every row block reads, so the conversions cost per weight, not per weight x row block.
+// Memory still streams the 2-byte panel. One row block (a small decode batch) reads the bf16
+// panel directly.
 template <typename T>
 void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, const T* bias, int m, int k,
                     int n) {
   const int panels = (n + kDensePanel - 1) / kDensePanel;
-  const float* xf;
-  int64_t xfs;
+  const int64_t panel_size = dense_packed_rows<T>(k) * kDensePanel * kDenseKPack<T>;
+  const float* xf = nullptr;
+  int64_t xfs = 0;
   std::vector<float> x32;
   if constexpr (std::is_same_v<T, float>) {
     xf = x, xfs = xs;
-  } else {
+  } else if constexpr (!kBf16Dot) {
     x32.resize(size_t(m) * k);
     for (int r = 0; r < m; ++r) widen(x32.data() + int64_t(r) * k, x + r * xs, k);
     xf = x32.data(), xfs = k;
   }
   parallel_items(panels, [&](int64_t p) {
-    const T* w = packed + p * int64_t(k) * kDensePanel;
+    const T* w = packed + p * panel_size;
     const int c0 = int(p) * kDensePanel;
     const int cols = std::min(kDensePanel, n - c0);
     alignas(64) float panel_bias[kDensePanel] = {};
     for (int c = 0; bias && c < cols; ++c) panel_bias[c] = f32(bias[c0 + c]);
     const float* b = bias ? panel_bias : nullptr;
     if constexpr (std::is_same_v<T, float>) {
-      panel_rows<float>(y, ys, xf, xfs, w, b, m, k, c0, cols);
+      panel_rows(kTiles<float, float>, y, ys, xf, xfs, w, b, m, k, c0, cols);
+    } else if constexpr (kBf16Dot) {
+#if defined(__AVX512BF16__)
+      panel_rows(kDotTiles, y, ys, x, xs, w, b, m, k, c0, cols);
+#endif
     } else if (m <= kMB) {
-      panel_rows<T>(y, ys, xf, xfs, w, b, m, k, c0, cols);
+      panel_rows(kTiles<T, T>, y, ys, xf, xfs, w, b, m, k, c0, cols);
     } else {
       thread_local std::vector<float> wide;
       wide.resize(size_t(k) * kDensePanel + kPrefetchRows * kDensePanel);
       widen(wide.data(), w, int64_t(k) * kDensePanel);
-      panel_rows<float>(y, ys, xf, xfs, wide.data(), b, m, k, c0, cols);
+      panel_rows(kTiles<float, T>, y, ys, xf, xfs, wide.data(), b, m, k, c0, cols);
     }
   });
 }

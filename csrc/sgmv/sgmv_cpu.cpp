@@ -3,7 +3,8 @@
 // register file (32 zmm / 16 ymm) so no tile spills; static_asserts below check it.
 //
 // shrink: a tile is MB rows x JB rank rows of A^T; it streams JB rows of A^T once and reuses each
-//         loaded vector for MB input rows. One-row segments (the distinct case) take JB = 8 so
+//         loaded vector for MB input rows. bf16 on the avx512_bf16 build: vdpbf16ps on x and A
+//         as stored (both run along h_in, so K pairs need no repacking). One-row segments (the distinct case) take JB = 8 so
 //         each item keeps eight independent memory streams in flight.
 // expand: a tile is MB rows x NB vectors of output columns; it streams the rank rows of B once
 //         per row block. One-row segments take wide column blocks for long sequential reads.
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +31,24 @@ using namespace simd;
 template <typename T, int MB, int JB>
 void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t vs) {
   vf acc[MB][JB] = {};
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {  // x and A rows are both K-contiguous: K pairs as stored
+    auto step = [&](int k, auto load_k) {
+      vbh av[JB];
+      for (int j = 0; j < JB; ++j) av[j] = load_k(a + int64_t(j) * h_in + k);
+      for (int m = 0; m < MB; ++m) {
+        const vbh xv = load_k(x + m * xs + k);
+        for (int j = 0; j < JB; ++j) acc[m][j] = dot_pairs(acc[m][j], xv, av[j]);
+      }
+    };
+    int k = 0;
+    for (; k + 2 * kLanes <= h_in; k += 2 * kLanes) step(k, [](const bf16* p) { return load_pairs(p); });
+    if (k < h_in) step(k, [n = h_in - k](const bf16* p) { return load_pairs(p, n); });
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JB; ++j) v[m * vs + j] = hsum(acc[m][j]);
+    return;
+  }
+#endif
   int k = 0;
   for (; k + kLanes <= h_in; k += kLanes) {
     vf av[JB];
@@ -64,6 +84,35 @@ void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y
   }
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
+}
+
+// One row: y[0:cols] += v[0:r] @ b[0:r, 0:cols], reading b in memory order (row after row,
+// one sequential stream when cols is the whole row) into a float32 copy of y that stays in
+// L1; two rank rows per pass halve that copy's loads and stores.
+constexpr int kStreamCols = 2048;  // columns per item: 8 KB of float32 accumulators
+
+template <typename T>
+void expand_row_stream(const float* v, int r, const T* b, int64_t ld, int cols, T* y) {
+  alignas(64) float acc[kStreamCols];
+  const int vec = cols / kLanes * kLanes;
+  for (int c = 0; c < vec; c += kLanes) store(acc + c, load(y + c));
+  for (int c = vec; c < cols; ++c) acc[c] = f32(y[c]);
+  int i = 0;
+  for (; i + 2 <= r; i += 2) {
+    const vf s0 = splat(v[i]), s1 = splat(v[i + 1]);
+    const T* b0 = b + i * ld;
+    const T* b1 = b0 + ld;
+    for (int c = 0; c < vec; c += kLanes) store(acc + c, load(acc + c) + s0 * load(b0 + c) + s1 * load(b1 + c));
+    for (int c = vec; c < cols; ++c) acc[c] += v[i] * f32(b0[c]) + v[i + 1] * f32(b1[c]);
+  }
+  for (; i < r; ++i) {
+    const vf s0 = splat(v[i]);
+    const T* b0 = b + i * ld;
+    for (int c = 0; c < vec; c += kLanes) store(acc + c, load(acc + c) + s0 * load(b0 + c));
+    for (int c = vec; c < cols; ++c) acc[c] += v[i] * f32(b0[c]);
+  }
+  for (int c = 0; c < vec; c += kLanes) store(y + c, load(acc + c));
+  for (int c = vec; c < cols; ++c) y[c] = narrow<T>(acc[c]);
 }
 
 // Scalar columns left over when h_out is not a multiple of kLanes.
@@ -146,6 +195,15 @@ struct ExpandItem {
   int seg, slice, c0, cn;
 };
 
+// Asks for rows x bytes of a strided region ahead of use. A one-row item reads only a few KB
+// in short runs (8 rank rows of A, 16 of B), too short for the hardware prefetchers to ramp
+// up, so each item fetches its successor's weights while it computes.
+inline void prefetch_rows(const void* p, int rows, int64_t stride, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int i = 0; i < rows; ++i)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + i * stride + off);
+}
+
 int rank_sum(const SgmvSegments& p, int s) {
   int r = 0;
   for (int j = 0; j < p.num_slices; ++j) r += p.ranks[s * p.num_slices + j];
@@ -167,15 +225,17 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
       for (int j0 = 0; j0 < rank; j0 += jb)
         items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0)});
   }
-  parallel_items(int64_t(items.size()), [&](int64_t i) {
-    {  // one shrink tile
-      const ShrinkItem& it = items[i];
-      const int rank = rank_sum(p, it.seg);
-      const T* a = reinterpret_cast<const T*>(p.w_ptr[it.seg]) +
-                   (int64_t(p.layer) * rank + it.j0) * h_in;
-      shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, a, h_in,
-                                    v + it.row0 * v_stride + it.j0, v_stride);
-    }
+  auto weights = [&](const ShrinkItem& it) {  // the item's jn rows of A^T, contiguous
+    return reinterpret_cast<const T*>(p.w_ptr[it.seg]) +
+           (int64_t(p.layer) * rank_sum(p, it.seg) + it.j0) * h_in;
+  };
+  const int64_t n = int64_t(items.size());
+  parallel_items(n, [&](int64_t i) {
+    const ShrinkItem& it = items[i];
+    if (i + 1 < n && items[i + 1].rows == 1)
+      prefetch_rows(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T));
+    shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
+                                     v + it.row0 * v_stride + it.j0, v_stride);
   });
 }
 
@@ -189,28 +249,42 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
     const int width = kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
       if (p.ranks[s * p.num_slices + j] == 0) continue;
-      for (int c0 = 0; c0 < h_out[j]; c0 += width)
-        items.push_back({s, j, c0, std::min(width, h_out[j] - c0)});
+      const int step = rows == 1 ? kStreamCols : width;
+      for (int c0 = 0; c0 < h_out[j]; c0 += step)
+        items.push_back({s, j, c0, std::min(step, h_out[j] - c0)});
     }
   }
-  parallel_items(int64_t(items.size()), [&](int64_t i) {
+  struct Place {  // where an item reads B and v and writes y
+    const T* b;
+    int64_t v_off, y_off;
+  };
+  auto place = [&](const ExpandItem& it) {
+    const int32_t* ranks = p.ranks + it.seg * p.num_slices;
+    int64_t layer_size = 0, b_off = 0, v_off = 0, y_off = 0;
+    for (int j = 0; j < p.num_slices; ++j) {
+      if (j < it.slice) {
+        b_off += int64_t(ranks[j]) * h_out[j];
+        v_off += ranks[j];
+        y_off += h_out[j];
+      }
+      layer_size += int64_t(ranks[j]) * h_out[j];
+    }
+    const T* b = reinterpret_cast<const T*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off + it.c0;
+    return Place{b, v_off, y_off};
+  };
+  const int64_t n = int64_t(items.size());
+  parallel_items(n, [&](int64_t i) {
     {  // one expand column block, all rows of its segment
       const ExpandItem& it = items[i];
-      const int32_t* ranks = p.ranks + it.seg * p.num_slices;
-      int64_t layer_size = 0, b_off = 0, v_off = 0, y_off = 0;
-      for (int j = 0; j < p.num_slices; ++j) {
-        if (j < it.slice) {
-          b_off += int64_t(ranks[j]) * h_out[j];
-          v_off += ranks[j];
-          y_off += h_out[j];
-        }
-        layer_size += int64_t(ranks[j]) * h_out[j];
-      }
-      const int r = ranks[it.slice];
+      const auto [b, v_off, y_off] = place(it);
+      const int r = p.ranks[it.seg * p.num_slices + it.slice];
       const int64_t ld = h_out[it.slice];
-      const T* b = reinterpret_cast<const T*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off +
-                   it.c0;
       const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
+      if (rows == 1) {
+        expand_row_stream(v + row0 * v_stride + v_off, r, b, ld, it.cn,
+                          y + row0 * y_stride + y_off + it.c0);
+        return;
+      }
       const int vec_cols = it.cn / kLanes * kLanes;
       for (int m0 = 0; m0 < rows; m0 += kMB) {
         const int mb = std::min(kMB, rows - m0);

@@ -19,7 +19,8 @@ KERNELS = (
     "layers/fused_cpu.cpp",
 )
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-NOT_RUNNABLE = [lvl for lvl in ("avx2", "avx512") if lvl not in isa_mod.runnable_levels()]
+LEVELS = ("avx2", "avx512", "avx512_bf16")
+NOT_RUNNABLE = [lvl for lvl in LEVELS if lvl not in isa_mod.runnable_levels()]
 
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")

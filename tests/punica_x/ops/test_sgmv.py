@@ -111,6 +111,33 @@ def test_sgmv_several_slices_with_missing_modules(cpu_isa):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_segments_with_wide_outputs_and_odd_ranks(dtype, cpu_isa):
+    """One-row segments (the distinct case) stream B in column items of up to 2048: outputs
+    wider than one item and not a multiple of the vector width, odd ranks, two slices."""
+    gen, seed = fresh_generator()
+    h_in, h_out = 100, [4100, 33]
+    w32 = make_weights(gen, [1, 1, 1, 2], [[5, 3], [16, 16], None, [1, 7]], h_in, h_out, 2)
+    w = SgmvWeights.build(
+        w32.seg_host,
+        [None if t is None else t.to(dtype) for t in w32.a],
+        [None if t is None else t.to(dtype) for t in w32.b],
+        w32.ranks_host,
+        h_out,
+        "cpu",
+    )
+    rows = w.seg_host[-1]
+    x = torch.randn(rows, h_in, generator=gen).to(dtype)
+    y = torch.randn(rows, sum(h_out), generator=gen).to(dtype)
+    y_ref = add_lora_sgmv(y.float().clone(), x.float(), w32, 1, backend=REF)
+    y_our = add_lora_sgmv(y.clone(), x, w, 1, backend=compiled(cpu_isa))
+    tol = 1e-4 if dtype == torch.float32 else 8e-3  # bf16: one rounding of each output
+    torch.testing.assert_close(
+        y_our.float(), y_ref, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}"
+    )
+    assert torch.equal(y_our[2], y[2])  # the row without an adapter is untouched
+
+
 def test_sgmv_expand_into_strided_view(cpu_isa):
     """y may be a column slice of a wider tensor (a fused projection output)."""
     gen, _ = fresh_generator()
