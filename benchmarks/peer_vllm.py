@@ -13,8 +13,12 @@ benchmark client (bench_serve_vllm.py runs both against punica-x and vLLM's serv
 
 Worker mode (inside the peer venv):  python peer_vllm.py JOB.json OUT.json
 Client mode (inside the peer venv):  python peer_vllm.py client ARGS (of `vllm bench serve`)
-JOB: {model, prompts, max_tokens, dtype, rank, adapters: {name: path}, workloads: {label:
-[adapter name or null per prompt]}, lora: bool}. OUT: {label: tokens/s, ...}.
+JOB: {model, prompts, warm_prompts, max_tokens, dtype, rank, adapters: {name: path},
+workloads: {label: [adapter name or null per prompt]}, lora: bool}. OUT: {label: tokens/s}.
+vLLM runs with its defaults, prefix caching on. It warms up on warm_prompts (other questions
+in the same chat template) and empties its prefix cache before each measured run, so it
+computes the measured prompts' prefill as punica-x does (until stop 23 it warmed up on the
+measured prompts themselves and skipped their prefill from its cache).
 """
 
 from __future__ import annotations
@@ -216,11 +220,16 @@ def worker(job_file: str, out_file: str) -> None:
     }
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompts = job["prompts"]
+    warm_prompts = job["warm_prompts"]
+    assert not set(warm_prompts) & set(prompts), "warm-up prompts would fill the prefix cache"
     results = {}
     for label, names in job["workloads"].items():
         lora_requests = [requests[n] if n else None for n in names] if lora else None
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        llm.generate(prompts, warm, lora_request=lora_requests, use_tqdm=False)  # compile, load
+        # compile, load the adapters; other prompts, so the measured ones are not cached
+        llm.generate(warm_prompts, warm, lora_request=lora_requests, use_tqdm=False)
+        # nothing cached from an earlier workload either (its prompts, maybe the same adapter)
+        assert llm.reset_prefix_cache(), "vLLM did not empty its prefix cache"
         start = time.perf_counter()
         outs = llm.generate(prompts, sp, lora_request=lora_requests, use_tqdm=False)
         elapsed = time.perf_counter() - start
