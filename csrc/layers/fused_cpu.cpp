@@ -22,8 +22,20 @@ constexpr int64_t kRowsPerItem = 4;  // rows per work item: enough work to amort
 template <typename T>
 inline float inv_rms(const T* x, int hidden, float eps) {
   double acc = 0.0;  // the mean of squares, accumulated wider than the data
+  int i = 0;
+  if constexpr (!std::is_same_v<T, float>) {
+    // a bf16 value squared is exact in float32 (8-bit mantissas), so only the sum needs
+    // doubles: widen a vector, square it, accumulate its lanes as doubles
+    typedef double vd __attribute__((vector_size(kLanes * sizeof(double))));
+    vd sum = {};
+    for (; i + kLanes <= hidden; i += kLanes) {
+      const vf v = simd::load(x + i);
+      sum += __builtin_convertvector(v * v, vd);
+    }
+    for (int l = 0; l < kLanes; ++l) acc += sum[l];
+  }
 #pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < hidden; ++i) acc += double(f32(x[i])) * double(f32(x[i]));
+  for (int j = i; j < hidden; ++j) acc += double(f32(x[j])) * double(f32(x[j]));
   return 1.f / std::sqrt(float(acc / hidden) + eps);
 }
 
@@ -87,7 +99,15 @@ void rope_cpu(T* x, int64_t stride, int64_t rows, int heads, int head_dim, const
     const T* s = sin + positions[t] * head_dim;
     for (int h = 0; h < heads; ++h) {
       T* v = x + t * stride + int64_t(h) * head_dim;
-      for (int i = 0; i < half; ++i) {
+      int i = 0;
+      for (; i + kLanes <= half; i += kLanes) {  // the same arithmetic, a vector at a time
+        const vf x1 = simd::load(v + i), x2 = simd::load(v + i + half);
+        const vf a = x1 * simd::load(c + i), b = -x2 * simd::load(s + i);
+        const vf d = x2 * simd::load(c + i + half), e = x1 * simd::load(s + i + half);
+        simd::store(v + i, a + b);
+        simd::store(v + i + half, d + e);
+      }
+      for (; i < half; ++i) {
         const float x1 = f32(v[i]), x2 = f32(v[i + half]);
         const float a = x1 * f32(c[i]), b = -x2 * f32(s[i]);  // q * cos, rotate_half(q) * sin
         const float d = x2 * f32(c[i + half]), e = x1 * f32(s[i + half]);
