@@ -1,7 +1,7 @@
 """Fixtures: one real server (tiny model with a 4096-token context) shared by the frontend
 tests, a second one with a tight KV cache and websocket frame cap, and two small adapters.
-Both serve float32 (`--dtype float32`): their tests compare with float32 HF references and
-count float32 KV blocks, and `--dtype auto` is bfloat16 on CPUs with AVX512-BF16."""
+Both serve float32 (start_server's default): their tests compare with float32 HF references
+and count float32 KV blocks."""
 
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ def server(srv_model_dir, tmp_path_factory):
         "max_tokens=4000",
         "--limit",
         "max_streams_per_key=2",
-        "--dtype",
-        "float32",
     )
     yield srv
     srv.stop()
@@ -52,8 +50,6 @@ def tight_server(srv_model_dir, tmp_path_factory):
         f"max_ws_frame_bytes={TIGHT_WS_FRAME_BYTES}",
         "--kv-cache-bytes",
         str(TIGHT_KV_TOKENS // 16 * 8192),  # 8 KiB a float32 block of the tiny model
-        "--dtype",
-        "float32",
     )
     yield srv
     srv.stop()

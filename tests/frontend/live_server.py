@@ -97,7 +97,12 @@ TIGHT_WS_FRAME_BYTES = 4096
 
 
 def start_server(model_dir: Path | None, data_dir: Path, *extra: str) -> Server:
-    """`punica-x serve` on a free port; model_dir None serves the default model."""
+    """`punica-x serve` on a free port; model_dir None serves the default model.
+
+    Serves float32 unless `extra` names `--dtype`: tests compare servers with each other and
+    with float32 HF references, and `--dtype auto` is bfloat16 on CPUs with AVX512-BF16."""
+    if "--dtype" not in extra:
+        extra = (*extra, "--dtype", "float32")
     port = free_port()
     log = data_dir.parent / f"server-{port}.log"
     model = ["--model", str(model_dir)] if model_dir is not None else []
