@@ -135,8 +135,8 @@ def plot(rows, names, name: str = "bench_dense", dtype: str = "float32") -> None
     fig, axes = plt.subplots(1, len(shapes), figsize=(18, 3.6), sharey=True)
     for ax, shape in zip(axes, shapes):
         sub = [r for r in rows if r["shape"] == shape]
-        for name in names:
-            ax.plot([r["M"] for r in sub], [r[f"{name}_GFs"] for r in sub], "o-", label=name)
+        for backend in names:
+            ax.plot([r["M"] for r in sub], [r[f"{backend}_GFs"] for r in sub], "o-", label=backend)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} {sub[0]['N']}x{sub[0]['K']}")
         ax.set_xlabel("rows M")
