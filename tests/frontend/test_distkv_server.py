@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 from live_server import start_server
 
+from scheduler.distkv import default_caps
+
 BLOCK_BYTES = 8192  # one float32 KV block (16 tokens) of the tiny model
 RUNNER_BLOCKS = 8  # 128 tokens a runner
-# Each runner lends 90% of its blocks (scheduler/distkv.py default_caps): 8 + 7 blocks.
-CLUSTER_TOKENS = (RUNNER_BLOCKS + int(RUNNER_BLOCKS * 0.9)) * 16
+# A runner's own blocks plus what its peer lends by default
+CLUSTER_TOKENS = (RUNNER_BLOCKS + default_caps(RUNNER_BLOCKS).max_blocks) * 16
 LONG = [3 + (7 * i) % 300 for i in range(150)]  # more than one runner's 128 tokens
 
 
