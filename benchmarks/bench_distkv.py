@@ -11,7 +11,12 @@ of the KV lives on peers.
    local), 50% (one creditor) and 75% (three creditors, 25% each) of its KV on peers, the
    remote micro-attention overlapping the local part or not (--no-overlap rows). Every
    configuration runs --rounds times, interleaved; medians. Target: <= 1.25x all-local at
-   75% remote."""
+   75% remote.
+3. With --ray: the same request over 2 Ray runners (actors in their own processes, behind
+   the Scheduler, on a local Ray): all local (runners big enough) against about half of its
+   KV on the other process, over each data plane (transport socket: scheduler/kv_channel.py;
+   ray: actor calls). Time per token from the stream's token arrival times after the first;
+   --rounds rounds, interleaved, medians."""
 
 from __future__ import annotations
 
@@ -98,6 +103,87 @@ def decode_time(
     return (time.perf_counter() - t0) / steps
 
 
+def ray_decode(model: str, context: int, decode: int, transport: str | None) -> dict:
+    """Seconds per decode token of one greedy request with `context` tokens on 2 Ray runners:
+    transport None: each runner holds it all; else each holds ~55% and the debtor borrows
+    the rest on the other over `transport`."""
+    import asyncio
+
+    from scheduler.cluster import Scheduler
+    from scheduler.ray_runner import RayRunner
+
+    need = -(-(context + decode + 1) // BLOCK)
+    size = need + 2 if transport is None else -(-(need // 2 + 2) * 10 // 9)
+    config = EngineConfig(
+        model=ModelConfig(model=model, max_model_len=context + decode + 64),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=size),
+        batch=BatchConfig(max_batched_tokens=512),
+    )
+    runners = [RayRunner(config, f"runner-{i}") for i in range(2)]
+    sched = Scheduler(runners, distkv_transport=transport or "socket")
+    prompt = [(13 * i) % 20000 + 100 for i in range(context)]
+    sp = SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True)
+
+    async def go() -> list[float]:
+        stamps: list[float] = []
+        async for out in await sched.open(prompt, sp, None, "ray-decode"):
+            stamps += [time.perf_counter()] * len(out.new_token_ids)
+        return stamps
+
+    try:
+        stamps = asyncio.run(go())
+    finally:
+        sched.shutdown()
+    if len(stamps) != decode + 1:
+        raise RuntimeError(f"{len(stamps)} tokens of {decode + 1}")
+    return {
+        "s_per_token": (stamps[-1] - stamps[0]) / decode,
+        "remote_blocks": max(0, need - size),
+        "need_blocks": need,
+    }
+
+
+RAY_CONFIGS = [("all local", None), ("~45% remote, socket", "socket"), ("~45% remote, ray", "ray")]
+
+
+def ray_section(args, model: str) -> list[dict]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        runs: dict[str, list[dict]] = {label: [] for label, _ in RAY_CONFIGS}
+        for r in range(args.rounds):
+            for label, transport in RAY_CONFIGS:
+                runs[label].append(ray_decode(model, args.context, args.decode, transport))
+            print(
+                f"  ray round {r + 1}: "
+                + ", ".join(f"{k} {1e3 * v[-1]['s_per_token']:.1f} ms" for k, v in runs.items()),
+                flush=True,
+            )
+    finally:
+        ray.shutdown()
+    base = statistics.median(x["s_per_token"] for x in runs["all local"])
+    rows = []
+    for label, _ in RAY_CONFIGS:
+        med = statistics.median(x["s_per_token"] for x in runs[label])
+        last = runs[label][-1]
+        rows.append(
+            {
+                "config": label,
+                "remote_fraction": last["remote_blocks"] / last["need_blocks"],
+                "ms_per_token": 1e3 * med,
+                "vs_all_local": med / base,
+                "raw_ms": [1e3 * x["s_per_token"] for x in runs[label]],
+            }
+        )
+    print_table(
+        rows,
+        ["config", "remote_fraction", "ms_per_token", "vs_all_local"],
+        f"Ray runners (2 processes), decode, {args.context} tokens of context",
+    )
+    return rows
+
+
 CONFIGS = [  # (label, remote fraction, creditors, overlap)
     ("all local", 0.0, 0, True),
     ("50% remote", 0.5, 1, True),
@@ -114,12 +200,18 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--ray", action="store_true", help="also time decode over 2 Ray runners")
+    ap.add_argument("--ray-only", action="store_true", help="only the Ray runners' section")
     args = ap.parse_args()
     machine = describe_machine()
     print(machine)
     mc = ModelConfig(
         model=args.model, max_model_len=max(args.context, 4 * args.blocks * BLOCK) + 64
     )
+    if args.ray_only:
+        ray_rows = ray_section(args, mc.model)
+        write_json("bench_distkv_ray", {"machine": machine, "args": vars(args), "ray": ray_rows})
+        return
     loaded = load_model(mc)
     model = mc.model
     lengths = [longest(loaded, model, args.blocks, n) for n in (1, 2, 4)]
@@ -156,6 +248,7 @@ def main() -> None:
         ["config", "ms_per_token", "vs_all_local"],
         f"decode, {args.context} tokens of context",
     )
+    ray_rows = ray_section(args, model) if args.ray else None
     write_json(
         "bench_distkv",
         {
@@ -164,6 +257,7 @@ def main() -> None:
             "longest": lengths,
             "decode": decode,
             "raw_s": times,
+            "ray": ray_rows,
         },
     )
     plot(lengths, decode, args.context)

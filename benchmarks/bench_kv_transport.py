@@ -2,7 +2,8 @@
 its micro-attention result back, for several data-plane options, on this machine?
 
     python benchmarks/bench_kv_transport.py [--calls 2000] [--rows 1,16]
-                                            [--options inprocess,threadpool,shm_pipe,gloo,ray]
+                                            [--options inprocess,threadpool,shm_pipe,gloo,
+                                                       kv_channel_unix,kv_channel_tcp,ray]
                                             [--budget 15]
 
 In DistKV (Infinite-LLM) a runner sends, at every transformer layer, the query rows of a
@@ -240,6 +241,56 @@ def gloo(max_rows: int) -> Iterator[Call]:
         listener.close()  # a no-op once detached
 
 
+class _StandIn:
+    """A creditor's rManager for kv_channel_server: prepare -> itself, run -> peer_compute."""
+
+    def prepare(self, debtor, plan):
+        return self
+
+    def run(self, layer, q, k, v, scale):
+        return peer_compute(q, k, v)
+
+
+def kv_channel_server(conn, authkey: bytes) -> None:
+    """Child of kv_channel: the runners' KVChannelServer over the stand-in, until told."""
+    from scheduler.kv_channel import KVChannelServer
+
+    torch.set_num_threads(1)
+    server = KVChannelServer(_StandIn(), authkey, node="this")
+    conn.send(server.address)
+    conn.recv()  # stop
+    server.close()
+
+
+@contextmanager
+def kv_channel(max_rows: int, family: str = "unix") -> Iterator[Call]:
+    """What Ray runners use (scheduler/kv_channel.py): a KVChannelServer in another process,
+    a KVChannel to it (one authenticated socket, one frame each way per call: the query
+    and K/V rows out, (out, lse) back), over its Unix socket or its TCP port on 127.0.0.1."""
+    from punica_x.kv.rmanager import MicroPlan
+    from scheduler.kv_channel import KVChannel
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    key = os.urandom(32)
+    proc = ctx.Process(target=kv_channel_server, args=(theirs, key), daemon=True)
+    proc.start()
+    ch = None
+    try:
+        if not mine.poll(STARTUP_TIMEOUT_S):
+            raise TimeoutError("kv_channel server did not start")
+        address = mine.recv()
+        ch = KVChannel("peer", address, "me", "this" if family == "unix" else "other", key)
+        micro = ch.prepare("me", MicroPlan((), (), (), ()))
+        yield lambda q, k, v: micro.run(0, q, k, v, 1.0)
+    finally:
+        if ch is not None:
+            ch.close()
+        with suppress(OSError):
+            mine.send(None)
+        stop_process(proc)
+
+
 class RayPeer:
     """The Ray actor: one torch thread, returns peer_compute's tensors (pickled back)."""
 
@@ -280,6 +331,8 @@ OPTIONS: dict[str, Option] = {
     "threadpool": threadpool,
     "shm_pipe": shm_pipe,
     "gloo": gloo,
+    "kv_channel_unix": kv_channel,
+    "kv_channel_tcp": lambda rows: kv_channel(rows, "tcp"),
     "ray": ray_actor,
 }
 

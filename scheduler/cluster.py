@@ -151,7 +151,9 @@ class Scheduler:
     distkv: thread runners lend each other KV blocks for requests no single one can hold
     (lend_fraction of each runner's blocks at most). distkv_overlap: run the peers'
     micro-attention on worker threads while the local part runs; off by default because
-    thread runners share the CPU's cores, and there it measured slower (bench_distkv)."""
+    thread runners share the CPU's cores, and there it measured slower (bench_distkv); Ray
+    runners always overlap (their own processes). distkv_transport: Ray runners' data plane,
+    "socket" (scheduler/kv_channel.py) or "ray" (actor calls, slower; for comparison)."""
 
     def __init__(
         self,
@@ -162,6 +164,7 @@ class Scheduler:
         distkv: bool = True,
         lend_fraction: float = 0.9,
         distkv_overlap: bool = False,
+        distkv_transport: str = "socket",
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
@@ -203,7 +206,7 @@ class Scheduler:
             if all(r.backend == "ray" for r in runners):
                 from scheduler.distkv_ray import RayKVGroup
 
-                self.kv_ray = RayKVGroup(lend_fraction, overlap=True)
+                self.kv_ray = RayKVGroup(lend_fraction, overlap=True, transport=distkv_transport)
             elif all(r.backend == "thread" for r in runners):
                 self.kv_network = KVNetwork()
             else:

@@ -4,19 +4,28 @@ Control plane: the gManager's ledger lives in a small actor of its own (GManager
 every runner reaches it without the scheduler; it stamps heartbeats with its own clock
 (processes' monotonic clocks differ). A debtor's borrower asks its peers for heartbeats when
 the ledger's are older than HEARTBEAT_S, then for suggestions, then asks the creditors in
-turn (RunnerActor.kv_lend). Data plane: per step one kv_prepare call per creditor (the
-MicroPlan), per layer one kv_run call carrying the query rows and new K/V and returning
-(out, lse): actor calls straight from the debtor's engine thread to the creditor's actor,
-never through the scheduler. A creditor whose process is gone raises PeerLost.
+turn (RunnerActor.kv_lend). Data plane (transport "socket", the default): every runner
+serves its rManager on a KVChannelServer (scheduler/kv_channel.py; a Unix socket for peers
+on its node, TCP for the others, the group's key authenticates) and a debtor keeps one
+KVChannel per creditor: per step the MicroPlan, per layer one frame with the query rows and
+new K/V, (out, lse) back; straight between the runner processes, never through the scheduler
+or Ray. Transport "ray" sends the same calls as Ray actor calls (kv_prepare / kv_run; ~2.8 ms
+a round trip, kept to measure against). A creditor whose process is gone raises PeerLost.
 
 ray is imported on first use."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from dataclasses import dataclass
 
 from punica_x.kv.rmanager import MicroPlan, PeerLost, RemoteExtent
 from scheduler.gmanager import DebtLedger, Heartbeat
+from scheduler.kv_channel import ChannelAddress, KVChannel
+
+TRANSPORTS = ("socket", "ray")
 
 HEARTBEAT_S = 0.2  # a borrower refreshes the ledger's heartbeats when older than this
 CALL_TIMEOUT_S = 30.0
@@ -57,15 +66,44 @@ class GManagerActor:
         return self.ledger.debts()
 
 
-class RayBorrower:
-    """A runner actor's KVBorrower: `peers` are the other runners' actor handles, `capacity`
-    the blocks they could lend together (their caps), both updated as runners come and go."""
+@dataclass(frozen=True)
+class DataPlane:
+    """How a runner reaches its creditors' micro-attention: `transport` (TRANSPORTS), the
+    group's `authkey` and this runner's `node` (a peer on the same node is reached over its
+    Unix socket)."""
 
-    def __init__(self, runner_id: str, gmanager, peers: dict, capacity: int) -> None:
+    transport: str
+    authkey: bytes
+    node: str
+
+
+class RayBorrower:
+    """A runner actor's KVBorrower: `peers` are the other runners' actor handles and
+    `addresses` their channel servers, `capacity` the blocks they could lend together (their
+    caps), all updated as runners come and go. `local`: this runner's own RManager (extents
+    of its own blocks, past a borrowed part, go through it)."""
+
+    def __init__(
+        self, runner_id: str, gmanager, peers: dict, capacity: int, plane: DataPlane
+    ) -> None:
         self.runner_id = runner_id
         self.gmanager = gmanager
         self.peers = dict(peers)
         self.capacity = capacity
+        self.plane = plane
+        self.addresses: dict[str, ChannelAddress] = {}
+        self.local = None
+        self._channels: dict[str, KVChannel] = {}
+        self._lock = threading.Lock()
+
+    def set_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
+        """Membership changed: channels to runners that left (or moved) are closed."""
+        self.peers, self.capacity = dict(peers), capacity
+        self.addresses = dict(addresses)
+        with self._lock:
+            for rid in list(self._channels):
+                if self.addresses.get(rid) != self._channels[rid].address:
+                    self._channels.pop(rid).close()
 
     def _get(self, ref):
         import ray
@@ -116,11 +154,32 @@ class RayBorrower:
             handle.kv_reclaim.remote(self.runner_id, request_id, e.block_ids)
             self.gmanager.returned.remote(self.runner_id, e.owner, len(e.block_ids))
 
-    def peer(self, owner: str) -> RayPeer:
+    def peer(self, owner: str):
+        if owner == self.runner_id and self.local is not None:
+            return self.local
         handle = self.peers.get(owner)
         if handle is None:
             raise PeerLost(owner)
-        return RayPeer(owner, handle, self._get)
+        if self.plane.transport == "ray":
+            return RayPeer(owner, handle, self._get)
+        return self._channel(owner)
+
+    def _channel(self, owner: str) -> KVChannel:
+        with self._lock:
+            ch = self._channels.get(owner)
+            if ch is None or ch.conn is None:
+                address = self.addresses.get(owner)
+                if address is None:
+                    raise PeerLost(owner)
+                ch = KVChannel(owner, address, self.runner_id, self.plane.node, self.plane.authkey)
+                self._channels[owner] = ch
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
 
     def capacity_blocks(self) -> int:
         return self.capacity
@@ -169,12 +228,18 @@ class RayKVGroup:
     """The scheduler's side: the ledger actor and the membership of Ray runners in DistKV.
     join/leave keep every member's peers and borrowing capacity current."""
 
-    def __init__(self, lend_fraction: float = 0.9, overlap: bool = True) -> None:
+    def __init__(
+        self, lend_fraction: float = 0.9, overlap: bool = True, transport: str = "socket"
+    ) -> None:
         import ray
 
-        self.lend_fraction, self.overlap = lend_fraction, overlap
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.lend_fraction, self.overlap, self.transport = lend_fraction, overlap, transport
+        self.authkey = os.urandom(32)  # channel servers accept only this group's runners
         self.gmanager = ray.remote(GManagerActor).options(num_cpus=0).remote()
         self.members: dict[str, object] = {}  # runner id -> RayRunner
+        self.addresses: dict[str, ChannelAddress] = {}
 
     def _caps(self, runner):
         from scheduler.distkv import default_caps
@@ -193,13 +258,15 @@ class RayKVGroup:
 
         self.members[runner.runner_id] = runner
         rid = runner.runner_id
-        ray.get(
+        self.addresses[rid] = ray.get(
             runner.actor.kv_enable.remote(
                 self.gmanager,
                 self._peers(rid),
                 self._capacity(rid),
                 self._caps(runner),
                 self.overlap,
+                self.transport,
+                self.authkey,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -210,6 +277,7 @@ class RayKVGroup:
         asking it; its blocks are gone (its debtors see PeerLost and recompute)."""
         if self.members.pop(runner_id, None) is None:
             return
+        self.addresses.pop(runner_id, None)
         for r in self.members.values():
             r.actor.kv_reclaim_debtor.remote(runner_id)
         self.gmanager.forget.remote(runner_id)
@@ -218,4 +286,6 @@ class RayKVGroup:
     def _update(self) -> None:
         for rid, r in self.members.items():
             r.kv_capacity = self._capacity(rid)
-            r.actor.kv_peers.remote(self._peers(rid), r.kv_capacity)
+            peers = self._peers(rid)
+            addresses = {p: a for p, a in self.addresses.items() if p in peers}
+            r.actor.kv_peers.remote(peers, addresses, r.kv_capacity)

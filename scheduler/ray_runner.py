@@ -209,22 +209,49 @@ class RunnerActor:
         self.engine.adapters.unregister(name)
 
     # -- DistKV (scheduler/distkv_ray.py) ---------------------------------------------------
-    def kv_enable(self, gmanager, peers: dict, capacity: int, caps, overlap: bool) -> None:
+    def kv_enable(
+        self,
+        gmanager,
+        peers: dict,
+        capacity: int,
+        caps,
+        overlap: bool,
+        transport: str = "socket",
+        authkey: bytes = b"",
+    ):
         """Lend within `caps`, borrow through the ledger actor from `peers` (runner id ->
-        actor handle)."""
+        actor handle); serve the micro-attention of this runner's loans on a channel server
+        (transport "socket"). Returns the server's ChannelAddress (None with "ray")."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from scheduler.distkv_ray import RayBorrower
+        import ray
 
-        self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity)
+        from scheduler.distkv_ray import DataPlane, RayBorrower
+        from scheduler.kv_channel import KVChannelServer
+
+        plane = DataPlane(transport, authkey, self.info_.node)
+        self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity, plane)
         self.kv_pool = ThreadPoolExecutor(4, thread_name_prefix="distkv")
         self.rm = self.engine.enable_distkv(
             self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
         )
+        self.borrower.local = self.rm
         self.micro: dict[str, object] = {}
+        self.kv_server = None
+        if transport == "socket":
+            host = ray.util.get_node_ip_address()
+            self.kv_server = KVChannelServer(self.rm, authkey, self.info_.node, host)
+            return self.kv_server.address
+        return None
 
-    def kv_peers(self, peers: dict, capacity: int) -> None:
-        self.borrower.peers, self.borrower.capacity = dict(peers), capacity
+    def kv_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
+        self.borrower.set_peers(peers, addresses, capacity)
+
+    def kv_counts(self) -> dict[str, int]:
+        """Now: blocks this runner lends (`lent`), micro-attention calls its rManager ran
+        (`calls`) and frames its channel server received (`frames`)."""
+        frames = self.kv_server.frames if self.kv_server is not None else 0
+        return {"lent": self.rm.lent_blocks, "calls": self.rm.calls, "frames": frames}
 
     def kv_heartbeat(self):
         from scheduler.gmanager import Heartbeat
@@ -256,6 +283,9 @@ class RunnerActor:
         import shutil
 
         self.async_engine.shutdown()
+        if getattr(self, "kv_server", None) is not None:
+            self.kv_server.close()
+            self.borrower.close()
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 

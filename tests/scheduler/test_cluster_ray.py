@@ -213,11 +213,15 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
         assert tokens == last.token_ids == want.token_ids
 
 
-def test_distkv_between_processes_serves_a_request_no_runner_holds(local_ray, tiny_model_dir):
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_distkv_between_processes_serves_a_request_no_runner_holds(
+    local_ray, tiny_model_dir, transport
+):
     """Three actors of 6 blocks (96 tokens) each: a 190-token request is placed on one,
-    borrows blocks on the other two processes (micro-attention there, per layer), and its
-    greedy tokens equal one engine with room for all of it. Then killing a process that
-    lends to another one mid-decode makes it recompute, with the same tokens."""
+    borrows blocks on the other two processes (micro-attention there, per layer, over each
+    data plane), and its greedy tokens equal one engine with room for all of it. Then
+    killing a process that lends to another one mid-decode makes it recompute, with the
+    same tokens."""
     from punica_x.models.loader import describe_model
 
     prompt = [(i * 7) % 200 + 3 for i in range(150)]
@@ -232,29 +236,32 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(local_ray, ti
         batch=BatchConfig(max_batch_size=4, max_batched_tokens=64),
     )
 
-    async def lender(sched, timeout=10.0):
-        """A runner seen lending blocks (its gauges come with its polls), or None."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline:
-            rows = [r for r in sched.runners() if r["kv_blocks_lent"] > 0]
-            if rows:
-                return rows[0]
-            await asyncio.sleep(0.05)
-        return None
+    def lender(runners):
+        """A runner process lending blocks now (asked directly: polls may come too late)."""
+        counts = ray.get([r.actor.kv_counts.remote() for r in runners])
+        return next((r for r, c in zip(runners, counts) if c["lent"] > 0), None)
 
     async def main():
         runners = [RayRunner(config, f"runner-{i}") for i in range(3)]
-        sched = Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
+        sched = Scheduler(
+            runners,
+            tokenizer=describe_model(config.model).tokenizer,
+            distkv_transport=transport,
+        )
         try:
             first = await consume(await sched.open(prompt, sp, None, "long"))
+            counts = ray.get([r.actor.kv_counts.remote() for r in runners])
+            assert sum(c["calls"] for c in counts) > 0, counts  # creditors ran micro-attention
+            frames = sum(c["frames"] for c in counts)
+            assert frames > 0 if transport == "socket" else frames == 0, counts
             stream = await sched.open(prompt, sp2, None, "long-2")
             tokens, victim = [], None
             async for out in stream:
                 tokens += out.new_token_ids
                 if victim is None and len(tokens) >= 2:
-                    victim = await lender(sched)
+                    victim = lender(runners)
                     if victim is not None:
-                        os.kill(victim["pid"], signal.SIGKILL)
+                        os.kill(victim.pid, signal.SIGKILL)
             return first, tokens, stream._last, victim
         finally:
             sched.shutdown()

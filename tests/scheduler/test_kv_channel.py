@@ -1,0 +1,128 @@
+"""DistKV's socket data plane (scheduler/kv_channel.py): a debtor's KVChannel to a creditor's
+KVChannelServer gives exactly what calling the creditor's rManager directly gives (out, lse
+and the K/V written into the lent blocks), over the Unix socket and over TCP, in float32 and
+bfloat16; the creditor's errors come back as themselves; a creditor that is gone, or a key
+that is not the group's, is PeerLost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from punica_x.attention import get_attention_backend
+from punica_x.attention.paged import SeqSpan
+from punica_x.kv.blocks import KVCache, KVCacheSpec
+from punica_x.kv.rmanager import LendCaps, MicroPlan, PeerLost, RManager
+from scheduler.kv_channel import ChannelAddress, KVChannel, KVChannelServer
+
+LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 2, 2, 4, 8, 4
+KEY = b"k" * 32
+
+
+def creditor(dtype: torch.dtype, seed: int) -> RManager:
+    spec = KVCacheSpec(LAYERS, KV_HEADS, DIM, BLOCK, dtype)
+    cache = KVCache(spec, 16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(dtype))
+    return RManager("c", cache, get_attention_backend("cpu", "torch"), LendCaps(12, 4))
+
+
+def random_plan(ids: tuple[int, ...], rng: random.Random) -> tuple[MicroPlan, int, int]:
+    """Two requests over the lent blocks: a decode row and a chunk of new rows, with K/V
+    written for the chunk's tokens; returns (plan, query rows, written rows)."""
+    a, b = ids[:3], ids[3:]
+    len_a = rng.randint(2 * BLOCK + 1, 3 * BLOCK)
+    chunk = rng.randint(1, BLOCK)
+    len_b = rng.randint(chunk, len(b) * BLOCK)
+    spans = (SeqSpan(0, 1, len_a, list(a)), SeqSpan(1, chunk, len_b, list(b)))
+    slots = [(b[t // BLOCK], t % BLOCK) for t in range(len_b - chunk, len_b)]
+    plan = MicroPlan(("ra", "rb"), spans, tuple(s[0] for s in slots), tuple(s[1] for s in slots))
+    return plan, 1 + chunk, chunk
+
+
+@pytest.mark.parametrize("family", ["unix", "tcp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_channel_returns_what_the_rmanager_returns(family, dtype):
+    rng = random.Random(hash((family, str(dtype))) & 0xFFFF)
+    remote, direct = creditor(dtype, 5), creditor(dtype, 5)
+    ids = remote.lend("d", "r", 6)
+    assert direct.lend("d", "r", 6) == ids
+    server = KVChannelServer(remote, KEY, node="here")
+    # the debtor on another node reaches the creditor over TCP
+    ch = KVChannel("c", server.address, "d", "here" if family == "unix" else "elsewhere", KEY)
+    try:
+        for step in range(3):
+            plan, rows, written = random_plan(ids, rng)
+            micro_ch, micro = ch.prepare("d", plan), direct.prepare("d", plan)
+            for layer in range(LAYERS):
+                g = torch.Generator().manual_seed(100 * step + layer)
+                q = torch.randn(rows, HEADS, DIM, generator=g).to(dtype)
+                k = torch.randn(written, KV_HEADS, DIM, generator=g).to(dtype)
+                v = torch.randn(written, KV_HEADS, DIM, generator=g).to(dtype)
+                out, lse = micro_ch.run(layer, q, k, v, 0.35)
+                want_out, want_lse = micro.run(layer, q, k, v, 0.35)
+                assert out.dtype == dtype and lse.dtype == torch.float32
+                assert torch.equal(out, want_out.to(dtype)) and torch.equal(lse, want_lse)
+        assert torch.equal(remote.cache.kv, direct.cache.kv)  # the same K/V written
+        assert server.frames == 3 * (1 + LAYERS)
+    finally:
+        ch.close()
+        server.close()
+
+
+def test_no_new_kv_rows_and_the_creditors_errors_come_back():
+    rm = creditor(torch.float32, 1)
+    ids = rm.lend("d", "r", 2)
+    other = rm.lend("d2", "r2", 1)
+    server = KVChannelServer(rm, KEY, node="n")
+    ch = KVChannel("c", server.address, "d", "n", KEY)
+    try:
+        plan = MicroPlan(("r",), (SeqSpan(0, 1, 5, list(ids)),), (), ())
+        empty, q = torch.empty(0, KV_HEADS, DIM), torch.randn(1, HEADS, DIM)
+        out, lse = ch.prepare("d", plan).run(1, q, empty, empty, 0.3)
+        want_out, want_lse = rm.prepare("d", plan).run(1, q, empty, empty, 0.3)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        stray = MicroPlan(("r",), (SeqSpan(0, 1, 2, list(other)),), (), ())
+        with pytest.raises(ValueError, match="not lent to d"):
+            ch.prepare("d", stray)
+        rm.stop()  # the creditor stopped: its PeerLost names the owner the debtor knows
+        with pytest.raises(PeerLost) as lost:
+            ch.prepare("d", plan)
+        assert lost.value.owner == "c"
+    finally:
+        ch.close()
+        server.close()
+
+
+def test_a_creditor_that_is_gone_is_peer_lost():
+    rm = creditor(torch.float32, 2)
+    ids = rm.lend("d", "r", 2)
+    server = KVChannelServer(rm, KEY, node="n")
+    ch = KVChannel("c", server.address, "d", "n", KEY)
+    plan = MicroPlan(("r",), (SeqSpan(0, 1, 5, list(ids)),), (), ())
+    ch.prepare("d", plan)
+    server.close()  # its process died: the socket closes under the debtor
+    with pytest.raises(PeerLost):
+        ch.prepare("d", plan)
+    assert ch.conn is None
+    with pytest.raises(PeerLost):  # and stays lost
+        ch.prepare("d", plan)
+    gone = ChannelAddress("n", server.address.unix, server.address.tcp)
+    with pytest.raises(PeerLost):  # nothing listens there any more
+        KVChannel("c", gone, "d", "n", KEY)
+
+
+def test_a_debtor_without_the_groups_key_is_refused():
+    rm = creditor(torch.float32, 3)
+    server = KVChannelServer(rm, KEY, node="n")
+    try:
+        with pytest.raises(PeerLost):
+            KVChannel("c", server.address, "d", "n", b"x" * 32)
+        ch = KVChannel("c", server.address, "d", "n", KEY)  # the server still serves
+        ids = rm.lend("d", "r", 1)
+        ch.prepare("d", MicroPlan(("r",), (SeqSpan(0, 1, 3, list(ids)),), (), ()))
+        ch.close()
+    finally:
+        server.close()
