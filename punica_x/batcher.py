@@ -11,6 +11,7 @@ adapter is still loading wait without holding anyone up.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 
@@ -21,7 +22,12 @@ from punica_x.kv.rmanager import KVBorrower, RemoteExtent
 from punica_x.planner import ScheduledRequest
 
 BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
+# A request refused for this long gives back every block it holds and starts over (recompute)
+# after a random pause of up to this long: two requests that each hold blocks the other
+# needs (on one runner or on two) would otherwise wait for each other forever.
+BORROW_PATIENCE_S = 2.0
 WAIT = "wait"  # _grow: blocks are not there yet (peers refused); try again later
+YIELD = "yield"  # _borrow: refused for longer than BORROW_PATIENCE_S; give its blocks back
 
 
 class Batcher:
@@ -37,6 +43,8 @@ class Batcher:
         # peers (punica_x/kv/rmanager.py); None: such a request ends with LENGTH
         self.borrower: KVBorrower | None = None
         self.borrow_refusals = 0
+        self.borrow_yields = 0  # requests that gave their blocks back (BORROW_PATIENCE_S)
+        self.patience_s = BORROW_PATIENCE_S
 
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request (at the head with front: a request moved here from another runner
@@ -103,8 +111,14 @@ class Batcher:
                 break
             n = min(r.num_tokens - r.num_computed_tokens, budget)
             need = r.num_computed_tokens + n
-            if not self._ensure(r, need) and self._borrow(r, need) is not True:
-                break
+            if not self._ensure(r, need):
+                got = self._borrow(r, need)
+                if got == YIELD:  # it waits without blocks; later ones may use them
+                    self.cache.release(r.block_ids)
+                    self._give_back(r)
+                    continue
+                if got is not True:
+                    break
             self.waiting.remove(r)
             r.status = RequestStatus.RUNNING
             self.running.append(r)
@@ -132,8 +146,10 @@ class Batcher:
     def _borrow(self, r: Request, num_tokens: int) -> bool | str:
         """Blocks for num_tokens of a request that borrows: the free local ones first (while
         it holds no remote block), then from peers. True when it has them, WAIT when peers
-        refused (it asks again after BORROW_RETRY_S), False when it does not borrow or the
-        whole cluster could never hold it."""
+        refused (it asks again after BORROW_RETRY_S, keeping its blocks), YIELD when they
+        have refused it for longer than patience_s (the caller frees its blocks; it asks
+        again after a random pause), False when it does not borrow or the whole cluster
+        could never hold it."""
         if not self._borrows(r, num_tokens):
             return False
         size = self.cache.block_size
@@ -150,10 +166,19 @@ class Batcher:
         if missing <= 0:
             return True
         got = self.borrower.borrow(r.request_id, missing)
+        now = time.monotonic()
         if got is None:
             self.borrow_refusals += 1
-            r.borrow_after = time.monotonic() + BORROW_RETRY_S
+            if r.borrow_since is None:
+                r.borrow_since = now
+            elif now - r.borrow_since > self.patience_s:
+                r.borrow_since = None
+                r.borrow_after = now + random.uniform(0.1, 1.0) * self.patience_s
+                self.borrow_yields += 1
+                return YIELD
+            r.borrow_after = now + BORROW_RETRY_S
             return WAIT
+        r.borrow_since = None
         self._append(r, got)
         return True
 
@@ -176,6 +201,9 @@ class Batcher:
                 got = self._borrow(r, num_tokens)
                 if got is True or got == WAIT:
                     return got
+                if got == YIELD:  # back to the queue without its blocks (recomputes)
+                    self._preempt(r)
+                    return False
                 self.running.remove(r)  # the whole cluster cannot hold it
                 overflow.append(r)
                 return False

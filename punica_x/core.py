@@ -144,9 +144,11 @@ class Request:
     # KV swapped out to the host pool (MLFQ): it holds the first num_computed_tokens tokens
     host_block_ids: list[int] = field(default_factory=list)
     # DistKV: blocks borrowed from peer runners, after block_ids in logical order (a request
-    # with remote blocks grows only there); borrow_after: when a refused borrow is retried
+    # with remote blocks grows only there); borrow_after: when a refused borrow is retried;
+    # borrow_since: when its peers first refused it, since it last got blocks (None: not waiting)
     remote: list[RemoteExtent] = field(default_factory=list)
     borrow_after: float = 0.0
+    borrow_since: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

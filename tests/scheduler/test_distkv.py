@@ -6,6 +6,7 @@ admission and growth stop at the cluster's capacity with errors that say so."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -124,6 +125,40 @@ def test_a_refused_borrow_waits_for_room_then_completes(shared, reference):
     assert released[0] > 0  # it asked and was refused before room appeared
     assert out["q0"].token_ids == reference["q0"]
     assert net.ledger.refusals > 0
+
+
+@pytest.mark.parametrize("patience", [0.2, None])
+def test_two_borrowers_holding_what_the_other_needs_do_not_wait_forever(shared, patience):
+    """a (on A) holds A's 6 blocks and 3 of B's, and will need 2 more of B's; b (on B) holds
+    B's other 3 and needs 4 of A's: each waits for the other. After `patience` seconds of
+    refusals one gives its blocks back and starts over; both complete with the greedy tokens
+    of one big runner and every block comes home. patience None (waiting forever, the
+    behaviour without the guard) leaves both stuck: the test's control."""
+    pa = [(i * 7) % 200 + 3 for i in range(130)]  # 170 tokens with the output: 11 blocks
+    pb = [(i * 5) % 190 + 7 for i in range(110)]  # 150: 10 blocks
+    want = {k: v.token_ids for k, v in run(engine(shared, 64), [pa, pb]).items()}
+    a, b = engine(shared, 6), engine(shared, 6)
+    net = network({"a": a, "b": b})
+    for e in (a, b):
+        e.batcher.patience_s = patience if patience is not None else float("inf")
+    a.add_request(pa, GREEDY, request_id="q0")
+    final = {}
+    while not a.requests["q0"].remote:  # a is prefilled, on 3 of B's blocks
+        a.step()
+    b.add_request(pb, GREEDY, request_id="q1")
+    deadline = time.monotonic() + (10 if patience is not None else 3)
+    while (a.has_unfinished() or b.has_unfinished()) and time.monotonic() < deadline:
+        outs = a.step() + b.step()
+        final.update({o.request_id: o for o in outs if o.finished})
+        if not outs:
+            time.sleep(0.005)
+    if patience is None:
+        assert not final, "nothing held them up: the test's deadlock is not one"
+        return
+    assert {k: v.token_ids for k, v in final.items()} == want
+    assert a.batcher.borrow_yields + b.batcher.borrow_yields >= 1
+    assert [e.cache.allocator.num_free for e in (a, b)] == [6, 6]
+    assert net.ledger.debts() == {}
 
 
 def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
