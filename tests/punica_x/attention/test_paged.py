@@ -10,7 +10,7 @@ import torch
 from helpers import CPU_ISAS
 
 from punica_x.attention import get_attention_backend
-from punica_x.attention.cpu import CpuAttention
+from punica_x.attention.cpu import FLASH_MIN_KV, LONG_PREFILL, CpuAttention
 from punica_x.attention.merge import merge_attention, merge_many
 from punica_x.attention.paged import SeqSpan
 
@@ -37,14 +37,20 @@ def test_paged_attention_matches_dense(backend, block_size, heads, d):
     seed = int.from_bytes(os.urandom(4), "little")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, nkv = heads
-    layers, num_blocks = 2, 400
+    layers, num_blocks = 2, 1000
     kv = torch.zeros(num_blocks, layers, 2, nkv, block_size, d)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    # (new rows, context already cached): decodes, a fresh prefill, a chunk after a cached part
+    # (new rows, context already cached): decodes, a fresh prefill, a chunk after a cached part,
+    # a chunk of more than LONG_PREFILL rows over few keys (the CPU kernel's), and fresh and
+    # later chunks of more rows over more than FLASH_MIN_KV keys (the CPU backend's flash path)
+    long, many = LONG_PREFILL + 1, FLASH_MIN_KV + 1
     shapes = [(1, rng.randint(0, 40)) for _ in range(4)] + [
         (rng.randint(2, 30), 0),
         (rng.randint(2, 30), rng.randint(1, 50)),
+        (rng.randint(long, long + 40), rng.randint(0, many - long - 41)),
+        (rng.randint(many, many + 60), 0),
+        (rng.randint(long, long + 40), rng.randint(many, many + 60)),
     ]
     rng.shuffle(shapes)
     spans, ks, vs, row = [], [], [], 0
