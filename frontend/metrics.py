@@ -4,7 +4,7 @@ runner gauges (queue, batch, KV blocks, adapter loads) read at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LABELS = ("tenant", "adapter")
@@ -70,6 +70,19 @@ class RunnerCollector:
                 for row in rows:
                     g.add_metric([row["id"]], row[key])
                 yield g
+            remote = SummaryMetricFamily(
+                "punica_x_remote_attention_seconds",
+                "round trips of the micro-attention calls a runner's requests sent to the "
+                "runners holding their borrowed KV blocks (DistKV)",
+                labels=["runner"],
+            )
+            for row in rows:
+                remote.add_metric(
+                    [row["id"]],
+                    count_value=row.get("remote_attention_calls", 0),
+                    sum_value=row.get("remote_attention_seconds", 0.0),
+                )
+            yield remote
             up = GaugeMetricFamily(
                 "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
             )

@@ -624,6 +624,8 @@ class Scheduler:
                     # DistKV: blocks lent to peers' requests / its requests hold on peers
                     "kv_blocks_lent": stats.kv_blocks_lent if stats else 0,
                     "kv_blocks_borrowed": stats.kv_blocks_borrowed if stats else 0,
+                    "remote_attention_calls": stats.remote_attention_calls if stats else 0,
+                    "remote_attention_seconds": stats.remote_attention_seconds if stats else 0.0,
                     "resident_adapters": len(h.resident_adapters()) if stats else 0,
                     "error": slot.error,
                 }

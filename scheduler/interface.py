@@ -31,6 +31,10 @@ class RunnerStats:
     # DistKV: blocks this runner lends to peers' requests, and its requests hold on peers
     kv_blocks_lent: int = 0
     kv_blocks_borrowed: int = 0
+    # DistKV: micro-attention calls this runner's requests sent to peers, and their summed
+    # round trips in seconds (punica_x.attention.dist.RemoteStats)
+    remote_attention_calls: int = 0
+    remote_attention_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,16 @@ def _no_delay(conn: Connection) -> None:
             s.close()
 
 
+def _shutdown(conn: Connection) -> None:
+    """Shut a connection's socket down both ways (a blocked recv returns EOF), leaving the
+    close to its owner."""
+    s = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    finally:
+        s.close()
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a tensor (any dtype, bfloat16 included), without a copy when contiguous."""
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
@@ -139,9 +149,11 @@ class KVChannelServer:
                         conn.send_bytes(_run(micro, msg))
                 except Exception as exc:
                     conn.send_bytes(_ERR + _dump(exc))
-        except Exception:  # the debtor left, or close() closed the socket under recv
+        except Exception:  # the debtor left, or close() shut the socket down under recv
             pass
         finally:
+            with self._lock:  # closed here only: close() shuts down, never closes (fd reuse)
+                self._conns.remove(conn)
             conn.close()
 
     def close(self) -> None:
@@ -150,9 +162,9 @@ class KVChannelServer:
             with contextlib.suppress(OSError):
                 lis.close()
         with self._lock:
-            for c in self._conns:
+            for c in self._conns:  # their serving threads see EOF and close them
                 with contextlib.suppress(OSError):
-                    c.close()
+                    _shutdown(c)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

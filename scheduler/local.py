@@ -50,7 +50,13 @@ def _distkv_gauges(e: Engine) -> dict[str, int]:
         for x in list(r.remote)
         if x.owner != rm.runner_id
     )
-    return dict(kv_blocks_lent=rm.lent_blocks, kv_blocks_borrowed=borrowed)
+    remote = e.planner.dist.stats
+    return dict(
+        kv_blocks_lent=rm.lent_blocks,
+        kv_blocks_borrowed=borrowed,
+        remote_attention_calls=remote.calls,
+        remote_attention_seconds=remote.seconds,
+    )
 
 
 def _swap_counters(s) -> dict[str, int]:

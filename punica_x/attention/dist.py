@@ -19,6 +19,7 @@ they run in the step's thread after it."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -106,6 +107,17 @@ class DistContext:
     borrower: KVBorrower
     pool: Executor | None = None
     overlap: bool = False
+    stats: RemoteStats = field(default_factory=lambda: RemoteStats())
+
+
+@dataclass
+class RemoteStats:
+    """Micro-attention calls this runner sent to its creditors and their summed round trips
+    (seconds from sending the query to holding (out, lse); with overlap, they run while the
+    local part does). Read from other threads for metrics: counters, not a ledger."""
+
+    calls: int = 0
+    seconds: float = 0.0
 
 
 def plan_dist(
@@ -176,6 +188,7 @@ def plan_dist(
         uncovered=uncovered,
         pool=ctx.pool,
         overlap=ctx.overlap,
+        stats=ctx.stats,
     )
 
 
@@ -213,6 +226,7 @@ class DistPlan:
     uncovered: torch.Tensor
     pool: Executor | None
     overlap: bool
+    stats: RemoteStats
     _k: torch.Tensor | None = None
     _v: torch.Tensor | None = None
 
@@ -237,7 +251,9 @@ class DistPlan:
         if not self.overlap:
             pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
         for (call, _, _, _), result in zip(self.remote, pending):
-            o, s = result.result() if isinstance(result, Future) else result
+            o, s, seconds = result.result() if isinstance(result, Future) else result
+            self.stats.calls += 1
+            self.stats.seconds += seconds
             for si, first, n, at in call.items:  # consecutive rows of one request
                 r0 = self.seqs[si].row_start + first
                 merge_into(out[r0 : r0 + n], lse[r0 : r0 + n], o[at : at + n], s[at : at + n])
@@ -245,7 +261,14 @@ class DistPlan:
 
     def _start(self, entry, layer, q, k, v, scale):
         call, micro, q_rows, kv_rows = entry
-        args = (layer, q[q_rows], k[kv_rows], v[kv_rows], scale)
+        args = (micro, layer, q[q_rows], k[kv_rows], v[kv_rows], scale)
         if self.pool is None or not self.overlap:  # in this thread, after the local part
-            return micro.run(*args)
-        return self.pool.submit(micro.run, *args)
+            return _timed(*args)
+        return self.pool.submit(_timed, *args)
+
+
+def _timed(micro, layer, q, k, v, scale):
+    """micro.run's (out, lse) and its round trip in seconds."""
+    t0 = time.perf_counter()
+    out, lse = micro.run(layer, q, k, v, scale)
+    return out, lse, time.perf_counter() - t0

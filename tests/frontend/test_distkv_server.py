@@ -49,6 +49,14 @@ def test_a_prompt_no_runner_holds_is_served_across_both(distkv_server, server):
         rows = c.get("/admin/runners").json()["runners"]
     assert [(r["kv_blocks_lent"], r["kv_blocks_borrowed"]) for r in rows] == [(0, 0), (0, 0)]
     assert distkv_server.metric("punica_x_kv_blocks_free") == 2 * RUNNER_BLOCKS
+    # the debtor's micro-attention calls to its peer: one per layer of every step after the
+    # prompt's first 128 tokens (the tiny model has 2 layers), and their round trips
+    borrower = max(rows, key=lambda r: r["remote_attention_calls"])
+    assert borrower["remote_attention_calls"] >= 2 * 64
+    assert sum(r["remote_attention_calls"] for r in rows) == borrower["remote_attention_calls"]
+    calls = distkv_server.metric("punica_x_remote_attention_seconds_count", runner=borrower["id"])
+    seconds = distkv_server.metric("punica_x_remote_attention_seconds_sum", runner=borrower["id"])
+    assert calls == borrower["remote_attention_calls"] and 0 < seconds < 60
 
 
 def test_a_prompt_beyond_the_cluster_is_refused_naming_its_limit(distkv_server):

@@ -6,6 +6,7 @@ that is not the group's, is PeerLost."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -72,13 +73,23 @@ def test_a_channel_returns_what_the_rmanager_returns(family, dtype):
         server.close()
 
 
-def test_no_new_kv_rows_and_the_creditors_errors_come_back():
-    rm = creditor(torch.float32, 1)
-    ids = rm.lend("d", "r", 2)
-    other = rm.lend("d2", "r2", 1)
+@contextlib.contextmanager
+def connected(seed: int):
+    """A float32 creditor serving on a channel server, and debtor d's channel to it."""
+    rm = creditor(torch.float32, seed)
     server = KVChannelServer(rm, KEY, node="n")
     ch = KVChannel("c", server.address, "d", "n", KEY)
     try:
+        yield rm, server, ch
+    finally:
+        ch.close()
+        server.close()
+
+
+def test_no_new_kv_rows_and_the_creditors_errors_come_back():
+    with connected(1) as (rm, _, ch):
+        ids = rm.lend("d", "r", 2)
+        other = rm.lend("d2", "r2", 1)
         plan = MicroPlan(("r",), (SeqSpan(0, 1, 5, list(ids)),), (), ())
         empty, q = torch.empty(0, KV_HEADS, DIM), torch.randn(1, HEADS, DIM)
         out, lse = ch.prepare("d", plan).run(1, q, empty, empty, 0.3)
@@ -91,27 +102,22 @@ def test_no_new_kv_rows_and_the_creditors_errors_come_back():
         with pytest.raises(PeerLost) as lost:
             ch.prepare("d", plan)
         assert lost.value.owner == "c"
-    finally:
-        ch.close()
-        server.close()
 
 
 def test_a_creditor_that_is_gone_is_peer_lost():
-    rm = creditor(torch.float32, 2)
-    ids = rm.lend("d", "r", 2)
-    server = KVChannelServer(rm, KEY, node="n")
-    ch = KVChannel("c", server.address, "d", "n", KEY)
-    plan = MicroPlan(("r",), (SeqSpan(0, 1, 5, list(ids)),), (), ())
-    ch.prepare("d", plan)
-    server.close()  # its process died: the socket closes under the debtor
-    with pytest.raises(PeerLost):
+    with connected(2) as (rm, server, ch):
+        ids = rm.lend("d", "r", 2)
+        plan = MicroPlan(("r",), (SeqSpan(0, 1, 5, list(ids)),), (), ())
         ch.prepare("d", plan)
-    assert ch.conn is None
-    with pytest.raises(PeerLost):  # and stays lost
-        ch.prepare("d", plan)
-    gone = ChannelAddress("n", server.address.unix, server.address.tcp)
-    with pytest.raises(PeerLost):  # nothing listens there any more
-        KVChannel("c", gone, "d", "n", KEY)
+        server.close()  # its process died: the socket closes under the debtor
+        with pytest.raises(PeerLost):
+            ch.prepare("d", plan)
+        assert ch.conn is None
+        with pytest.raises(PeerLost):  # and stays lost
+            ch.prepare("d", plan)
+        gone = ChannelAddress("n", server.address.unix, server.address.tcp)
+        with pytest.raises(PeerLost):  # nothing listens there any more
+            KVChannel("c", gone, "d", "n", KEY)
 
 
 def test_a_debtor_without_the_groups_key_is_refused():
