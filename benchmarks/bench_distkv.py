@@ -211,6 +211,7 @@ def main() -> None:
     if args.ray_only:
         ray_rows = ray_section(args, mc.model)
         write_json("bench_distkv_ray", {"machine": machine, "args": vars(args), "ray": ray_rows})
+        plot_ray(ray_rows, args.context)
         return
     loaded = load_model(mc)
     model = mc.model
@@ -249,6 +250,8 @@ def main() -> None:
         f"decode, {args.context} tokens of context",
     )
     ray_rows = ray_section(args, model) if args.ray else None
+    if ray_rows:
+        plot_ray(ray_rows, args.context)
     write_json(
         "bench_distkv",
         {
@@ -281,6 +284,20 @@ def plot(lengths: list[dict], decode: list[dict], context: int) -> None:
     b.set_xlabel(f"ms per decode token ({context} tokens of context)")
     fig.tight_layout()
     save_plot("bench_distkv", fig)
+
+
+def plot_ray(rows: list[dict], context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([r["config"] for r in rows], [r["ms_per_token"] for r in rows])
+    ax.set_xlabel(f"ms per decode token, 2 Ray runners ({context} tokens of context)")
+    fig.suptitle(describe_machine(), fontsize=8)
+    fig.tight_layout()
+    save_plot("bench_distkv_ray", fig)
 
 
 if __name__ == "__main__":
