@@ -1,12 +1,14 @@
 """Compiled CPU paged attention (csrc/attention): decodes and prefill chunks in one
 multi-threaded kernel that reads K/V straight from the blocks, except chunks of more than
-LONG_PREFILL rows over more than FLASH_MIN_KV keys, which go through PyTorch's fused CPU
-flash attention (its tiles win once rows x keys is large).
+LONG_PREFILL rows whose rows x keys exceed FLASH_MIN_WORK, which go through PyTorch's fused
+CPU flash attention (its tiles win on large ones).
 
 Measured on an AMD EPYC Zen 4, 2 cores, bf16, SmolLM2 heads (9 q / 3 kv, D 64), one layer,
-kernel / flash / the reference's batched matmuls (what chunks over 64 rows used before):
-128 rows x 128 keys 0.39 / 0.46 / 1.22 ms; 128 x 256 1.04 / 0.83; 128 x 1024 4.6 / 2.8 /
-8.8 ms; 1024 x 1024 22.3 / 14.5; 2048 x 2048 80 / 42 / 323 ms."""
+medians of 5 interleaved runs, kernel / flash (the reference's batched matmuls, which chunks
+over 64 rows used before, in brackets): 128 rows x 128 keys 0.39 / 0.39 (1.22) ms; 128 x 1024
+5.2 / 4.6 (8.8, flash ranging 3.2-6.4); 512 x 512 6.4 / 7.0; 1024 x 1024 23.8 / 20.5;
+2048 x 2048 84 / 46 (323) ms. Between them they are within noise, so the kernel keeps what
+it does as fast, flash takes the large chunks."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from punica_x.attention.paged import PrefillSeq, SeqSpan
 from punica_x.ops._build import load_extension
 
 LONG_PREFILL = 64
-FLASH_MIN_KV = 192
+FLASH_MIN_WORK = 1024 * 768  # rows x keys of a chunk above which flash attention runs it
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class CpuAttention:
                 slot_blocks.append(sp.block_ids[pos // block_size])
                 slot_offsets.append(pos % block_size)
             nb = -(-sp.kv_len // block_size)
-            if sp.num_rows > LONG_PREFILL and sp.kv_len > FLASH_MIN_KV:
+            if sp.num_rows > LONG_PREFILL and sp.num_rows * sp.kv_len > FLASH_MIN_WORK:
                 blocks = torch.tensor(sp.block_ids[:nb], dtype=torch.int64)
                 long.append(PrefillSeq(sp.row_start, sp.num_rows, sp.kv_len, blocks))
                 continue

@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import CPU_ISAS
 
+from punica_x.attention import cpu as cpu_attention
 from punica_x.attention import get_attention_backend
-from punica_x.attention.cpu import FLASH_MIN_KV, LONG_PREFILL, CpuAttention
+from punica_x.attention.cpu import LONG_PREFILL, CpuAttention
 from punica_x.attention.merge import merge_attention, merge_many
 from punica_x.attention.paged import SeqSpan
 
@@ -29,11 +30,19 @@ def dense_attention(q, k, v, first_pos, scale):
     return out, lse.t()
 
 
+@pytest.fixture(params=["kernel", "flash"])
+def long_prefill_path(request, monkeypatch):
+    """Which CPU path takes the chunks of more than LONG_PREFILL rows (flash attention only
+    runs large ones by default: FLASH_MIN_WORK 0 hands it every such chunk)."""
+    monkeypatch.setattr(cpu_attention, "FLASH_MIN_WORK", 0 if request.param == "flash" else 1e18)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", [*CPU_ISAS, "torch"])  # the compiled kernel per ISA, torch
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("d", [32, 64, 40])
-def test_paged_attention_matches_dense(backend, block_size, heads, d):
+def test_paged_attention_matches_dense(backend, block_size, heads, d, long_prefill_path):
     seed = int.from_bytes(os.urandom(4), "little")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, nkv = heads
@@ -42,15 +51,14 @@ def test_paged_attention_matches_dense(backend, block_size, heads, d):
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (new rows, context already cached): decodes, a fresh prefill, a chunk after a cached part,
-    # a chunk of more than LONG_PREFILL rows over few keys (the CPU kernel's), and fresh and
-    # later chunks of more rows over more than FLASH_MIN_KV keys (the CPU backend's flash path)
-    long, many = LONG_PREFILL + 1, FLASH_MIN_KV + 1
+    # and fresh and later chunks of more than LONG_PREFILL rows (the flash path's when
+    # long_prefill_path says so)
+    long = LONG_PREFILL + 1
     shapes = [(1, rng.randint(0, 40)) for _ in range(4)] + [
         (rng.randint(2, 30), 0),
         (rng.randint(2, 30), rng.randint(1, 50)),
-        (rng.randint(long, long + 40), rng.randint(0, many - long - 41)),
-        (rng.randint(many, many + 60), 0),
-        (rng.randint(long, long + 40), rng.randint(many, many + 60)),
+        (rng.randint(long, long + 60), 0),
+        (rng.randint(long, long + 40), rng.randint(1, 90)),
     ]
     rng.shuffle(shapes)
     spans, ks, vs, row = [], [], [], 0

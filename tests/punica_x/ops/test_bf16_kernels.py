@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from punica_x.attention import cpu as cpu_attention
 from punica_x.attention.cpu import CpuAttention
 from punica_x.attention.paged import SeqSpan
 from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
@@ -88,14 +89,16 @@ def test_sgmv_bf16(slices, lens, h_in, cpu_isa):
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("hq", "nkv", "d"), [(9, 3, 64), (4, 4, 40)])
-def test_paged_attention_bf16(block_size, hq, nkv, d, cpu_isa):
-    """Decodes and prefill chunks over bf16 blocks: the kernel's (short chunks, long ones over
-    few keys) and flash attention's (> LONG_PREFILL rows over > FLASH_MIN_KV keys), fresh and
-    after a cached part."""
+@pytest.mark.parametrize("flash", [False, True])
+def test_paged_attention_bf16(block_size, hq, nkv, d, cpu_isa, flash, monkeypatch):
+    """Decodes and prefill chunks over bf16 blocks, fresh and after a cached part; the chunks
+    of more than LONG_PREFILL rows by the kernel, or by flash attention (what runs large ones
+    by default)."""
+    monkeypatch.setattr(cpu_attention, "FLASH_MIN_WORK", 0 if flash else 1e18)
     g = gen()
     # (new rows, tokens already cached)
-    shapes = [(1, 37), (1, 5), (12, 0), (9, 20), (100, 0), (230, 0), (80, 150)]
-    kv = torch.zeros(240, 2, 2, nkv, block_size, d, dtype=BF16)
+    shapes = [(1, 37), (1, 5), (12, 0), (9, 20), (100, 0), (80, 33)]
+    kv = torch.zeros(160, 2, 2, nkv, block_size, d, dtype=BF16)
     spans, ks, vs, row, next_block = [], [], [], 0, 0
     for n, cached in shapes:
         total = n + cached
