@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,16 +47,22 @@ class RemoteExtent:
 
 @dataclass(frozen=True)
 class LendCaps:
-    """What a runner lends at most: `max_blocks` blocks to all debtors together and
-    `max_requests` debtor requests at once (each costs a micro-attention per layer per step:
-    this bounds the compute it gives away)."""
+    """What a runner lends at most: `max_blocks` blocks to all debtors together,
+    `max_requests` debtor requests at once (each costs a micro-attention per layer per step),
+    and compute: once serving peers' micro-attention took more than `max_compute_share` of
+    the last `window_s` seconds, it lends no new blocks (the loans it has keep being served)
+    until the share falls back."""
 
     max_blocks: int
     max_requests: int = 8
+    max_compute_share: float = 0.5
+    window_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_blocks < 0 or self.max_requests < 0:
             raise ValueError("LendCaps fields must be >= 0")
+        if not 0 < self.max_compute_share <= 1 or self.window_s <= 0:
+            raise ValueError("LendCaps needs 0 < max_compute_share <= 1 and window_s > 0")
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,9 @@ class RManager:
     """The creditor side of one runner: lends blocks of `cache` and serves micro-attention
     over them with `attention` (the runner's attention backend)."""
 
-    def __init__(self, runner_id: str, cache: KVCache, attention, caps: LendCaps) -> None:
+    def __init__(
+        self, runner_id: str, cache: KVCache, attention, caps: LendCaps, clock=time.monotonic
+    ) -> None:
         self.runner_id = runner_id
         self.cache = cache
         self.attention = attention
@@ -119,6 +128,10 @@ class RManager:
         self.calls = 0
         self.alive = True
         self.frozen = False  # lends nothing while a DGFM swap moves its blocks
+        self.clock = clock
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (end, s)
+        self._busy_lock = threading.Lock()
+        self.busy_seconds = 0.0  # serving peers' micro-attention, in all
 
     # -- lending --------------------------------------------------------------------------
     @property
@@ -130,8 +143,24 @@ class RManager:
         return dict(collections.Counter(self._owner.values()))
 
     def lendable(self) -> int:
-        """Blocks a peer could get now: free blocks, within the cap."""
+        """Blocks a peer could get now: free blocks, within the caps (none while serving
+        peers took more than its compute share of the recent window)."""
+        if self.compute_share() > self.caps.max_compute_share:
+            return 0
         return max(0, min(self.caps.max_blocks - self.lent_blocks, self.cache.allocator.num_free))
+
+    def compute_share(self) -> float:
+        """Seconds spent serving peers' micro-attention over the last window_s, / window_s."""
+        start = self.clock() - self.caps.window_s
+        with self._busy_lock:
+            while self._busy and self._busy[0][0] < start:
+                self._busy.popleft()
+            return sum(s for _, s in self._busy) / self.caps.window_s
+
+    def _served(self, seconds: float) -> None:
+        with self._busy_lock:
+            self._busy.append((self.clock(), seconds))
+            self.busy_seconds += seconds
 
     def lend(self, debtor: str, request_id: str, num_blocks: int) -> tuple[int, ...] | None:
         """Up to num_blocks blocks (at least one) for `request_id` of runner `debtor`, or None
@@ -201,12 +230,15 @@ class RManager:
         meta = self.attention.plan(list(plan.spans), self.cache.block_size, device)
         index = torch.tensor(plan.write_blocks, dtype=torch.int64, device=device)
         offsets = torch.tensor(plan.write_offsets, dtype=torch.int64, device=device)
-        return _Micro(self, meta, index, offsets)
+        return _Micro(self, debtor, meta, index, offsets)
 
 
 class _Micro:
-    def __init__(self, rm: RManager, meta, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        self.rm, self.meta, self.blocks, self.offsets = rm, meta, blocks, offsets
+    def __init__(
+        self, rm: RManager, debtor: str, meta, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> None:
+        self.rm, self.debtor, self.meta = rm, debtor, meta
+        self.blocks, self.offsets = blocks, offsets
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         rm = self.rm
@@ -216,4 +248,8 @@ class _Micro:
             kv[self.blocks, layer, 0, :, self.offsets] = k.to(kv.device, kv.dtype)
             kv[self.blocks, layer, 1, :, self.offsets] = v.to(kv.device, kv.dtype)
         rm.calls += 1
-        return self.meta.attend(q.to(kv.device, kv.dtype).contiguous(), kv, layer, scale)
+        t0 = time.perf_counter()
+        result = self.meta.attend(q.to(kv.device, kv.dtype).contiguous(), kv, layer, scale)
+        if self.debtor != rm.runner_id:  # its own blocks (DGFM) are not a peer's compute
+            rm._served(time.perf_counter() - t0)
+        return result

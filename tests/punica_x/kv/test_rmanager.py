@@ -71,3 +71,42 @@ def test_plans_only_touch_blocks_lent_to_the_caller():
         micro.run(0, q, kv_rows, kv_rows, 0.5)
     with pytest.raises(PeerLost):
         rm.lend("d1", "r1", 1)
+
+
+def test_lends_nothing_new_while_serving_peers_took_its_compute_share():
+    """Once micro-attention for peers took more than max_compute_share of the last window,
+    no new blocks are lent and the heartbeat offers none; calls on existing loans are still
+    served, and lending resumes when the window has moved past them."""
+    now = [100.0]
+    spec = KVCacheSpec(1, 1, 4, 2, torch.float32)
+    cache = KVCache(spec, 10, torch.device("cpu"))
+    caps = LendCaps(8, 4, max_compute_share=0.25, window_s=2.0)
+    rm = RManager("c", cache, get_attention_backend("cpu", "torch"), caps, clock=lambda: now[0])
+    ids = rm.lend("d1", "r1", 2)
+    micro = rm.prepare("d1", MicroPlan(("r1",), (SeqSpan(0, 1, 3, list(ids)),), (), ()))
+    q, none = torch.randn(1, 1, 4), torch.empty(0, 1, 4)
+    micro.run(0, q, none, none, 0.5)
+    assert 0 < rm.compute_share() < 0.25 and rm.busy_seconds > 0  # measured, and small
+    rm._served(0.6)  # a burst of peers' work: 0.6 s of the last 2 s
+    assert rm.compute_share() > 0.25
+    assert rm.lendable() == 0 and rm.lend("d2", "r2", 1) is None
+    out, _ = micro.run(0, q, none, none, 0.5)  # the loan it has is still served
+    assert out.shape == (1, 1, 4)
+    now[0] += 2.5  # the burst left the window
+    assert rm.compute_share() == 0 and rm.lendable() == 6
+    assert rm.lend("d2", "r2", 1)
+
+
+def test_its_own_blocks_are_not_counted_as_peers_compute():
+    rm = manager()
+    own = rm.cache.allocator.allocate(2)  # a DGFM swap brought a request's blocks home
+    micro = rm.prepare("c", MicroPlan(("r",), (SeqSpan(0, 1, 3, own),), (), ()))
+    micro.run(0, torch.randn(1, 1, 4), torch.empty(0, 1, 4), torch.empty(0, 1, 4), 0.5)
+    assert rm.busy_seconds == 0
+
+
+def test_caps_refuse_a_compute_share_outside_0_1():
+    with pytest.raises(ValueError, match="max_compute_share"):
+        LendCaps(4, max_compute_share=0)
+    with pytest.raises(ValueError, match="max_compute_share"):
+        LendCaps(4, max_compute_share=1.5)
