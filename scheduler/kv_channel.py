@@ -103,6 +103,8 @@ class KVChannelServer:
     own address; 127.0.0.1 when every runner is on one machine)."""
 
     def __init__(self, handler, authkey: bytes, node: str, host: str = "127.0.0.1") -> None:
+        if len(authkey) < 16:  # multiprocessing skips the handshake for an empty key
+            raise ValueError("a KVChannelServer needs an authkey of at least 16 bytes")
         self.handler = handler
         self._dir = tempfile.mkdtemp(prefix="pxkv-")
         path = os.path.join(self._dir, "s")

@@ -40,7 +40,7 @@ def engine_stats(e: Engine) -> RunnerStats:
     )
 
 
-def _distkv_gauges(e: Engine) -> dict[str, int]:
+def _distkv_gauges(e: Engine) -> dict[str, float]:
     rm = e.rmanager
     if rm is None:
         return {}

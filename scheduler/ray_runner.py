@@ -216,8 +216,8 @@ class RunnerActor:
         capacity: int,
         caps,
         overlap: bool,
-        transport: str = "socket",
-        authkey: bytes = b"",
+        transport: str,
+        authkey: bytes,
     ):
         """Lend within `caps`, borrow through the ledger actor from `peers` (runner id ->
         actor handle); serve the micro-attention of this runner's loans on a channel server

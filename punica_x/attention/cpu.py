@@ -28,13 +28,16 @@ FLASH_MIN_WORK = 1024 * 768  # rows x keys of a chunk above which flash attentio
 class CpuAttentionPlan:
     """seqs: int32 [3, S] (row_start, num_rows, kv_len) of kernel-handled sequences,
     table_start: int32 [S + 1], block_table: int32 [sum of their blocks];
-    long_prefills: sequences for the PyTorch path; slot_blocks / slot_offsets: [T] int64."""
+    long_prefills: sequences for flash attention, long_masks: each one's additive causal
+    mask [rows, kv_len] float32 (None for a first chunk: is_causal), built once per step;
+    slot_blocks / slot_offsets: [T] int64."""
 
     ext: ModuleType
     seqs: torch.Tensor
     table_start: torch.Tensor
     block_table: torch.Tensor
     long_prefills: tuple[PrefillSeq, ...]
+    long_masks: tuple[torch.Tensor | None, ...]
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
 
@@ -53,16 +56,29 @@ class CpuAttentionPlan:
             )
         if self.long_prefills:
             kvl = kv[:, layer]
-            for seq in self.long_prefills:
-                flash_prefill(q, kvl, seq, scale, out, lse)
+            for seq, mask in zip(self.long_prefills, self.long_masks):
+                flash_prefill(q, kvl, seq, scale, out, lse, mask)
         return out, lse
 
 
-def flash_prefill(q, kvl, seq: PrefillSeq, scale: float, out, lse) -> None:
+def causal_mask(seq: PrefillSeq) -> torch.Tensor | None:
+    """The additive mask of a chunk after a cached part (row i sees keys up to first + i:
+    causal aligned bottom-right), [rows, kv_len] float32; None for a first chunk."""
+    first = seq.kv_len - seq.num_rows
+    if first == 0:
+        return None
+    keys = torch.arange(seq.kv_len)
+    pos = torch.arange(first, seq.kv_len)
+    mask = torch.zeros(seq.num_rows, seq.kv_len)
+    return mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+
+
+def flash_prefill(q, kvl, seq: PrefillSeq, scale: float, out, lse, mask=None) -> None:
     """Causal attention of one prefill chunk (its rows are the last num_rows of kv_len keys),
     written into out [T, H_q, D] / lse [T, H_q] float32 at seq.row_start, by PyTorch's fused
     CPU flash attention (aten._scaled_dot_product_flash_attention_for_cpu, which returns the
-    log-sum-exp too). kvl = kv[:, layer]; GQA by repeating each K/V head for its group.
+    log-sum-exp too). kvl = kv[:, layer]; mask: causal_mask(seq) (None: a first chunk).
+    GQA by repeating each K/V head for its group.
     Computed in float32 whatever the cache's dtype (bf16 flash would round the probabilities
     to bf16 before P @ V, ~1e-3 off; in float32 the output is rounded once, like the kernel),
     at about the same speed on CPU."""
@@ -75,15 +91,10 @@ def flash_prefill(q, kvl, seq: PrefillSeq, scale: float, out, lse) -> None:
     v = v.float().repeat_interleave(group, 0).unsqueeze(0)
     r0, rows = seq.row_start, seq.num_rows
     qh = q[r0 : r0 + rows].float().transpose(0, 1).unsqueeze(0)  # [1, H_q, rows, D]
-    first = seq.kv_len - rows
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    if first == 0:
+    if mask is None:
         o, s = flash(qh, k, v, is_causal=True, scale=scale)[:2]
-    else:  # a later chunk: row i sees keys up to first + i (causal aligned bottom-right)
-        keys = torch.arange(seq.kv_len)
-        pos = torch.arange(first, seq.kv_len)
-        mask = torch.zeros(rows, seq.kv_len)
-        mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+    else:
         o, s = flash(qh, k, v, attn_mask=mask, scale=scale)[:2]
     out[r0 : r0 + rows] = o[0].transpose(0, 1)
     lse[r0 : r0 + rows] = s[0].transpose(0, 1)
@@ -121,6 +132,7 @@ class CpuAttention:
             table_start=torch.tensor(starts, dtype=i32),
             block_table=torch.tensor(table, dtype=i32),
             long_prefills=tuple(long),
+            long_masks=tuple(causal_mask(seq) for seq in long),
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64),
         )

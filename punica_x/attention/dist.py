@@ -98,6 +98,16 @@ class _RemoteCall:
 
 
 @dataclass
+class RemoteStats:
+    """Micro-attention calls this runner sent to its creditors and their summed round trips
+    (seconds from sending the query to holding (out, lse); with overlap, they run while the
+    local part does). Read from other threads for metrics: counters, not a ledger."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class DistContext:
     """What a runner needs to plan DistAttention: its id, its peers, a thread pool for the
     remote calls (None: run them in the step's thread) and whether they overlap the local
@@ -107,17 +117,7 @@ class DistContext:
     borrower: KVBorrower
     pool: Executor | None = None
     overlap: bool = False
-    stats: RemoteStats = field(default_factory=lambda: RemoteStats())
-
-
-@dataclass
-class RemoteStats:
-    """Micro-attention calls this runner sent to its creditors and their summed round trips
-    (seconds from sending the query to holding (out, lse); with overlap, they run while the
-    local part does). Read from other threads for metrics: counters, not a ledger."""
-
-    calls: int = 0
-    seconds: float = 0.0
+    stats: RemoteStats = field(default_factory=RemoteStats)
 
 
 def plan_dist(

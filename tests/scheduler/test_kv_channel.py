@@ -132,3 +132,9 @@ def test_a_debtor_without_the_groups_key_is_refused():
         ch.close()
     finally:
         server.close()
+
+
+def test_a_server_without_a_real_key_is_refused():
+    """multiprocessing skips authentication for an empty key: the server will not start so."""
+    with pytest.raises(ValueError, match="authkey"):
+        KVChannelServer(creditor(torch.float32, 4), b"", node="n")
