@@ -2,14 +2,20 @@
 
 One runner in this process: SmolLM2-135M, the default engine config, 8 rank-16 adapters
 (Zipf 1.5, 1 in 8 the base model). Requests have heavy-tailed output lengths
-(punica_x.workloads.output_lengths: log-normal, median 24, clipped to 2..512) and arrive as
-a Poisson process at --load times the measured capacity (the request rate of the same
-requests all submitted at once, FCFS). The same arrival trace is served by an FCFS engine and
-an MLFQ engine, alternating for --rounds rounds (the machine drifts over minutes). Job
-completion time (JCT) = finish - arrival. Reports mean and p99 JCT, tokens/s, MLFQ pauses,
-KV swap traffic and the recomputations the swap pool could not spare.
+(punica_x.workloads.output_lengths: log-normal, median 24, sigma --output-sigma, clipped to
+2..--output-max) and arrive as a Poisson process at --load times the measured capacity: the
+rate at which an FCFS runner completes the same requests while saturated (all submitted at
+once, counted until the last one is admitted: the drain after it, long jobs in small batches,
+is not capacity). The same arrival trace is served by an FCFS engine, an MLFQ engine and, as
+the bound, an SRPT "oracle" (the MLFQ engine ordering by remaining output with every length
+known in advance: cluster_sim.OracleBatcher), alternating for --rounds rounds (the machine
+drifts over minutes). Job completion time (JCT) = finish - arrival. Reports mean and p99 JCT,
+tokens/s, MLFQ pauses, KV swap traffic and the recomputations the swap pool could not spare.
+--kv-cache-mb makes a memory-bound runner (FastServe's setting: the KV, not the batch size,
+bounds how many requests run).
 
     python benchmarks/bench_mlfq.py [--requests 160] [--load 0.85] [--rounds 2]
+    python benchmarks/bench_mlfq.py --kv-cache-mb 48 --output-sigma 2 --output-max 1024
 
 Targets (issue 9): MLFQ mean JCT >= 1.5x better than FCFS, p99 no worse than 1.2x FCFS,
 throughput within 5%.
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench_generate import make_adapters, make_prompts
+from cluster_sim import OracleBatcher
 from harness import describe_machine, print_table, save_plot, write_json
 
 from punica_x import LLM, SamplingParams
@@ -34,6 +41,41 @@ from punica_x.workloads import assign_adapters, output_lengths, poisson_arrivals
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def saturated_rate(llm: LLM, jobs: list[tuple]) -> float:
+    """Requests/s the engine completes with every job submitted at once, counted until the
+    last one is admitted (its first token)."""
+    e = llm.engine
+    for i, (prompt, adapter, sp) in enumerate(jobs):
+        e.add_request(prompt, sp, adapter, request_id=f"cap{i}")
+    start = time.perf_counter()
+    started: set[str] = set()
+    finished: list[float] = []
+    admitted_at = None
+    while e.has_unfinished():
+        for out in e.step():
+            started.add(out.request_id)
+            if out.finished:
+                finished.append(time.perf_counter() - start)
+        if admitted_at is None and len(started) == len(jobs):
+            admitted_at = time.perf_counter() - start
+    return sum(t <= admitted_at for t in finished) / admitted_at
+
+
+def make_engine(policy: str, args, paths: list[Path]) -> LLM:
+    """An engine of `policy` (fcfs, mlfq, or oracle: the MLFQ engine with the SRPT batcher)
+    with the adapters loaded."""
+    kwargs = {"max_batch_size": args.max_batch_size}
+    if args.kv_cache_mb:
+        kwargs["kv_cache_bytes"] = args.kv_cache_mb << 20
+    llm = LLM(policy="fcfs" if policy == "fcfs" else "mlfq", **kwargs)
+    if policy == "oracle":
+        e = llm.engine
+        e.batcher = OracleBatcher(e.cache, e.config.batch, e.swap)
+    for i, p in enumerate(paths):
+        llm.load_adapter(f"a{i}", str(p))
+    return llm
 
 
 def serve_trace(llm: LLM, jobs: list[tuple], arrivals: list[float]) -> dict:
@@ -89,49 +131,52 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-batch-size", type=int, default=32, help="the runner's batch")
     ap.add_argument(
-        "--max-batch-size", type=int, default=32, help="the runner's batch (a memory-bound one: 8)"
+        "--kv-cache-mb", type=int, default=0, help="the runner's KV cache (0: the default)"
+    )
+    ap.add_argument("--output-sigma", type=float, default=1.2, help="log-normal sigma")
+    ap.add_argument("--output-max", type=int, default=512, help="longest output")
+    ap.add_argument(
+        "--policies", default="fcfs,mlfq,oracle", help="oracle: SRPT with lengths known (bound)"
     )
     args = ap.parse_args()
+    policies = args.policies.split(",")
     print(describe_machine(), flush=True)
 
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlfq-"))
-    fcfs = LLM(policy="fcfs", max_batch_size=args.max_batch_size)
-    paths = make_adapters(fcfs.engine.loaded.model_dir, args.adapters, args.rank, tmp)
-    for i, p in enumerate(paths):
-        fcfs.load_adapter(f"a{i}", str(p))
+    probe = LLM(policy="fcfs")
+    paths = make_adapters(probe.engine.loaded.model_dir, args.adapters, args.rank, tmp)
+    del probe
+    fcfs = make_engine("fcfs", args, paths)
     n = args.requests
     prompts = make_prompts(fcfs.tokenizer, n)
     picks = assign_adapters("zipf-1.5", n, rng)
     names = [
         None if k % args.adapters == args.adapters - 1 else f"a{k % args.adapters}" for k in picks
     ]
-    lengths = output_lengths(n, rng)
+    lengths = output_lengths(n, rng, sigma=args.output_sigma, high=args.output_max)
     sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths]
     jobs = list(zip(prompts, names, sps))
     fcfs.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))
 
-    t0 = time.perf_counter()
-    fcfs.generate(prompts, names, sps)
-    capacity = n / (time.perf_counter() - t0)
+    capacity = saturated_rate(fcfs, jobs)
     rate = args.load * capacity
     arrivals = poisson_arrivals(n, rate, random.Random(args.seed + 1))
     print(
         f"{n} requests, output lengths median {statistics.median(lengths):.0f} mean "
         f"{statistics.fmean(lengths):.1f} max {max(lengths)}; capacity {capacity:.2f} req/s "
-        f"(all at once, FCFS); arrivals at {rate:.2f} req/s ({args.load:.0%})",
+        f"(saturated FCFS); arrivals at {rate:.2f} req/s ({args.load:.0%})",
         flush=True,
     )
 
-    rounds: dict[str, list[dict]] = {"fcfs": [], "mlfq": []}
-    jcts: dict[str, list[float]] = {"fcfs": [], "mlfq": []}
+    rounds: dict[str, list[dict]] = {p: [] for p in policies}
+    jcts: dict[str, list[float]] = {p: [] for p in policies}
     for r in range(args.rounds):
-        for policy in ("fcfs", "mlfq") if r % 2 == 0 else ("mlfq", "fcfs"):
+        for policy in policies if r % 2 == 0 else policies[::-1]:
             # fresh counters and step-time model per round
-            llm = LLM(policy=policy, max_batch_size=args.max_batch_size)
-            for i, p in enumerate(paths):
-                llm.load_adapter(f"a{i}", str(p))
+            llm = make_engine(policy, args, paths)
             llm.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))
             row, jct = serve_trace(llm, jobs, arrivals)
             row["round"] = r
@@ -149,20 +194,33 @@ def main() -> None:
                 out[key] = sum(row[key] for row in rows)
         return out
 
-    table = [total("fcfs"), total("mlfq")]
+    table = [total(p) for p in policies]
     print_table(table, list(table[1]), "FCFS vs skip-join MLFQ, one runner, same arrival trace")
-    f, m = table
+    f, m = table[0], table[1]
     summary = {
         "mean_jct_speedup": f["mean_jct_s"] / m["mean_jct_s"],
         "p99_jct_ratio": m["p99_jct_s"] / f["p99_jct_s"],
         "throughput_ratio": m["tok_s"] / f["tok_s"],
     }
+    if "oracle" in policies:
+        o = table[policies.index("oracle")]
+        summary["oracle_mean_jct_speedup"] = f["mean_jct_s"] / o["mean_jct_s"]
+        summary["oracle_p99_jct_ratio"] = o["p99_jct_s"] / f["p99_jct_s"]
     print(
         f"\nMLFQ mean JCT {summary['mean_jct_speedup']:.2f}x better (target >= 1.5); p99 "
         f"{summary['p99_jct_ratio']:.2f}x FCFS's (target <= 1.2); throughput "
         f"{summary['throughput_ratio']:.3f}x (target within 5%)"
     )
+    if "oracle" in policies:
+        print(
+            f"bound (SRPT, lengths known): mean JCT {summary['oracle_mean_jct_speedup']:.2f}x "
+            f"better, p99 {summary['oracle_p99_jct_ratio']:.2f}x FCFS's"
+        )
     name = "bench_mlfq" if args.max_batch_size == 32 else f"bench_mlfq_b{args.max_batch_size}"
+    if args.kv_cache_mb:
+        name += f"_kv{args.kv_cache_mb}mb"
+    if (args.output_sigma, args.output_max) != (1.2, 512):
+        name += f"_sigma{args.output_sigma:g}_max{args.output_max}"
     path = write_json(
         name,
         {

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import heapq
 import itertools
 import math
+import multiprocessing as mp
 import random
 import statistics
 import time
@@ -112,6 +114,24 @@ class Job:
     moves: int = 0
     runner: str | None = None  # the last runner that took it
 
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_token_ids)
+        self.max_tokens = self.request.sampling.max_tokens
+
+
+class OracleBatcher(MLFQBatcher):
+    """Not a policy anyone can run: shortest remaining output first, with every request's
+    output length known in advance (SRPT at token granularity, preemptive, same KV swapping).
+    The fastserve experiment runs it as the bound on what any reordering of the same batch
+    could gain over FCFS at a load."""
+
+    def schedule(self):
+        for r in (*self.running, *self.waiting):
+            p = self.priority[r.request_id]
+            p.level = r.sampling.max_tokens - len(r.output_token_ids)
+            p.last_served_s = self.clock()  # never "starved"
+        return super().schedule()
+
 
 class SimRunner:
     """A runner's batcher (the live code) over an empty KV pool, stepping in simulated time."""
@@ -119,12 +139,15 @@ class SimRunner:
     def __init__(self, runner_id: str, index: int, policy: str, cost: StepCost, sim: Sim) -> None:
         self.runner_id, self.index, self.cost, self.sim = runner_id, index, cost, sim
         cache = KVCache(EMPTY_SPEC, cost.kv_blocks, torch.device("cpu"))
-        config = BatchConfig(max_batch_size=cost.max_batch_size, policy=policy)
+        config = BatchConfig(
+            max_batch_size=cost.max_batch_size, policy="fcfs" if policy == "fcfs" else "mlfq"
+        )
         self.max_working_set = config.max_working_set
-        if policy == "mlfq":
+        if policy in ("mlfq", "oracle"):
             swap = SwapPool(EMPTY_SPEC, cost.kv_blocks, torch.device("cpu"))
             timer = StepTimeModel(cost.base_s, cost.token_s)
-            self.batcher: Batcher = MLFQBatcher(cache, config, swap, timer, clock=sim.now)
+            kind = MLFQBatcher if policy == "mlfq" else OracleBatcher
+            self.batcher: Batcher = kind(cache, config, swap, timer, clock=sim.now)
         else:
             self.batcher = Batcher(cache, config)
         self.jobs: dict[str, Job] = {}
@@ -201,10 +224,10 @@ class SimRunner:
         tokens = kv = 0
         adapters = set()
         jobs = self.jobs
-        for s in scheduled:
-            tokens += s.num_new_tokens
-            kv += s.request.num_computed_tokens
-            adapters.add(jobs[s.request.request_id].adapter)
+        for r, new in scheduled:
+            tokens += new
+            kv += r.num_computed_tokens
+            adapters.add(jobs[r.request_id].adapter)
         dt = self.cost(tokens, len(adapters), kv) + swapped * self.cost.swap_block_s
         self.sim.at(self.sim.t + dt, lambda: self._done(scheduled, dt))
 
@@ -218,20 +241,20 @@ class SimRunner:
         """The step's effect on its requests (as Engine._postprocess), then the next step."""
         jobs, block = self.jobs, EMPTY_SPEC.block_size
         sampled = 0
-        for s in scheduled:
-            r = s.request
+        for r, new in scheduled:
             job = jobs.get(r.request_id)
             if job is None:
                 continue  # moved away while the step ran
-            r.num_computed_tokens += s.num_new_tokens
+            computed = r.num_computed_tokens = r.num_computed_tokens + new
             out = r.output_token_ids
-            if r.num_computed_tokens < len(r.prompt_token_ids) + len(out):
+            length = job.prompt_len + len(out)
+            if computed < length:
                 continue  # a prefill chunk
             out.append(0)
             sampled += 1
-            if len(out) >= r.sampling.max_tokens:
+            if length - job.prompt_len + 1 >= job.max_tokens:
                 self._finish(job)
-            elif (len(r.prompt_token_ids) + len(out)) % block == 0:
+            elif (length + 1) % block == 0:
                 self._track(job, True)  # a block more committed
         self.sim.tokens_out += sampled
         self.batcher.after_step(scheduled, dt)
@@ -329,8 +352,14 @@ class Sim:
         starting = any(s.state == "starting" for s in snaps)
         if advice.action == "scale_up" and len(live) < hi and not starting:
             self._new_runner(self.startup_s)
-        elif advice.action == "scale_down" and len(live) > lo:
+        n, first = len(live), True
+        # as scheduler/autoscale.py: after a drain, more drains while they consolidate
+        while advice.action == "scale_down" and n > lo and (first or advice.consolidate):
             self._retire(advice.runner_id)  # idle, or its work fits on the others
+            n, first = n - 1, False
+            idle.pop(advice.runner_id, None)
+            snaps = [r.snapshot() for r in self.pool if r.state != "dead"]
+            advice = placement.advise(snaps, len(self.queue), idle, self.idle_after_s)
         self.ticks += 1
         self.tick_violations += self.in_use() > self.bound()
         self.at(self.t + self.tick_s, self.autoscale_tick)
@@ -476,12 +505,13 @@ def fastserve(args, cost: StepCost) -> list[dict]:
     rows = []
     for load in args.loads:
         row = {"load": load, "rate": load * capacity}
-        for policy in ("fcfs", "mlfq"):
+        for policy in ("fcfs", "mlfq", "oracle"):
             jct = serve(policy, load * capacity)
             row[f"{policy}_mean_s"] = statistics.fmean(jct)
             row[f"{policy}_p99_s"] = sorted(jct)[int(0.99 * (len(jct) - 1))]
         row["mean_speedup"] = row["fcfs_mean_s"] / row["mlfq_mean_s"]
         row["p99_ratio"] = row["mlfq_p99_s"] / row["fcfs_p99_s"]
+        row["oracle_speedup"] = row["fcfs_mean_s"] / row["oracle_mean_s"]
         rows.append(row)
         print(f"  load {load:.2f}: {row}", flush=True)
     return rows
@@ -517,8 +547,17 @@ def main() -> None:
         cost = dataclasses.replace(cost, kv_blocks=args.kv_blocks)
     out: dict = {"args": vars(args), "profile": cost.__dict__}
     t0 = time.perf_counter()
+    pending = None
+    if args.experiment == "all":  # two processes: the two experiments share nothing
+        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
+        pending = pool.submit(punica, args, cost)
+    if args.experiment in ("fastserve", "all"):
+        rows = fastserve(args, cost)
+        out["fastserve"] = rows
+        print_table(rows, list(rows[0]), f"FCFS vs MLFQ, one runner, {cost.name}")
+        plot_fastserve(rows, cost, f"cluster_sim_fastserve_{args.profile}{variant(args)}")
     if args.experiment in ("punica", "all"):
-        res = punica(args, cost)
+        res = pending.result() if pending else punica(args, cost)
         out["punica"] = res
         s = res["samples"]
         print(
@@ -530,11 +569,6 @@ def main() -> None:
             flush=True,
         )
         plot_punica(res, cost)
-    if args.experiment in ("fastserve", "all"):
-        rows = fastserve(args, cost)
-        out["fastserve"] = rows
-        print_table(rows, list(rows[0]), f"FCFS vs MLFQ, one runner, {cost.name}")
-        plot_fastserve(rows, cost, f"cluster_sim_fastserve_{args.profile}{variant(args)}")
     out["wall_s"] = time.perf_counter() - t0
     name = f"cluster_sim_{args.profile}{variant(args)}"
     path = write_json(name, out, group="sim")
@@ -584,9 +618,10 @@ def plot_fastserve(rows: list[dict], cost: StepCost, name: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     loads = [r["load"] for r in rows]
-    for policy in ("fcfs", "mlfq"):
-        a.plot(loads, [r[f"{policy}_mean_s"] for r in rows], "o-", label=policy)
-        b.plot(loads, [r[f"{policy}_p99_s"] for r in rows], "o-", label=policy)
+    for policy, style in (("fcfs", "o-"), ("mlfq", "o-"), ("oracle", "k:")):
+        label = "SRPT, lengths known (bound)" if policy == "oracle" else policy
+        a.plot(loads, [r[f"{policy}_mean_s"] for r in rows], style, label=label)
+        b.plot(loads, [r[f"{policy}_p99_s"] for r in rows], style, label=label)
     a.set_ylabel("mean JCT (s)")
     b.set_ylabel("p99 JCT (s)")
     for x in (a, b):

@@ -89,12 +89,22 @@ class Batcher:
         overflow: list[Request] = []
         i = 0
         now = time.monotonic()
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
+        size = self.cache.block_size
+        running = self.running
+        while i < len(running) and budget > 0:
+            r = running[i]
             if r.borrow_after > now:  # its peers refused blocks: it waits, keeping its KV
                 i += 1
                 continue
-            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            done = r.num_computed_tokens
+            n = len(r.prompt_token_ids) + len(r.output_token_ids) - done
+            if n > budget:
+                n = budget
+            if not r.remote and len(r.block_ids) * size >= done + n:
+                scheduled.append(ScheduledRequest(r, n))  # its blocks hold it already
+                budget -= n
+                i += 1
+                continue
             got = self._grow(r, r.num_computed_tokens + n, overflow)
             if got == WAIT:
                 i += 1

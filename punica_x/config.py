@@ -108,7 +108,9 @@ class BatchConfig:
     mlfq_quantum_s: float | None = None
     mlfq_levels: int | None = None
     mlfq_starve_s: float = 10.0
-    mlfq_job_tokens: int = 2048  # the longest generation the levels tell apart
+    # the longest generation the levels tell apart; longer ones share the last level in
+    # arrival order (see punica_x/batcher_mlfq.py for why 64 and not the longest)
+    mlfq_job_tokens: int = 64
     # requests a runner holds (running + waiting in its batcher) before more wait at the
     # scheduler: the batch under FCFS; under MLFQ a pool to choose the batch from (4x batch)
     mlfq_working_set: int | None = None

@@ -3,8 +3,11 @@
 Every `interval` seconds: dead runners are forgotten and replaced while fewer than MIN are
 active or starting; `scale_up` (requests wait and every runner is full) starts one runner
 while fewer than MAX exist; `scale_down` drains the runner the advice names (idle for the
-scheduler's idle_after while the others have room) while more than MIN are active. One
-change at a time: a runner that is starting counts as capacity already on its way. With the
+scheduler's idle_after while the others have room, or the least loaded of more busy runners
+than ceil(working set / batch) + 1) while more than MIN are active. One start or idle drain a
+tick (a runner that is starting counts as capacity already on its way); consolidation drains
+are repeated within the tick while the advice still asks for one, so runners in use follow
+demand that falls faster than a runner a tick. With the
 ray backend, new runners are Ray actors, so a Ray cluster autoscaler can add nodes for them."""
 
 from __future__ import annotations
@@ -66,14 +69,27 @@ class Autoscaler:
         advice = s.advice()
         if advice.action == "scale_up" and len(live) < cfg.max_runners:
             await self._add(1, advice.reason)
-        elif advice.action == "scale_down" and len(live) > cfg.min_runners:
+        elif advice.action == "scale_down":
+            await self._drain(advice, len(live))
+
+    async def _drain(self, advice, live: int) -> None:
+        """Drain the advised runner, then ask again (at most once per live runner) and go on
+        while the advice is a consolidation (an idle runner is drained one a tick)."""
+        s, cfg = self.scheduler, self.config
+        for i in range(live):
+            if advice.action != "scale_down" or live <= cfg.min_runners:
+                return
+            if i and not advice.consolidate:
+                return
             try:
                 await s.drain(advice.runner_id)
             except ClusterError as exc:
                 log.info("autoscale: not draining %s: %s", advice.runner_id, exc)
                 return
+            live -= 1
             self.actions.append(f"drain {advice.runner_id}")
             log.info("autoscale: drained %s (%s)", advice.runner_id, advice.reason)
+            advice = s.advice()
 
     async def _add(self, count: int, why: str) -> None:
         added = await self.scheduler.add_runners(count)

@@ -109,6 +109,9 @@ class Advice:
     action: str  # "scale_up" | "scale_down" | "none"
     runner_id: str | None = None  # for scale_down: the runner to drain
     reason: str = ""
+    # scale_down because more runners hold requests than the work needs: the autoscaler asks
+    # again after draining it, so demand that falls fast is followed within one tick
+    consolidate: bool = False
 
 
 def advise(
@@ -139,7 +142,7 @@ def advise(
             )
     victim_id = consolidation_choice(runners)
     if victim_id is not None:
-        return Advice("scale_down", victim_id, f"the work fits without {victim_id}")
+        return Advice("scale_down", victim_id, f"the work fits without {victim_id}", True)
     return Advice("none")
 
 

@@ -95,3 +95,29 @@ def test_consolidation_keeps_runners_in_use_within_the_bound():
     assert peak > 1  # it scaled up
     assert worst <= 0, worst
     assert sim.ticks > 100 and sim.tick_violations == 0
+
+
+def test_one_tick_consolidates_a_fall_of_several_runners(monkeypatch):
+    """8 runners each hold one long job and three short ones; when the short ones finish at
+    once, the work (8 jobs, batch 4) needs 2 + 1 runners: the next tick drains five, not one
+    (the autoscaler asks again after each consolidation). Red with one drain a tick."""
+
+    def run() -> cluster_sim.Sim:
+        sim = cluster_sim.Sim(COST, "fcfs", runners=8, autoscale=(1, 8), tick_s=1.0)
+        for i in range(32):  # placement fills the busiest runner first: 1 long + 3 short each
+            job = cluster_sim.make_job(0.0, 16, 2000 if i % 4 == 0 else 4, i % 3)
+            sim.arrive(job)
+        sim.at(0.5, sim.autoscale_tick)
+        sim.run_until(30.0)
+        return sim
+
+    sim = run()
+    assert sim.moves > 0 and sim.ticks >= 29
+    assert sim.tick_violations == 0
+    real = cluster_sim.placement.advise
+    monkeypatch.setattr(
+        cluster_sim.placement,
+        "advise",
+        lambda *a, **k: dataclasses.replace(real(*a, **k), consolidate=False),
+    )
+    assert run().tick_violations > 0

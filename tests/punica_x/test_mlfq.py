@@ -84,3 +84,18 @@ def test_step_time_model_fits_a_line_and_holds_its_prior_until_data():
     one.observe(32, 0.1)  # one token count only: the mean is met, the slope kept sane
     assert one.predict(32) == pytest.approx(0.1)
     assert one.predict(1) > 0
+
+
+def test_step_time_model_follows_its_window():
+    """The fit covers the last `window` steps only (running sums as the window slides): after
+    the machine changes, the old steps stop counting."""
+    m = StepTimeModel(window=32)
+    rng = random.Random(2)
+    for _ in range(100):
+        tokens = rng.randint(1, 512)
+        m.observe(tokens, 0.05 + 1e-3 * tokens)
+    for _ in range(45):  # a faster machine: after 32 of these, only they are in the fit
+        tokens = rng.randint(1, 512)
+        m.observe(tokens, 0.01 + 1e-4 * tokens + rng.uniform(-1e-5, 1e-5))
+    assert m.a == pytest.approx(0.01, abs=1e-4)
+    assert m.b == pytest.approx(1e-4, rel=0.01)

@@ -96,3 +96,46 @@ def test_parse():
     for bad in ("4", "0:2", "3:2", "a:b"):
         with pytest.raises(ValueError):
             AutoscaleConfig.parse(bad)
+
+
+class StubScheduler:
+    """The parts of Scheduler the autoscaler calls: advice given from a script."""
+
+    def __init__(self, runners: int, advice: list) -> None:
+        from types import SimpleNamespace
+
+        self.slots = [SimpleNamespace(runner_id=f"r{i}", state="active") for i in range(runners)]
+        self.script = list(advice)
+        self.drained: list[str] = []
+
+    def check_runners(self) -> None:
+        pass
+
+    def advice(self):
+        from scheduler.placement import Advice
+
+        return self.script.pop(0) if self.script else Advice("none")
+
+    async def drain(self, runner_id: str) -> str:
+        self.drained.append(runner_id)
+        self.slots = [s for s in self.slots if s.runner_id != runner_id]
+        return runner_id
+
+
+def test_consolidation_drains_repeat_within_a_tick_and_idle_drains_do_not():
+    from scheduler.placement import Advice
+
+    fits = [Advice("scale_down", f"r{i}", "fits", consolidate=True) for i in (5, 4, 3)]
+    s = StubScheduler(6, [*fits, Advice("none")])
+    asyncio.run(Autoscaler(s, AutoscaleConfig(1, 6)).tick())
+    assert s.drained == ["r5", "r4", "r3"]
+    s = StubScheduler(6, fits)  # MIN stops it
+    asyncio.run(Autoscaler(s, AutoscaleConfig(4, 6)).tick())
+    assert s.drained == ["r5", "r4"]
+    idle = [Advice("scale_down", f"r{i}", "idle") for i in (5, 4)]
+    s = StubScheduler(6, idle)
+    asyncio.run(Autoscaler(s, AutoscaleConfig(1, 6)).tick())
+    assert s.drained == ["r5"]
+    s = StubScheduler(6, [idle[0], *fits[1:]])  # an idle drain first, then consolidation
+    asyncio.run(Autoscaler(s, AutoscaleConfig(1, 6)).tick())
+    assert s.drained == ["r5", "r4", "r3"]
