@@ -72,6 +72,7 @@ class StepCost:
     max_batch_size: int = 32
     output_median: int = 24  # output-length distribution sized to the profile's speed
     swap_block_s: float = 0.0
+    swap_blocks: int | None = None  # host pool of the MLFQ batcher (None: as many as kv_blocks)
 
     def __call__(self, tokens: int, adapters: int, kv_tokens: int) -> float:
         return (
@@ -97,9 +98,19 @@ PROFILES = {
     # (profile_step) -> 0.8 ms an adapter; a single request's step ~25 ms, and a 512-token
     # prefill ~0.9 s (bench_migration's recompute fit: ~1 ms a token + a quadratic term
     # folded into the KV term). KV: 2 GiB at 46 KB a token = ~2900 blocks.
-    # A block is 0.74 MB: ~0.15 ms a way as a memcpy.
+    # A block is 0.74 MB: ~0.15 ms a way as a memcpy; the host pool is the engine's default
+    # swap_bytes, 1 GiB = 1400 blocks.
     "cpu": StepCost(
-        "cpu (SmolLM2-135M, 2-core AVX2 EPYC)", 0.022, 1.4e-3, 0.8e-3, 2.0e-6, 2900, 32, 24, 0.15e-3
+        "cpu (SmolLM2-135M, 2-core AVX2 EPYC)",
+        0.022,
+        1.4e-3,
+        0.8e-3,
+        2.0e-6,
+        2900,
+        32,
+        24,
+        0.15e-3,
+        1400,
     ),
 }
 
@@ -144,12 +155,14 @@ class SimRunner:
         )
         self.max_working_set = config.max_working_set
         if policy in ("mlfq", "oracle"):
-            swap = SwapPool(EMPTY_SPEC, cost.kv_blocks, torch.device("cpu"))
+            swap = SwapPool(EMPTY_SPEC, cost.swap_blocks or cost.kv_blocks, torch.device("cpu"))
             timer = StepTimeModel(cost.base_s, cost.token_s)
             kind = MLFQBatcher if policy == "mlfq" else OracleBatcher
             self.batcher: Batcher = kind(cache, config, swap, timer, clock=sim.now)
+            self.swap_blocks = swap.num_blocks
         else:
             self.batcher = Batcher(cache, config)
+            self.swap_blocks = 0
         self.jobs: dict[str, Job] = {}
         # kept as requests come, grow and go (a snapshot per placement must be cheap)
         self.blocks: dict[str, int] = {}  # request id -> blocks_for(its tokens)
@@ -175,6 +188,7 @@ class SimRunner:
             resident_adapters=self._resident,
             index=self.index,
             max_working_set=self.max_working_set,
+            kv_blocks_swap=self.swap_blocks,
         )
 
     def _track(self, job: Job, present: bool) -> None:

@@ -115,6 +115,7 @@ class RunnerSlot:
             max_working_set=h.max_working_set,
             kv_blocks_total=h.kv_blocks_total,
             kv_blocks_committed=committed,
+            kv_blocks_swap=h.kv_blocks_swap,
             block_size=h.block_size,
             resident_adapters=h.resident_adapters(),
             index=self.index,

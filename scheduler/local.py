@@ -95,6 +95,7 @@ class LocalRunner:
         self.max_working_set = config.batch.max_working_set
         self.block_size = self.engine.cache.block_size
         self.kv_blocks_total = self.engine.cache.allocator.num_blocks
+        self.kv_blocks_swap = self.engine.swap.num_blocks if self.engine.swap is not None else 0
         spec = self.engine.cache.spec
         self.kv_bytes_per_token = spec.bytes_per_block // spec.block_size
         self.lora_target = self.engine.adapters.target

@@ -39,6 +39,9 @@ class RunnerSnapshot:
     # requests it takes at once (None: max_batch_size; an MLFQ runner takes more, to pick
     # its batches from)
     max_working_set: int | None = None
+    # an MLFQ runner's host pool (blocks): the KV of paused requests waits there, so the
+    # requests it takes may commit that much more than its device pool
+    kv_blocks_swap: int = 0
 
     @property
     def kv_blocks_room(self) -> int:
@@ -60,10 +63,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def has_room(r: RunnerSnapshot, demand: Demand) -> bool:
+    """Active, below its working set, and its device pool plus its host pool (MLFQ) can hold
+    the request besides those it has. Without the host pool, a KV-bound MLFQ runner would be
+    fed in arrival order by the scheduler's queue, undoing the runner's own order."""
     return (
         r.state == ACTIVE
         and r.working_set < (r.max_working_set or r.max_batch_size)
-        and r.kv_blocks_room >= blocks_for(demand.num_tokens, r.block_size)
+        and r.kv_blocks_room + r.kv_blocks_swap >= blocks_for(demand.num_tokens, r.block_size)
     )
 
 

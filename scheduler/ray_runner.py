@@ -54,6 +54,7 @@ class ActorInfo:
     block_size: int
     kv_blocks_total: int
     kv_bytes_per_token: int
+    kv_blocks_swap: int  # the MLFQ host pool (0 under FCFS)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class RunnerActor:
             block_size=self.engine.cache.block_size,
             kv_blocks_total=self.engine.cache.allocator.num_blocks,
             kv_bytes_per_token=self.engine.cache.spec.bytes_per_block // config.cache.block_size,
+            kv_blocks_swap=self.engine.swap.num_blocks if self.engine.swap is not None else 0,
         )
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
         # (seq, kind, request id, payload), kept until a poll acknowledges them: a reply lost
@@ -329,6 +331,7 @@ class RayRunner:
         self.block_size = info.block_size
         self.kv_blocks_total = info.kv_blocks_total
         self.kv_bytes_per_token = info.kv_bytes_per_token
+        self.kv_blocks_swap = info.kv_blocks_swap
         self.lora_target = info.lora_target
         self.max_lora_rank = info.max_lora_rank
         self.tokenizer = None  # the scheduler brings its own (describe_model)

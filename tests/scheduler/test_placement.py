@@ -112,3 +112,14 @@ def test_consolidation_drains_a_busy_runner_the_work_does_not_need():
 def test_drain_choice_is_the_least_loaded_and_never_the_last():
     assert drain_choice([snap("r0", 3), snap("r1", 1), snap("r2", 2)]) == "r1"
     assert drain_choice([snap("r0", 3), snap("r1", 0, state="draining")]) is None
+
+
+def test_an_mlfq_runner_with_its_kv_committed_still_takes_requests_its_host_pool_holds():
+    """The KV of the requests it pauses goes to its host pool: placement counts that pool, so
+    the scheduler's arrival-order queue does not decide for a KV-bound MLFQ runner."""
+    from dataclasses import replace
+
+    full = replace(snap("r0", 3, kv_used=100), max_working_set=16)
+    assert place([full], SMALL) is None  # FCFS: no host pool, waits at the scheduler
+    assert place([replace(full, kv_blocks_swap=1)], SMALL) is None  # 0 + 1 < 2 blocks
+    assert place([replace(full, kv_blocks_swap=50)], SMALL) == "r0"
