@@ -64,12 +64,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 def has_room(r: RunnerSnapshot, demand: Demand) -> bool:
     """Active, below its working set, and its device pool plus its host pool (MLFQ) can hold
-    the request besides those it has. Without the host pool, a KV-bound MLFQ runner would be
-    fed in arrival order by the scheduler's queue, undoing the runner's own order."""
+    the request besides those it has (and the device pool alone could: it runs there).
+    Without the host pool, a KV-bound MLFQ runner would be fed in arrival order by the
+    scheduler's queue, undoing the runner's own order."""
+    need = blocks_for(demand.num_tokens, r.block_size)
     return (
         r.state == ACTIVE
         and r.working_set < (r.max_working_set or r.max_batch_size)
-        and r.kv_blocks_room + r.kv_blocks_swap >= blocks_for(demand.num_tokens, r.block_size)
+        and r.kv_blocks_room + r.kv_blocks_swap >= need
+        and need <= r.kv_blocks_total
     )
 
 

@@ -99,10 +99,45 @@ void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v,
                            static_cast<const bf16*>(v.data_ptr()), rows, b, o);
 }
 
+// Row dst[i] of (out, lse) absorbs row src[i] of (o, s): see merge_rows_cpu.
+void merge_rows(torch::Tensor out, torch::Tensor lse, torch::Tensor o, torch::Tensor s, torch::Tensor dst,
+                torch::Tensor src) {
+  const auto dtype = out.scalar_type();
+  CHECK_ARG(dtype == at::kFloat || dtype == at::kBFloat16, "out must be float32 or bfloat16, got ", dtype);
+  check_cpu(out, "out", dtype);
+  check_cpu(o, "o", dtype);
+  check_cpu(lse, "lse", at::kFloat);
+  check_cpu(s, "s", at::kFloat);
+  check_cpu(dst, "dst", at::kLong);
+  check_cpu(src, "src", at::kLong);
+  CHECK_ARG(out.dim() == 3 && o.dim() == 3 && out.size(1) == o.size(1) && out.size(2) == o.size(2),
+            "out and o must be [., H, D] alike, got ", out.sizes(), " and ", o.sizes());
+  CHECK_ARG(lse.dim() == 2 && lse.size(0) == out.size(0) && lse.size(1) == out.size(1), "lse must be [",
+            out.size(0), ", ", out.size(1), "], got ", lse.sizes());
+  CHECK_ARG(s.dim() == 2 && s.size(0) == o.size(0) && s.size(1) == o.size(1), "s must be [", o.size(0), ", ",
+            o.size(1), "], got ", s.sizes());
+  CHECK_ARG(dst.dim() == 1 && src.sizes() == dst.sizes(), "dst and src must be vectors of one length");
+  const int64_t* d = dst.data_ptr<int64_t>();
+  const int64_t* r = src.data_ptr<int64_t>();
+  for (int64_t i = 0; i < dst.numel(); ++i)
+    CHECK_ARG(d[i] >= 0 && d[i] < out.size(0) && r[i] >= 0 && r[i] < o.size(0), "pair ", i, " (", d[i], ", ",
+              r[i], ") out of range");
+  const int heads = static_cast<int>(out.size(1)), dim = static_cast<int>(out.size(2));
+  const int n = static_cast<int>(dst.numel());
+  pybind11::gil_scoped_release no_gil;
+  if (dtype == at::kFloat)
+    punica_x::merge_rows_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), o.data_ptr<float>(),
+                             s.data_ptr<float>(), heads, dim, d, r, n);
+  else
+    punica_x::merge_rows_cpu(static_cast<bf16*>(out.data_ptr()), lse.data_ptr<float>(),
+                             static_cast<const bf16*>(o.data_ptr()), s.data_ptr<float>(), heads, dim, d, r, n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("paged_attention", &paged_attention, "paged attention with log-sum-exp (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows into their cache slots (CPU)");
+  m.def("merge_rows", &merge_rows, "merge partial attention (out, lse) rows in place (CPU)");
 }

@@ -39,4 +39,13 @@ template <typename T>
 void write_kv_cpu(T* kv, const KvLayout& layout, const T* k, const T* v, int rows,
                   const int64_t* blocks, const int64_t* offsets);
 
+// ScaleReduce of partial attention results, in place: for i < n, row dst[i] of (out [., H, D],
+// lse [., H]) absorbs row src[i] of (o, s), the same rows' attention over other keys:
+// w = sigmoid(s - lse), out += w * (o - out), lse = logaddexp(lse, s) (in float32; a row with
+// lse = -inf, no key yet, becomes the part). One call per creditor per layer instead of six
+// tensor ops per merged run of rows (DistAttention's fixed cost per remote part).
+template <typename T>
+void merge_rows_cpu(T* out, float* lse, const T* o, const float* s, int heads, int head_dim,
+                    const int64_t* dst, const int64_t* src, int n);
+
 }  // namespace punica_x

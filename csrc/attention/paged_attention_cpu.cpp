@@ -212,6 +212,32 @@ void write_kv_cpu(T* kv, const KvLayout& layout, const T* k, const T* v, int row
   }
 }
 
+template <typename T>
+void merge_rows_cpu(T* out, float* lse, const T* o, const float* s, int heads, int head_dim,
+                    const int64_t* dst, const int64_t* src, int n) {
+  for (int i = 0; i < n; ++i) {
+    for (int h = 0; h < heads; ++h) {
+      float& a = lse[dst[i] * heads + h];
+      const float b = s[src[i] * heads + h];
+      if (b == -std::numeric_limits<float>::infinity()) continue;  // the part saw no key
+      const float m = std::max(a, b);
+      const float ea = std::exp(a - m), eb = std::exp(b - m);
+      const float w = eb / (ea + eb);
+      a = m + std::log(ea + eb);
+      T* y = out + (dst[i] * heads + h) * int64_t(head_dim);
+      const T* x = o + (src[i] * heads + h) * int64_t(head_dim);
+      for (int d = 0; d < head_dim; ++d) {
+        const float yd = simd::f32(y[d]);
+        y[d] = simd::narrow<T>(yd + w * (simd::f32(x[d]) - yd));
+      }
+    }
+  }
+}
+
+template void merge_rows_cpu<float>(float*, float*, const float*, const float*, int, int,
+                                     const int64_t*, const int64_t*, int);
+template void merge_rows_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, const float*, int,
+                                          int, const int64_t*, const int64_t*, int);
 template void paged_attention_cpu<float>(float*, float*, const float*, int, const KvLayout&,
                                           const PagedSeqs&, float);
 template void paged_attention_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, int,

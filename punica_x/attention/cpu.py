@@ -106,6 +106,11 @@ class CpuAttention:
     def __init__(self, isa: str | None = None) -> None:
         self.ext = load_extension("attention_cpu", isa)
 
+    def merge_rows(self, out, lse, o, s, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """In place: row dst[i] of (out [T, H, D], lse [T, H] float32) absorbs row src[i] of
+        (o, s), the same query's attention over other keys (exact ScaleReduce, one call)."""
+        self.ext.merge_rows(out, lse, o, s, dst, src)
+
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> CpuAttentionPlan:
         rows, counts, lens, starts, table = [], [], [], [0], []
         slot_blocks: list[int] = []

@@ -166,6 +166,7 @@ def plan_dist(
             if seq.request_id not in call.request_ids:
                 call.request_ids.append(seq.request_id)
     remote = []
+    merge = getattr(backend, "merge_rows", None)  # a fused merge (the CPU backend has one)
     for call in calls.values():
         plan = MicroPlan(
             tuple(call.request_ids),
@@ -174,7 +175,16 @@ def plan_dist(
             tuple(call.write_offsets),
         )
         micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
-        remote.append((call, micro, _index(call.q_rows, device), _index(call.kv_rows, device)))
+        pairs = None
+        if merge is not None:  # row of the batch <- row of this call's (out, lse)
+            dst = [
+                seqs[si].row_start + first + j for si, first, n, _ in call.items for j in range(n)
+            ]
+            src = [at + j for _, _, n, at in call.items for j in range(n)]
+            pairs = (_ints(dst, device), _ints(src, device))
+        remote.append(
+            (call, micro, _index(call.q_rows, device), _index(call.kv_rows, device), pairs)
+        )
     local = backend.plan(local_spans, block_size, device)
     w = list(zip(*writes)) if writes else ([], [], [])
     uncovered = (~covered).nonzero().flatten().to(device)
@@ -189,6 +199,7 @@ def plan_dist(
         pool=ctx.pool,
         overlap=ctx.overlap,
         stats=ctx.stats,
+        merge=merge,
     )
 
 
@@ -227,6 +238,7 @@ class DistPlan:
     pool: Executor | None
     overlap: bool
     stats: RemoteStats
+    merge: object | None = None  # backend.merge_rows, or None: merge_into per run of rows
     _k: torch.Tensor | None = None
     _v: torch.Tensor | None = None
 
@@ -250,17 +262,20 @@ class DistPlan:
             lse[self.uncovered] = float("-inf")
         if not self.overlap:
             pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
-        for (call, _, _, _), result in zip(self.remote, pending):
+        for (call, _, _, _, pairs), result in zip(self.remote, pending):
             o, s, seconds = result.result() if isinstance(result, Future) else result
             self.stats.calls += 1
             self.stats.seconds += seconds
+            if pairs is not None:
+                self.merge(out, lse, o.to(out.dtype).contiguous(), s.contiguous(), *pairs)
+                continue
             for si, first, n, at in call.items:  # consecutive rows of one request
                 r0 = self.seqs[si].row_start + first
                 merge_into(out[r0 : r0 + n], lse[r0 : r0 + n], o[at : at + n], s[at : at + n])
         return out, lse
 
     def _start(self, entry, layer, q, k, v, scale):
-        call, micro, q_rows, kv_rows = entry
+        call, micro, q_rows, kv_rows, _ = entry
         args = (micro, layer, q[q_rows], k[kv_rows], v[kv_rows], scale)
         if self.pool is None or not self.overlap:  # in this thread, after the local part
             return _timed(*args)

@@ -168,6 +168,11 @@ def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
         head = await consume(streams[0], until=after)
         os.kill(victim.handle.pid, signal.SIGKILL)
         rest = await asyncio.gather(*(consume(s) for s in streams))
+        for _ in range(100):  # the runner may have sent every token before the kill landed:
+            cluster.check_runners()  # then its death shows at its next poll, not in a stream
+            if victim.state == "dead":
+                break
+            await asyncio.sleep(0.1)
         state = victim.state
         await cluster.drain(victim.runner_id)  # forget the dead one
         return sps, adapters, head, rest, state

@@ -123,3 +123,5 @@ def test_an_mlfq_runner_with_its_kv_committed_still_takes_requests_its_host_pool
     assert place([full], SMALL) is None  # FCFS: no host pool, waits at the scheduler
     assert place([replace(full, kv_blocks_swap=1)], SMALL) is None  # 0 + 1 < 2 blocks
     assert place([replace(full, kv_blocks_swap=50)], SMALL) == "r0"
+    big = Demand(None, 100 * 16)  # more than its device pool: the host pool cannot run it
+    assert place([replace(full, kv_blocks_committed=0, kv_blocks_swap=500)], big) is None

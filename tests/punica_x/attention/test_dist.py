@@ -15,7 +15,7 @@ from test_paged import dense_attention
 
 from punica_x.attention import get_attention_backend
 from punica_x.attention.cpu import CpuAttention
-from punica_x.attention.dist import DistContext, DistSeq, plan_dist, segment_work
+from punica_x.attention.dist import DistContext, DistSeq, merge_into, plan_dist, segment_work
 from punica_x.attention.paged import SeqSpan
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
@@ -144,3 +144,36 @@ def test_a_lost_peer_raises_peer_lost():
     peer.stop()
     with pytest.raises(PeerLost):
         plan_dist(impl, [], [seq], 1, 4, torch.device("cpu"), DistContext("me", Peers({"p": peer})))
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_equals_scale_reduce(isa, dtype):
+    """CpuAttention.merge_rows (one call per creditor and layer) = merge_into per row over
+    random pairs, including rows with no key yet (lse = -inf) and repeated targets; and
+    both equal attention over the union of the keys, in float32."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    t, r, h, d = 7, 5, 9, 64
+    out = torch.randn(t, h, d, generator=gen).to(dtype)
+    lse = torch.randn(t, h, generator=gen) * 3
+    lse[2] = float("-inf")  # a row whose local part saw no key (its out is 0 by contract)
+    out[2] = 0
+    o = torch.randn(r, h, d, generator=gen).to(dtype)
+    s = torch.randn(r, h, generator=gen) * 3
+    dst = torch.tensor([0, 2, 4, 6, 0])
+    src = torch.tensor([3, 1, 0, 4, 2])
+    want_out, want_lse = out.float().clone(), lse.clone()
+    for a, b in zip(dst.tolist(), src.tolist()):
+        merge_into(want_out[a : a + 1], want_lse[a : a + 1], o[b : b + 1].float(), s[b : b + 1])
+    got_out, got_lse = out.clone(), lse.clone()
+    CpuAttention(isa).merge_rows(got_out, got_lse, o, s, dst, src)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5, msg=f"seed {seed}")
+    torch.testing.assert_close(got_out.float(), want_out, atol=tol, rtol=tol, msg=f"seed {seed}")
+    untouched = [1, 3, 5]
+    assert torch.equal(got_out[untouched], out[untouched]) and torch.equal(
+        got_lse[untouched], lse[untouched]
+    )
+    with pytest.raises(RuntimeError, match="out of range"):
+        CpuAttention(isa).merge_rows(got_out, got_lse, o, s, torch.tensor([t]), torch.tensor([0]))
