@@ -241,19 +241,26 @@ class Scheduler:
 
     async def defragment_kv(self, min_swap: int = DGFM_MIN_SWAP) -> list[Swap]:
         """DGFM: swap the debt cycles of at least min_swap blocks home (scheduler/dgfm.py),
-        with the runners on them paused between steps. Returns the swaps done."""
+        with the runners on them paused between steps (thread runners here, Ray runners by
+        actor calls: scheduler/distkv_ray.py). Returns the swaps done."""
         net = self.kv_network
-        if net is None:
+        if self.kv_ray is not None:
+            live = {s.runner_id for s in self.slots if s.state in (ACTIVE, "draining")}
+            done = await asyncio.to_thread(self.kv_ray.defragment, live, min_swap)
+        elif net is None:
             return []
-        swaps, _ = plan_swaps(net.ledger.debts(), min_swap)
-        rids = {r for s in swaps for r in s.cycle}
-        slots = [s for s in self.slots if s.runner_id in rids and s.state in (ACTIVE, "draining")]
-        if not swaps or len(slots) != len(rids):
-            return []  # nothing to do, or a runner on a cycle is gone
-        engines = {s.runner_id: s.handle.engine for s in slots}
-        done = await asyncio.to_thread(
-            paused, [s.handle for s in slots], lambda: net.defragment(engines, min_swap)
-        )
+        else:
+            swaps, _ = plan_swaps(net.ledger.debts(), min_swap)
+            rids = {r for s in swaps for r in s.cycle}
+            slots = [
+                s for s in self.slots if s.runner_id in rids and s.state in (ACTIVE, "draining")
+            ]
+            if not swaps or len(slots) != len(rids):
+                return []  # nothing to do, or a runner on a cycle is gone
+            engines = {s.runner_id: s.handle.engine for s in slots}
+            done = await asyncio.to_thread(
+                paused, [s.handle for s in slots], lambda: net.defragment(engines, min_swap)
+            )
         for s in done:
             self.kv_swapped_blocks += s.blocks * len(s.cycle)
             log.info("DGFM: %d blocks of each of %s came home", s.blocks, " -> ".join(s.cycle))
@@ -262,11 +269,11 @@ class Scheduler:
     async def _dgfm_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(DGFM_INTERVAL_S)
-            if self.kv_network is not None and self.kv_network.ledger.debts():
-                try:
+            try:
+                if self.kv_ray is not None or self.kv_network.ledger.debts():
                     await self.defragment_kv()
-                except Exception:
-                    log.exception("DGFM swap failed")
+            except Exception:
+                log.exception("DGFM swap failed")
 
     # -- requests -----------------------------------------------------------------------------
     async def open(
@@ -279,7 +286,7 @@ class Scheduler:
         active = self._active()
         if not active:
             raise NoRunner("no runner is active")
-        if self.kv_network is not None and not self._dgfm_started:
+        if (self.kv_network is not None or self.kv_ray is not None) and not self._dgfm_started:
             self._dgfm_started = True
             self._spawn(self._dgfm_loop())
         active[0].handle.validate(prompt, sampling, adapter)

@@ -283,6 +283,64 @@ class RayKVGroup:
         self.gmanager.forget.remote(runner_id)
         self._update()
 
+    def debts(self) -> dict[tuple[str, str], int]:
+        import ray
+
+        return ray.get(self.gmanager.debts.remote(), timeout=CALL_TIMEOUT_S)
+
+    def defragment(self, runner_ids: set[str], min_swap: int = 4) -> list:
+        """DGFM between Ray runners (blocking Ray calls: run it off the event loop): plan the
+        debt-cycle swaps (scheduler/dgfm.py) among `runner_ids` and carry each out as
+        scheduler/distkv.py does in one process: the cycle's runners held between steps and
+        lending nothing; each debtor names up to `blocks` blocks it holds on its creditor;
+        every creditor copies those blocks' KV and takes them back; every debtor puts the KV
+        in blocks of its own (freed by its own debtor's take) and points its request there.
+        Returns the swaps done, with the blocks each moved."""
+        from scheduler.dgfm import Swap, plan_swaps
+        from scheduler.distkv import _trim
+
+        swaps, _ = plan_swaps(self.debts(), min_swap)
+        done = []
+        for swap in swaps:
+            if not set(swap.cycle) <= runner_ids or not set(swap.cycle) <= set(self.members):
+                continue
+            moved = self._swap(swap, _trim)
+            if moved:
+                done.append(Swap(swap.cycle, moved))
+        return done
+
+    def _swap(self, swap, trim) -> int:
+        import ray
+
+        actor = {rid: self.members[rid].actor for rid in swap.cycle}
+
+        def get(refs):
+            return ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+        held = []
+        try:
+            for rid in swap.cycle:
+                get(actor[rid].dgfm_hold.remote())
+                held.append(rid)
+            edges = swap.edges()
+            picks = get([actor[d].dgfm_pick.remote(c, swap.blocks) for d, c in edges])
+            n = min(sum(len(ids) for _, ids in p) for p in picks)  # loans may have ended
+            picks = [trim(p, n) for p in picks]
+            if n == 0:
+                return 0
+            data = get([actor[c].dgfm_take.remote(d, p) for (d, c), p in zip(edges, picks)])
+            for d, c in edges:
+                self.gmanager.returned.remote(d, c, n)
+            puts = []
+            for (d, c), p, kv in zip(edges, picks, data):
+                items = [(rid, ids, x) for (rid, ids), x in zip(p, kv)]
+                puts.append(actor[d].dgfm_put.remote(c, items))
+            get(puts)
+            return n
+        finally:
+            for rid in held:
+                actor[rid].dgfm_release.remote()
+
     def _update(self) -> None:
         for rid, r in self.members.items():
             r.kv_capacity = self._capacity(rid)

@@ -50,6 +50,10 @@ class DebtLedger:
 
     # -- what runners report ----------------------------------------------------------------
     def heartbeat(self, beat: Heartbeat) -> None:
+        """A runner's free blocks now. One never seen before joins the order at its end at
+        once (it was invisible to suggestions until the next re-sort)."""
+        if beat.runner_id not in self._beats:
+            self._order.append(beat.runner_id)
         self._beats[beat.runner_id] = beat
         self._free[beat.runner_id] = beat.free_blocks
 

@@ -277,6 +277,57 @@ class RunnerActor:
     def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
         return self.micro[debtor].run(layer, q, k, v, scale)
 
+    # -- DGFM (scheduler/distkv_ray.py RayKVGroup.defragment drives these) --------------------
+    def dgfm_hold(self, timeout: float = 30.0) -> None:
+        """Hold the engine thread between two steps (a command that waits for dgfm_release)
+        and lend nothing meanwhile; returns once it is held."""
+        entered, self._dgfm_done = threading.Event(), threading.Event()
+        done = self._dgfm_done
+
+        def hold() -> None:
+            entered.set()
+            done.wait(120)  # a scheduler that died mid-swap does not hold it forever
+
+        self.async_engine.submit(hold)
+        if not entered.wait(timeout):
+            done.set()
+            raise TimeoutError(f"runner {self.runner_id}: engine not held within {timeout} s")
+        self.rm.frozen = True
+
+    def dgfm_release(self) -> None:
+        self.rm.frozen = False
+        done = getattr(self, "_dgfm_done", None)
+        if done is not None:
+            done.set()
+
+    def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Up to `blocks` blocks this runner's requests hold on `creditor` (engine held)."""
+        from scheduler.distkv import _pick
+
+        return [(r.request_id, ids) for r, ids in _pick(self.engine, creditor, blocks)]
+
+    def dgfm_take(self, debtor: str, picks: list[tuple[str, tuple[int, ...]]]) -> list:
+        """Copy the KV of blocks lent to `debtor` (per request, [n, L, 2, N_kv, P, D] on the
+        CPU), then take the blocks back."""
+        kv = self.rm.cache.kv
+        data = [kv[list(ids)].cpu().clone() for _, ids in picks]
+        for request_id, ids in picks:
+            self.rm.reclaim(debtor, request_id, ids)
+        return data
+
+    def dgfm_put(self, creditor: str, items: list) -> None:
+        """Bring blocks home: for each (request id, ids on `creditor`, their KV), new local
+        blocks get the KV and replace those ids in the request's extents (engine held)."""
+        from scheduler.distkv import _relocate
+
+        cache = self.engine.cache
+        for request_id, ids, data in items:
+            new = cache.allocator.allocate(len(ids))
+            if new is None:  # cannot happen: its own debtor freed as many here
+                raise RuntimeError(f"DGFM: no room on {self.runner_id} for {len(ids)} blocks")
+            cache.kv[new] = data.to(cache.kv.device, cache.kv.dtype)
+            _relocate(self.engine.requests[request_id], creditor, ids, self.runner_id, new)
+
     def alive(self) -> str | None:
         """None while the engine steps, else why it stopped."""
         return None if self.async_engine.alive() else (self.async_engine.error or "stopped")

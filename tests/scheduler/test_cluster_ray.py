@@ -277,3 +277,86 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(
     assert victim is not None, "no runner was seen lending"
     assert last2.finish_reason is FinishReason.LENGTH, last2.error
     assert tokens2 == last2.token_ids == want2
+
+
+def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_dir):
+    """Runner processes of 26 (A), 14 (B) and 8 (C) blocks, as the thread-runner DGFM test:
+    w0 (27 blocks) on A takes the 10 blocks A's short request leaves and borrows the rest on
+    B (and C); the short one leaves, and w1 (15 blocks) on B borrows A's freed blocks: a
+    2-cycle.
+    DGFM, with both held between steps, copies the KV across, brings each side's blocks home,
+    cuts the debts by the blocks moved, and both requests finish with one big engine's
+    tokens."""
+    from scheduler.distkv_ray import RayKVGroup
+
+    w0 = [(i * 5) % 200 + 3 for i in range(430)]  # 27 blocks: more than A has
+    w1 = [(i * 11) % 200 + 3 for i in range(230)]  # 15 blocks: more than B has
+    short = [(i * 3) % 200 + 3 for i in range(250)]  # 16 blocks
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = tiny_llm(tiny_model_dir)
+    want = [o.token_ids for o in ref.generate([w0, w1], None, sp)]
+
+    def runner(rid: str, blocks: int) -> RayRunner:
+        return RayRunner(
+            EngineConfig(
+                model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+                cache=CacheConfig(num_blocks=blocks),
+                batch=BatchConfig(max_batch_size=4),
+            ),
+            rid,
+        )
+
+    async def main():
+        runners = [runner("A", 26), runner("B", 14), runner("C", 8)]
+        a, b, _ = runners
+        group = RayKVGroup(transport="socket")
+        try:
+            for r in runners:
+                await asyncio.to_thread(group.join, r)
+            streams = [
+                await a.open(short, SamplingParams(max_tokens=60, ignore_eos=True), None, "s"),
+                await a.open(w0, sp, None, "w0"),  # while s holds 10 of A's blocks
+            ]
+            debts = {}
+            for _ in range(500):  # w0 has borrowed on B
+                debts = await asyncio.to_thread(group.debts)
+                if debts.get(("A", "B"), 0) >= 4:
+                    break
+                await asyncio.sleep(0.01)
+            await streams[0].aclose()  # s leaves: its blocks on A are free
+            for _ in range(500):
+                beats = ray.get([r.actor.kv_heartbeat.remote() for r in runners])
+                if beats[0].free_blocks >= 12:
+                    break
+                await asyncio.sleep(0.01)
+            ray.get(group.gmanager.heartbeats.remote(beats))  # not the periodic ones: w0 is short
+            streams[0] = await b.open(w1, sp, None, "w1")  # it borrows them
+            for _ in range(500):
+                debts = await asyncio.to_thread(group.debts)
+                if debts.get(("B", "A"), 0) >= 4:
+                    break
+                await asyncio.sleep(0.01)
+            swaps = await asyncio.to_thread(group.defragment, {"A", "B", "C"}, 4)
+            after = await asyncio.to_thread(group.debts)
+            outs = await asyncio.gather(*(consume(s) for s in streams[::-1]))
+            for _ in range(100):  # the loans' returns reach the ledger actor asynchronously
+                final = await asyncio.to_thread(group.debts)
+                if not final:
+                    break
+                await asyncio.sleep(0.05)
+            return debts, swaps, after, outs, final
+        finally:
+            for r in runners:
+                r.shutdown()
+
+    debts, swaps, after, outs, final = asyncio.run(main())
+    assert debts.get(("A", "B"), 0) >= 4 and debts.get(("B", "A"), 0) >= 4, debts
+    assert len(swaps) == 1 and set(swaps[0].cycle) == {"A", "B"}, (debts, swaps)
+    moved = swaps[0].blocks
+    assert moved >= 4, swaps
+    for edge in (("A", "B"), ("B", "A")):  # (requests may have grown onto peers since)
+        assert after.get(edge, 0) <= debts[edge] - moved + 2, (debts, after)
+    for (tokens, last), expected in zip(outs, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == expected
+    assert final == {}

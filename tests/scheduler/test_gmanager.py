@@ -70,3 +70,12 @@ def test_debts_are_recorded_lower_free_blocks_and_cancel_on_return():
     ledger.lent("d", "a", 2)
     ledger.forget("a")
     assert ledger.debts() == {} and ledger.suggest("d", 1, 0.0) == []
+
+
+def test_a_runner_first_heard_after_the_sort_is_suggested_at_once():
+    """Heartbeats keep their sorted order until the next re-sort, but a runner never heard
+    before joins it at once (it was invisible for up to resort_every seconds)."""
+    ledger = ledger_with({"a": 4, "b": 4}, resort_every=10.0)
+    assert ledger.suggest("b", 2, 0.1) == ["a"]  # sorted now, for 10 s
+    ledger.heartbeat(Heartbeat("c", 9, 0.2))
+    assert ledger.suggest("b", 2, 0.3) == ["a", "c"]
