@@ -13,6 +13,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from punica_x.core import Request
 from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
 from scheduler.dgfm import Swap, plan_swaps
@@ -112,56 +114,76 @@ class KVNetwork:
             rm.frozen = True
         try:
             with self._lock:
-                picks = [_pick(engines[d], c, swap.blocks) for d, c in swap.edges()]
-                n = min(sum(len(ids) for _, ids in p) for p in picks)  # loans may have ended
-                picks = [_trim(p, n) for p in picks]
-                if n == 0:
+                edges = swap.edges()
+                picks = trim_picks([pick(engines[d], c, swap.blocks) for d, c in edges])
+                if not picks:
                     return 0
-                data = [
-                    [rms[c].cache.kv[list(ids)].clone() for _, ids in p]
-                    for (_, c), p in zip(swap.edges(), picks)
-                ]
-                for (d, c), p in zip(swap.edges(), picks):
-                    for req, ids in p:
-                        rms[c].reclaim(d, req.request_id, ids)
-                        self.ledger.returned(d, c, len(ids))
-                for (d, c), p, blocks in zip(swap.edges(), picks, data):
-                    cache = engines[d].cache
-                    for (req, ids), kv in zip(p, blocks):
-                        new = cache.allocator.allocate(len(ids))
-                        if new is None:  # cannot happen: its debtor just freed as many
-                            raise RuntimeError(f"DGFM: no room on {d} for {len(ids)} blocks")
-                        cache.kv[new] = kv.to(cache.kv.device)
-                        _relocate(req, c, ids, d, new)
-                return n
+                data = [take_home(rms[c], d, p) for (d, c), p in zip(edges, picks)]
+                for (d, c), p in zip(edges, picks):
+                    self.ledger.returned(d, c, sum(len(ids) for _, ids in p))
+                for (d, c), p, kv in zip(edges, picks, data):
+                    bring_home(engines[d], d, c, p, kv)
+                return sum(len(ids) for _, ids in picks[0])
         finally:
             for rm in rms.values():
                 rm.frozen = False
 
 
-def _pick(engine, creditor: str, blocks: int) -> list[tuple[Request, tuple[int, ...]]]:
-    """Up to `blocks` blocks that requests of `engine` hold on `creditor` (from the end of
-    each request's extents there)."""
+# The steps of a DGFM swap along one edge (debtor d holds blocks on creditor c), shared by the
+# in-process swap above and the Ray runners' actor methods (scheduler/ray_runner.py). A pick
+# is (request id, block ids on the creditor). Every runner on the cycle is held between steps.
+def pick(engine, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Debtor side: up to `blocks` blocks that requests of `engine` hold on `creditor` (from
+    the end of each request's extents there)."""
     out, left = [], blocks
     for r in list(engine.requests.values()):
         ids = [i for e in r.remote if e.owner == creditor for i in e.block_ids]
         take = ids[max(0, len(ids) - left) :]
         if take:
-            out.append((r, tuple(take)))
+            out.append((r.request_id, tuple(take)))
             left -= len(take)
         if left == 0:
             break
     return out
 
 
-def _trim(picks, n: int):
+def trim_picks(picks: list[list]) -> list[list]:
+    """Every edge's picks cut to the same block count n, the smallest (loans may have ended
+    since the plan); [] when n is 0."""
+    n = min(sum(len(ids) for _, ids in p) for p in picks)
+    if n == 0:
+        return []
     out = []
-    for r, ids in picks:
-        if n <= 0:
-            break
-        out.append((r, ids[len(ids) - min(n, len(ids)) :]))
-        n -= min(n, len(ids))
+    for p in picks:
+        cut, left = [], n
+        for rid, ids in p:
+            if left <= 0:
+                break
+            cut.append((rid, ids[len(ids) - min(left, len(ids)) :]))
+            left -= min(left, len(ids))
+        out.append(cut)
     return out
+
+
+def take_home(rm, debtor: str, picks) -> list[torch.Tensor]:
+    """Creditor side: a copy of the KV of each pick's blocks ([n, L, 2, N_kv, P, D], on the
+    cache's device), then the blocks taken back from `debtor`."""
+    data = [rm.cache.kv[list(ids)].clone() for _, ids in picks]
+    for rid, ids in picks:
+        rm.reclaim(debtor, rid, ids)
+    return data
+
+
+def bring_home(engine, runner_id: str, creditor: str, picks, data) -> None:
+    """Debtor side: each pick's KV into new blocks of this runner (its own debtor's take
+    freed as many), which replace the creditor's ids in the request's extents."""
+    cache = engine.cache
+    for (rid, ids), kv in zip(picks, data):
+        new = cache.allocator.allocate(len(ids))
+        if new is None:  # cannot happen: its own debtor just freed as many here
+            raise RuntimeError(f"DGFM: no room on {runner_id} for {len(ids)} blocks")
+        cache.kv[new] = kv.to(cache.kv.device, cache.kv.dtype)
+        _relocate(engine.requests[rid], creditor, ids, runner_id, new)
 
 
 def _relocate(r: Request, owner: str, moved: tuple[int, ...], home: str, new: list[int]) -> None:

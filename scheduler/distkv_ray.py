@@ -297,20 +297,22 @@ class RayKVGroup:
         in blocks of its own (freed by its own debtor's take) and points its request there.
         Returns the swaps done, with the blocks each moved."""
         from scheduler.dgfm import Swap, plan_swaps
-        from scheduler.distkv import _trim
 
         swaps, _ = plan_swaps(self.debts(), min_swap)
         done = []
         for swap in swaps:
             if not set(swap.cycle) <= runner_ids or not set(swap.cycle) <= set(self.members):
                 continue
-            moved = self._swap(swap, _trim)
+            moved = self._swap(swap)
             if moved:
                 done.append(Swap(swap.cycle, moved))
         return done
 
-    def _swap(self, swap, trim) -> int:
+    def _swap(self, swap) -> int:
+        """One cycle's swap by actor calls (the steps of scheduler/distkv.py's swap)."""
         import ray
+
+        from scheduler.distkv import trim_picks
 
         actor = {rid: self.members[rid].actor for rid in swap.cycle}
 
@@ -323,19 +325,14 @@ class RayKVGroup:
                 get(actor[rid].dgfm_hold.remote())
                 held.append(rid)
             edges = swap.edges()
-            picks = get([actor[d].dgfm_pick.remote(c, swap.blocks) for d, c in edges])
-            n = min(sum(len(ids) for _, ids in p) for p in picks)  # loans may have ended
-            picks = [trim(p, n) for p in picks]
-            if n == 0:
+            picks = trim_picks(get([actor[d].dgfm_pick.remote(c, swap.blocks) for d, c in edges]))
+            if not picks:
                 return 0
+            n = sum(len(ids) for _, ids in picks[0])
             data = get([actor[c].dgfm_take.remote(d, p) for (d, c), p in zip(edges, picks)])
             for d, c in edges:
                 self.gmanager.returned.remote(d, c, n)
-            puts = []
-            for (d, c), p, kv in zip(edges, picks, data):
-                items = [(rid, ids, x) for (rid, ids), x in zip(p, kv)]
-                puts.append(actor[d].dgfm_put.remote(c, items))
-            get(puts)
+            get([actor[d].dgfm_put.remote(c, p, kv) for (d, c), p, kv in zip(edges, picks, data)])
             return n
         finally:
             for rid in held:

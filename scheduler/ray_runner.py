@@ -301,32 +301,19 @@ class RunnerActor:
             done.set()
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Up to `blocks` blocks this runner's requests hold on `creditor` (engine held)."""
-        from scheduler.distkv import _pick
+        from scheduler.distkv import pick
 
-        return [(r.request_id, ids) for r, ids in _pick(self.engine, creditor, blocks)]
+        return pick(self.engine, creditor, blocks)
 
-    def dgfm_take(self, debtor: str, picks: list[tuple[str, tuple[int, ...]]]) -> list:
-        """Copy the KV of blocks lent to `debtor` (per request, [n, L, 2, N_kv, P, D] on the
-        CPU), then take the blocks back."""
-        kv = self.rm.cache.kv
-        data = [kv[list(ids)].cpu().clone() for _, ids in picks]
-        for request_id, ids in picks:
-            self.rm.reclaim(debtor, request_id, ids)
-        return data
+    def dgfm_take(self, debtor: str, picks: list) -> list:
+        from scheduler.distkv import take_home
 
-    def dgfm_put(self, creditor: str, items: list) -> None:
-        """Bring blocks home: for each (request id, ids on `creditor`, their KV), new local
-        blocks get the KV and replace those ids in the request's extents (engine held)."""
-        from scheduler.distkv import _relocate
+        return [kv.cpu() for kv in take_home(self.rm, debtor, picks)]  # to another process
 
-        cache = self.engine.cache
-        for request_id, ids, data in items:
-            new = cache.allocator.allocate(len(ids))
-            if new is None:  # cannot happen: its own debtor freed as many here
-                raise RuntimeError(f"DGFM: no room on {self.runner_id} for {len(ids)} blocks")
-            cache.kv[new] = data.to(cache.kv.device, cache.kv.dtype)
-            _relocate(self.engine.requests[request_id], creditor, ids, self.runner_id, new)
+    def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
+        from scheduler.distkv import bring_home
+
+        bring_home(self.engine, self.runner_id, creditor, picks, data)
 
     def alive(self) -> str | None:
         """None while the engine steps, else why it stopped."""
