@@ -4,7 +4,10 @@ and the outputs streamed back to callers."""
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
+import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,10 +38,16 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k <= 0 and top_p = 1 disable those filters. Generation
-    stops at max_tokens, at eos (unless ignore_eos), at any of stop_token_ids, or when the
-    text contains one of `stop` (the stop string is cut from the text unless
-    include_stop_str_in_output).
+    """temperature 0 (or below SAMPLING_EPS, 1e-5, as vLLM) is greedy. top_k <= 0 and
+    top_p = 1 disable those filters. Generation stops at max_tokens, at eos (unless
+    ignore_eos), at any of stop_token_ids, or when the text contains one of `stop` (the stop
+    string is cut from the text unless include_stop_str_in_output).
+
+    min_tokens (vLLM's): until this many tokens are generated, the eos token ids (unless
+    ignore_eos) and stop_token_ids are not sampled (greedy included) and stop strings do not
+    end the generation (a stop string counts only when it ends in text of later tokens). It
+    depends only on the number of tokens generated, so a resumed request goes on as it would
+    have. 0 <= min_tokens <= max_tokens.
 
     Before sampling (greedy included), in this order: logit_bias ((token id, bias) pairs,
     bias in [-100, 100], added to the logits), repetition_penalty (vLLM's: logits of tokens
@@ -47,12 +56,20 @@ class SamplingParams:
     frequency * count, minus presence if present); after temperature, min_p drops tokens less
     likely than min_p times the most likely one.
 
+    seed: any integer (negative, or beyond 64 bits), taken modulo 2**64: -1 and 2**64 - 1
+    draw the same tokens (see sampler.step_seed). None: the engine's generator.
+
     json_schema: a JSON schema (text, see punica_x.structured): the output is JSON valid
     against it, and generation stops when the JSON is complete.
 
     logprobs: None, or return each generated token's logprob with this many (0..20) top
     alternatives. prompt_logprobs: likewise for every prompt token after the first (computed
-    from the prefill's own forward pass, only for requests that ask)."""
+    from the prefill's own forward pass, only for requests that ask).
+
+    This is the engine's own contract (library users of punica_x.llm / Engine): ValueError,
+    naming the field, for a float field that is not a finite number (NaN, inf, a bool, a
+    string), an int field that is not an integer (a bool, a float), or a value out of range.
+    Integer floats (temperature=1) are taken as floats."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -72,25 +89,22 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: str | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._coerce_types()
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
-        object.__setattr__(
-            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
-        )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -105,9 +119,57 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
+    def _coerce_types(self) -> None:
+        """Check every field's type and store it in its canonical form (tuples, int, float)."""
+        set_ = functools.partial(object.__setattr__, self)
+        for name in _FLOAT_FIELDS:
+            set_(name, _finite(name, getattr(self, name)))
+        for name in _INT_FIELDS:
+            set_(name, _integer(name, getattr(self, name)))
+        for name in _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            set_(name, None if value is None else _integer(name, value))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a sequence of strings")
+        set_("stop", stop)
+        set_("stop_token_ids", tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        set_("logit_bias", tuple((int(t), _finite("logit_bias", b)) for t, b in bias))
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
+_INT_FIELDS = ("max_tokens", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+
+
+def _finite(name: str, value) -> float:
+    """`value` as a float; ValueError naming the field unless it is a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _integer(name: str, value) -> int:
+    """`value` as an int; ValueError naming the field unless it is an integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 class FinishReason(str, enum.Enum):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from punica_x.attention import choose_attention
 from punica_x.attention.dist import DistContext
@@ -21,6 +23,7 @@ from punica_x.core import (
     TokenLogprob,
 )
 from punica_x.detokenizer import Detokenizer
+from punica_x.errors import ContextTooLong, InvalidRequest
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
 from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
 from punica_x.kv.swap import SwapPool
@@ -30,15 +33,10 @@ from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
 from punica_x.planner import BatchPlanner, ScheduledRequest
-from punica_x.sampler import Sampler
+from punica_x.sampler import NoTokenAllowed, Sampler
 from punica_x.structured import Grammars
 
 log = logging.getLogger(__name__)
-
-
-class ContextTooLong(ValueError):
-    """The prompt does not fit in the KV memory one request can have (the frontend answers
-    HTTP 400 context_length_exceeded)."""
 
 
 def check_request(
@@ -52,10 +50,10 @@ def check_request(
 ) -> None:
     """The refusals of a request that depend only on the model and the KV pool's size
     (num_blocks: the most one request can hold; `holder` names it in the error), and an
-    uncompilable JSON schema (ValueError naming the problem); shared by runners and the
-    control plane in front."""
+    uncompilable JSON schema: InvalidRequest (ContextTooLong) naming the problem and the
+    field; shared by runners and the control plane in front."""
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise InvalidRequest("the prompt is empty", "prompt")
     if len(ids) >= max_model_len:
         raise ContextTooLong(
             f"the prompt has {len(ids)} tokens; the model's context is "
@@ -63,18 +61,26 @@ def check_request(
         )
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+        raise InvalidRequest(
+            f"token id {bad} is outside the vocabulary (size {vocab_size})", "prompt"
+        )
     if blocks_needed(len(ids) + 1, block_size) > num_blocks:
         raise ContextTooLong(
             f"the prompt has {len(ids)} tokens; {holder} {num_blocks * block_size}"
         )
     bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (size {vocab_size})")
+        raise InvalidRequest(
+            f"logit_bias token id {bad} is outside the vocabulary (size {vocab_size})",
+            "logit_bias",
+        )
     if sampling.json_schema is not None:
         from punica_x.structured import compile_json_schema
 
-        compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it
+        try:
+            compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "response_format") from None
 
 
 def _auto_reason(device) -> str:
@@ -136,13 +142,15 @@ class Engine:
         if hasattr(attention, "configure"):  # backends that plan with head counts (flashinfer)
             attention = attention.configure(d.num_heads, d.num_kv_heads, d.head_dim, dtype)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
         self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
         self.requests: dict[str, Request] = {}
         self.rmanager: RManager | None = None  # DistKV (enable_distkv)
         self.idle_step = False  # the last step ran nothing (requests wait for blocks)
+        # the requests the current (or last) step runs: the ones to suspect when it raises
+        self.scheduled_ids: tuple[str, ...] = ()
         self.peer_losses = 0
 
     def enable_distkv(
@@ -204,7 +212,10 @@ class Engine:
             req.prompt_logprobs.append(None)  # the first token has no context to score it
         try:
             if sampling.json_schema is not None:
-                req.matcher = self._grammars().matcher(sampling.json_schema)
+                try:
+                    req.matcher = self._grammars().matcher(sampling.json_schema)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), "response_format") from None
             if resume is not None:
                 self._resume(req, resume)
         except ValueError:
@@ -342,9 +353,16 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, one model invocation, then per request its token, logprobs,
+        grammar, stop checks and text. A failure of the model invocation raises (the whole
+        step failed); a failure that belongs to one request (processing its logits, sampling
+        its token, its logprobs, its grammar, its text) ends that request alone with ERROR
+        and its error, and the others go on exactly as they would have without it."""
+        self.scheduled_ids = ()
         self.adapters.poll()
         outputs = self._fail_broken_adapters()
         scheduled, overflow = self.batcher.schedule()
+        self.scheduled_ids = tuple(s.request.request_id for s in scheduled)
         for r in overflow:
             outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
         self._tell_preempted()
@@ -359,65 +377,198 @@ class Engine:
             self._lost_peer(exc.owner)
             return outputs
         sampling = [s.request for s in ordered if s.samples]
-        sample_logits = logits[: len(sampling)]
-        tokens = self.sampler(sample_logits, sampling)
-        if batch.prompt_targets:
-            record_prompt_logprobs(logits[len(sampling) :], batch.prompt_targets)
-        new_logprobs = sampled_logprobs(sample_logits, sampling, tokens)
+        failed: dict[Request, str] = {}
+        tokens, new_logprobs = self._sample(logits, sampling, batch.prompt_targets, failed)
         self.batcher.after_step(scheduled, time.perf_counter() - started)
-        return outputs + self._postprocess(ordered, tokens, new_logprobs)
+        return outputs + self._postprocess(ordered, tokens, new_logprobs, failed)
+
+    def _sample(
+        self,
+        logits,
+        sampling: list[Request],
+        prompt_targets: tuple[tuple[Request, tuple[int, ...]], ...],
+        failed: dict[Request, str],
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """The tokens and logprobs of the `sampling` requests (logits' first rows), and the
+        prompt logprobs of `prompt_targets` (the rows after) recorded. A request whose own
+        part fails gets None and its error in `failed` (see _isolate)."""
+        n = len(sampling)
+        sample_logits = logits[:n]
+
+        def sample(rows: list[int]) -> list[int]:
+            return self.sampler(_rows(sample_logits, rows), [sampling[i] for i in rows])
+
+        tokens = self._isolate("sampling", sampling, failed, sample)
+
+        def score(rows: list[int]) -> list[TokenLogprob | None]:
+            picked = [sampling[i] for i in rows]
+            return sampled_logprobs(_rows(sample_logits, rows), picked, [tokens[i] for i in rows])
+
+        new_logprobs = self._isolate("logprobs", sampling, failed, score)
+        if prompt_targets:
+            self._record_prompt_logprobs(logits[n:], prompt_targets, failed)
+        return tokens, new_logprobs
+
+    def _record_prompt_logprobs(
+        self,
+        logits,
+        targets: tuple[tuple[Request, tuple[int, ...]], ...],
+        failed: dict[Request, str],
+    ) -> None:
+        """Prompt logprobs of `targets` (request, prompt positions), scored from logits' rows
+        in order; a request whose own scoring fails goes in `failed` (see _isolate)."""
+        starts = list(itertools.accumulate((len(p) for _, p in targets), initial=0))
+
+        def record(rows: list[int]) -> list[None]:
+            picked = tuple(targets[i] for i in rows)
+            if len(picked) == len(targets):
+                record_prompt_logprobs(logits, picked)
+            else:
+                lines = [j for i in rows for j in range(starts[i], starts[i + 1])]
+                record_prompt_logprobs(logits[lines], picked)
+            return [None] * len(rows)
+
+        self._isolate("prompt logprobs", [r for r, _ in targets], failed, record)
+
+    def _isolate(
+        self,
+        stage: str,
+        requests: list[Request],
+        failed: dict[Request, str],
+        run: Callable[[list[int]], list],
+    ) -> list:
+        """run(rows) -> one result per row (indices into `requests`; it must change nothing
+        when it raises), over the requests not in `failed`. All at once (the normal step
+        costs nothing more); when that raises, one request at a time, so that an error that
+        belongs to one request ends that request alone: it goes in `failed` with its error.
+        Returns one result per request, None for the failed ones."""
+        results: list = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r not in failed]
+        if not rows:
+            return results
+        try:
+            values = run(rows)
+        except Exception as exc:
+            log.warning("%s of a batch raised (%r): redone request by request", stage, exc)
+            values = [self._run_one(stage, requests[i], i, failed, run) for i in rows]
+        for i, value in zip(rows, values):
+            results[i] = value
+        return results
+
+    def _run_one(
+        self,
+        stage: str,
+        r: Request,
+        row: int,
+        failed: dict[Request, str],
+        run: Callable[[list[int]], list],
+    ):
+        try:
+            return run([row])[0]
+        except Exception as exc:
+            failed[r] = self._request_error(r, stage, exc)
+            return None
+
+    @staticmethod
+    def _request_error(r: Request, stage: str, exc: Exception) -> str:
+        """The error a request ends with when its own part of a step raised (logged)."""
+        if isinstance(exc, NoTokenAllowed):
+            log.warning("request %s: %s", r.request_id, exc)
+            return str(exc)
+        error = f"{stage} failed: {type(exc).__name__}: {exc}"
+        log.error("request %s: %s", r.request_id, error, exc_info=exc)
+        return error
 
     def _postprocess(
         self,
         ordered: list[ScheduledRequest],
-        tokens: list[int],
+        tokens: list[int | None],
         new_logprobs: list[TokenLogprob | None],
+        failed: dict[Request, str],
     ) -> list[RequestOutput]:
+        """Advance every scheduled request; the ones in `failed` (or failing here) end with
+        ERROR, their KV blocks and adapter released."""
         outputs = []
         sampled = iter(zip(tokens, new_logprobs))
         now = time.monotonic()
         for s in ordered:
-            r = s.request
-            samples = s.samples
+            r, samples = s.request, s.samples  # before num_computed_tokens moves
             r.num_computed_tokens += s.num_new_tokens
-            if not samples:
+            token, logprob = next(sampled) if samples else (None, None)
+            if not samples and r not in failed:
                 continue
-            token, logprob = next(sampled)
-            r.output_token_ids.append(token)
-            if logprob is not None:
-                r.logprobs.append(logprob)
-            if r.matcher is not None:
-                r.matcher.consume_token(token)
-            r.first_token_time = r.first_token_time or now
-            reason = self._stop_reason(r, token)
-            sp = r.sampling
-            new_text, matched = self.detokenizer.update(
-                r.request_id,
-                r.output_token_ids,
-                sp.stop,
-                sp.include_stop_str_in_output,
-                sp.skip_special_tokens,
-                final=reason is not None,
-            )
-            if matched is not None:
-                reason, r.stop_reason = FinishReason.STOP, matched
-            if reason is not None:
-                out = self._finish(r, reason, new_ids=[token], new_text=new_text)
+            out = None
+            if r not in failed:
+                out = self._advance(r, token, logprob, now, failed)
+            if out is None:
+                out = self._finish_and_emit(r, FinishReason.ERROR, error=failed[r])
             else:
-                out = self._output(r, [token], new_text)
-            self._emit(r, out)
+                self._emit(r, out)
             outputs.append(out)
         return outputs
 
+    def _advance(
+        self,
+        r: Request,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        failed: dict[Request, str],
+    ) -> RequestOutput | None:
+        """Append a sampled token and return the request's output (finished if it stops).
+        None if its grammar, stop checks or text raise: the token is taken back and the
+        error put in `failed`."""
+        r.output_token_ids.append(token)
+        if logprob is not None:
+            r.logprobs.append(logprob)
+        r.first_token_time = r.first_token_time or now
+        try:
+            reason, new_text = self._consume(r, token)
+        except Exception as exc:
+            r.output_token_ids.pop()
+            if logprob is not None:
+                r.logprobs.pop()
+            r.stop_reason = None
+            failed[r] = self._request_error(r, "postprocessing", exc)
+            return None
+        if reason is not None:
+            return self._finish(r, reason, new_ids=[token], new_text=new_text)
+        return self._output(r, [token], new_text)
+
+    def _consume(self, r: Request, token: int) -> tuple[FinishReason | None, str]:
+        """The grammar takes the new token, then the stop checks and the new text: (finish
+        reason or None, text to stream)."""
+        if r.matcher is not None and not r.matcher.consume_token(token):
+            raise ValueError(
+                f"the JSON-schema matcher refused token {token}: {r.matcher.get_error()}"
+            )
+        reason = self._stop_reason(r, token)
+        sp = r.sampling
+        new_text, matched = self.detokenizer.update(
+            r.request_id,
+            r.output_token_ids,
+            sp.stop,
+            sp.include_stop_str_in_output,
+            sp.skip_special_tokens,
+            final=reason is not None,
+            check_stop=len(r.output_token_ids) >= sp.min_tokens,
+        )
+        if matched is not None:
+            reason, r.stop_reason = FinishReason.STOP, matched
+        return reason, new_text
+
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+        """Why a request stops after `token` (just appended), or None. Below min_tokens eos
+        and stop_token_ids were masked, so they are not stops there either."""
         sp = r.sampling
         if r.matcher is not None and r.matcher.is_stopped():
             return FinishReason.STOP  # the JSON is complete
-        if token in sp.stop_token_ids:
-            r.stop_reason = token
-            return FinishReason.STOP
-        if not sp.ignore_eos and token in self.loaded.eos_token_ids:
-            return FinishReason.STOP
+        if len(r.output_token_ids) > sp.min_tokens:
+            if token in sp.stop_token_ids:
+                r.stop_reason = token
+                return FinishReason.STOP
+            if not sp.ignore_eos and token in self.loaded.eos_token_ids:
+                return FinishReason.STOP
         if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -521,3 +672,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.adapters.shutdown()
+
+
+def _rows(logits, rows: list[int]):
+    """The rows `rows` (increasing indices) of logits: logits itself when that is all of them."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]

@@ -48,13 +48,14 @@ def record_prompt_logprobs(
     logits: torch.Tensor, targets: tuple[tuple[Request, tuple[int, ...]], ...]
 ) -> None:
     """logits: [P, V], the rows scoring `targets` (per request, the prompt positions, in
-    order); appends to each request's prompt_logprobs (entry 0, None, is set on arrival)."""
+    order); appends to each request's prompt_logprobs (entry 0, None, is set on arrival).
+    All or nothing: when it raises, no request's prompt_logprobs has changed."""
     token_ids, tops = [], []
     for r, positions in targets:
+        expected = range(len(r.prompt_logprobs), len(r.prompt_logprobs) + len(positions))
+        assert tuple(positions) == tuple(expected), (len(r.prompt_logprobs), positions)
         token_ids.extend(r.prompt_token_ids[t] for t in positions)
         tops.extend([r.sampling.prompt_logprobs] * len(positions))
     scored = iter(_score(logits, token_ids, tops))
     for r, positions in targets:
-        for t in positions:
-            assert len(r.prompt_logprobs) == t, (len(r.prompt_logprobs), t)
-            r.prompt_logprobs.append(next(scored))
+        r.prompt_logprobs.extend(next(scored) for _ in positions)
