@@ -12,12 +12,14 @@ LABELS = ("tenant", "adapter")
 
 class RunnerCollector:
     """Cluster totals (unlabelled, as before there were many runners), then per runner
-    (label `runner`), and moves between runners by reason and mode."""
+    (label `runner`), moves between runners by reason and mode, and dead runners replaced
+    (`restarts`: a callable returning the scheduler's count)."""
 
-    def __init__(self, stats, runners=None, migrations=None) -> None:
+    def __init__(self, stats, runners=None, migrations=None, restarts=None) -> None:
         self._stats = stats
         self._runners = runners
         self._migrations = migrations
+        self._restarts = restarts
 
     def collect(self):
         s = self._stats()
@@ -98,10 +100,16 @@ class RunnerCollector:
             for (reason, mode), n in sorted(self._migrations().items()):
                 c.add_metric([reason, mode], n)
             yield c
+        if self._restarts is not None:
+            yield CounterMetricFamily(
+                "punica_x_runner_restarts",
+                "dead runners replaced by a new runner (a step raised, a thread or process died)",
+                value=self._restarts(),
+            )
 
 
 class Metrics:
-    def __init__(self, stats, runners=None, migrations=None) -> None:
+    def __init__(self, stats, runners=None, migrations=None, restarts=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -125,7 +133,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(RunnerCollector(stats, runners, migrations))
+        r.register(RunnerCollector(stats, runners, migrations, restarts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,6 +16,7 @@ import functools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -30,7 +31,17 @@ _IDLE_WAIT = 0.005  # seconds to wait for commands while requests wait on adapte
 
 class RunnerLost(RuntimeError):
     """The engine stopped (a step raised, with on_step_error="stop") while the request was
-    unfinished; the outputs delivered before this are all it produced."""
+    unfinished; the outputs delivered before this are all it produced. in_failed_step: the
+    request was in the step that raised (the batcher had scheduled it), so it may be the
+    cause; False for the requests that only waited there, and when nobody knows (a runner
+    process that died)."""
+
+    def __init__(self, message: str = "", in_failed_step: bool = False) -> None:
+        super().__init__(message)
+        self.in_failed_step = in_failed_step
+
+    def __reduce__(self):  # pickled with its field (Ray carries it between processes)
+        return type(self), (str(self), self.in_failed_step)
 
 
 class StreamMoved(Exception):
@@ -44,7 +55,8 @@ _MOVED = object()
 class AsyncEngine:
     """on_step_error: "fail" finishes the batch with ERROR and keeps stepping (one engine on
     its own); "stop" stops the engine and ends every open stream with RunnerLost, so a
-    scheduler can continue the requests elsewhere."""
+    scheduler can continue the requests elsewhere. `failed_step` names the requests that were
+    in the step that raised (see RunnerLost.in_failed_step)."""
 
     def __init__(self, engine: Engine, on_step_error: str = "fail") -> None:
         if on_step_error not in ("fail", "stop"):
@@ -52,6 +64,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_step_error = on_step_error
         self.error: str | None = None  # why the engine stopped, if a step raised
+        self.failed_step: frozenset[str] = frozenset()  # the requests of the step that raised
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
         # what the current step produced (outputs, preemption notices), handed to the event
@@ -78,7 +91,7 @@ class AsyncEngine:
         rid = await self.add(
             prompt, sampling, adapter, request_id, resume, outputs.put_nowait, on_preempt
         )
-        return RequestStream(rid, outputs, lambda: self.submit(lambda: self.engine.abort(rid)))
+        return RequestStream(rid, outputs, functools.partial(_abort, weakref.ref(self), rid))
 
     async def add(
         self,
@@ -175,8 +188,8 @@ class AsyncEngine:
                 self._step()
             self._flush()
         if self.error is not None:  # stopped by a failed step: the streams end with RunnerLost
-            lost = RunnerLost(self.error)
-            for loop, deliver in self._open.values():
+            for rid, (loop, deliver) in self._open.items():
+                lost = RunnerLost(self.error, in_failed_step=rid in self.failed_step)
                 self._outbox.append((loop, functools.partial(deliver, lost)))
             self._open.clear()
         else:
@@ -227,6 +240,7 @@ class AsyncEngine:
             if self.on_step_error == "stop":
                 log.exception("engine step failed; stopping this engine")
                 self.error = f"engine step failed: {type(exc).__name__}: {exc}"
+                self.failed_step = frozenset(self.engine.scheduled_ids)
                 self._stop.set()
             else:
                 log.exception("engine step failed; failing the batch")
@@ -274,6 +288,14 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._abort()
+
+
+def _abort(engine: weakref.ref[AsyncEngine], request_id: str) -> None:
+    """A stream's abort: it does not keep its engine alive (a dead runner's engine, with its
+    KV cache, is freed once its runner is let go, even while streams are still being read)."""
+    e = engine()
+    if e is not None:
+        e.submit(lambda: e.engine.abort(request_id))
 
 
 def _deliver(items: list[Callable[[], None]]) -> None:

@@ -1,14 +1,17 @@
 """`--autoscale MIN:MAX`: act on the scheduler's advice (scheduler/placement.advise).
 
 Every `interval` seconds: dead runners are forgotten and replaced while fewer than MIN are
-active or starting; `scale_up` (requests wait and every runner is full) starts one runner
-while fewer than MAX exist; `scale_down` drains the runner the advice names (idle for the
-scheduler's idle_after while the others have room, or the least loaded of more busy runners
-than ceil(working set / batch) + 1) while more than MIN are active. One start or idle drain a
-tick (a runner that is starting counts as capacity already on its way); consolidation drains
-are repeated within the tick while the advice still asks for one, so runners in use follow
-demand that falls faster than a runner a tick. With the
-ray backend, new runners are Ray actors, so a Ray cluster autoscaler can add nodes for them."""
+active or starting (the scheduler replaces a dead runner itself, by default: its replacement
+is starting, so it counts, and no second one is started for it); `scale_up` (requests wait
+and every runner is full) starts one runner while fewer than MAX exist; `scale_down` drains
+the runner the advice names (idle for the scheduler's idle_after while the others have room,
+or the least loaded of more busy runners than ceil(working set / batch) + 1) while more than
+MIN are active. One start or idle drain a tick (a runner that is starting counts as capacity
+already on its way: no scale_up while one starts, since the requests that wait may be
+waiting for it); consolidation drains are repeated within the tick while the advice still
+asks for one, so runners in use follow demand that falls faster than a runner a tick. With
+the ray backend, new runners are Ray actors, so a Ray cluster autoscaler can add nodes for
+them."""
 
 from __future__ import annotations
 
@@ -67,7 +70,8 @@ class Autoscaler:
             await self._add(cfg.min_runners - len(live), "below the minimum")
             return
         advice = s.advice()
-        if advice.action == "scale_up" and len(live) < cfg.max_runners:
+        starting = any(x.state == "starting" for x in live)
+        if advice.action == "scale_up" and len(live) < cfg.max_runners and not starting:
             await self._add(1, advice.reason)
         elif advice.action == "scale_down":
             await self._drain(advice, len(live))

@@ -10,6 +10,14 @@ holds every request's prompt and everything it has streamed, so a request can mo
 - failure: a runner whose engine stopped (a step raised, its thread or process died) loses
   nothing: its requests continue on the other runners from what they had streamed.
 
+A dead runner is replaced (RestartPolicy; a scheduler with a factory does it unless told not
+to): a new runner from the factory takes its place, at once the first time and with a
+growing delay while replacements keep dying soon after they start, so one fault is never an
+outage, even for a server of one runner (requests wait here while it starts). Poison
+requests: the requests that were in a step that raised (RunnerLost.in_failed_step) are
+retried one per runner (so a step that fails again names one suspect); one that was in two
+failed steps in a row (no token in between) ends with an error and is never moved again.
+
 DistKV (scheduler/distkv.py): a request whose KV fits on no single runner is placed on the
 runner with the most room and borrows blocks on the others through the gManager's ledger
 (thread runners; `distkv=False` refuses such a prompt, naming one runner's limit).
@@ -28,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -42,7 +51,7 @@ from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.dgfm import Swap, plan_swaps
 from scheduler.distkv import KVNetwork, default_caps
-from scheduler.interface import ModelInfo, RunnerStats
+from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
 from scheduler.local import LocalRunner
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 from scheduler.placement import (
@@ -63,6 +72,7 @@ log = logging.getLogger(__name__)
 DGFM_INTERVAL_S = 1.0  # how often the scheduler looks for debt cycles to swap home
 DGFM_MIN_SWAP = 4  # blocks: smaller swaps are not worth pausing the runners
 MAX_FAILURES = 3  # runners a request may see fail under it before it ends with an error
+QUARANTINE_STEPS = 2  # failed steps in a row a request may be in before it ends with an error
 KEEP_DEAD = 8  # dead runners still listed (GET /admin/runners) before the oldest is dropped
 
 
@@ -75,7 +85,28 @@ class ClusterError(Exception):
 
 
 class NoRunner(RuntimeError):
-    """No runner is active: nothing can take a request now."""
+    """No runner is active or starting: nothing can take a request now."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead runner is replaced (through the scheduler's factory): at once the first
+    time; while each replacement dies within stable_s of taking work, the next one starts
+    after backoff_s, then twice that, ... up to max_backoff_s; a runner that stayed up
+    stable_s is replaced at once again. A replacement whose start fails is tried again
+    (with the next delay) up to start_attempts times, then left dead."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 60.0
+    start_attempts: int = 3
+
+    def delay(self, level: int) -> float:
+        """Seconds before a replacement when `level` runners of its line died quickly
+        before the one it replaces."""
+        if level <= 0:
+            return 0.0
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (level - 1))
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,14 @@ class RunnerSlot:
     streams: dict[str, ClusterStream] = field(default_factory=dict)
     idle_since: float = field(default_factory=time.monotonic)
     error: str | None = None
+    active_since: float = field(default_factory=time.monotonic)
+    replaces: str | None = None  # the dead runner this one was started in place of
+    # runners of its line (each replaced the one before) that died in a row just before it,
+    # all but the first within the restart policy's stable_s of taking work (its backoff)
+    streak: int = 0
+    start_failures: int = 0  # failed starts of this replacement
+    replace_due: bool = False  # dead, and to be replaced once an event loop runs
+    where: tuple = (None, None, None)  # node, pid, device (kept after the handle is let go)
 
     def snapshot(self) -> RunnerSnapshot:
         h = self.handle
@@ -154,7 +193,9 @@ class Scheduler:
     micro-attention on worker threads while the local part runs; off by default because
     thread runners share the CPU's cores, and there it measured slower (bench_distkv); Ray
     runners always overlap (their own processes). distkv_transport: Ray runners' data plane,
-    "socket" (scheduler/kv_channel.py) or "ray" (actor calls, slower; for comparison)."""
+    "socket" (scheduler/kv_channel.py) or "ray" (actor calls, slower; for comparison).
+    restart: how a dead runner is replaced through the factory (RestartPolicy); None, or no
+    factory, leaves dead runners dead. `restarts` counts the replacements that took work."""
 
     def __init__(
         self,
@@ -166,6 +207,7 @@ class Scheduler:
         lend_fraction: float = 0.9,
         distkv_overlap: bool = False,
         distkv_transport: str = "socket",
+        restart: RestartPolicy | None = RestartPolicy(),
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
@@ -174,12 +216,17 @@ class Scheduler:
         self.tokenizer = tokenizer if tokenizer is not None else first.tokenizer
         self.factory = factory
         self.idle_after = idle_after
+        self.restart = restart
+        self.restarts = 0  # dead runners replaced (the replacement took work)
+        self.quarantined = 0  # requests ended as poison (in QUARANTINE_STEPS failed steps)
+        # what open() checks a request against while no runner is active (one is starting)
+        self._limits: RequestLimits = first.limits()
         self._index = itertools.count()
         self.slots: list[RunnerSlot] = []
         for r in runners:
-            self.slots.append(
-                RunnerSlot(r.runner_id, next(self._index), r.backend, r, state=ACTIVE)
-            )
+            slot = RunnerSlot(r.runner_id, next(self._index), r.backend, r, state=ACTIVE)
+            slot.where = _where(r)
+            self.slots.append(slot)
         self._queue: collections.deque[ClusterStream] = collections.deque()
         self._adapters: dict[str, tuple[Path, str | None]] = {}
         # the scheduler's adapter versions -> each runner's own version of the same files
@@ -197,6 +244,7 @@ class Scheduler:
         self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
+        self._replacing: set[asyncio.Task] = set()  # dead runners' replacements starting
         self.lend_fraction, self.distkv_overlap = lend_fraction, distkv_overlap
         self.kv_network: KVNetwork | None = None  # thread runners
         self.kv_ray = None  # ray runners: scheduler/distkv_ray.py RayKVGroup
@@ -279,17 +327,16 @@ class Scheduler:
     async def open(
         self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
     ) -> ClusterStream:
-        """Place a request (or queue it here when no runner has room) and return its output
-        stream; refusals (ValueError, UnknownAdapterError) raise here, NoRunner when no runner
-        is active. Closing the stream aborts the request."""
-        self.check_runners()
-        active = self._active()
-        if not active:
+        """Place a request (or queue it here when no runner has room, or while the only
+        runners are starting: a dead one being replaced) and return its output stream;
+        refusals (ValueError, UnknownAdapterError) raise here, NoRunner when no runner is
+        active or starting. Closing the stream aborts the request."""
+        if not self.accepting():
             raise NoRunner("no runner is active")
         if (self.kv_network is not None or self.kv_ray is not None) and not self._dgfm_started:
             self._dgfm_started = True
             self._spawn(self._dgfm_loop())
-        active[0].handle.validate(prompt, sampling, adapter)
+        self._validate(prompt, sampling, adapter)
         stream = ClusterStream(self, list(prompt), sampling, adapter, request_id)
         if self._queue:  # first come, first served: nobody overtakes a waiting request
             self._queue.append(stream)
@@ -301,6 +348,17 @@ class Scheduler:
             else:
                 await self._attach(stream, target, initial=True)
         return stream
+
+    def _validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
+        """The refusals a runner would raise; with no runner active, against the last
+        runner's limits and the adapters registered here."""
+        active = self._active()
+        if active:
+            active[0].handle.validate(prompt, sampling, adapter)
+            return
+        self._limits.check(prompt, sampling)
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(adapter)
 
     def _active(self) -> list[RunnerSlot]:
         return [s for s in self.slots if s.state == ACTIVE]
@@ -314,7 +372,13 @@ class Scheduler:
     def snapshots(self) -> list[RunnerSnapshot]:
         return [s.snapshot() for s in self.slots]
 
-    def _place(self, stream: ClusterStream, exclude: frozenset[str] = frozenset()):
+    def _place(
+        self, stream: ClusterStream, exclude: frozenset[str] = frozenset(), isolate: bool = True
+    ):
+        """The runner to open `stream` on, or None. isolate: a suspect (a request that was in
+        a failed step) goes only to a runner holding no other suspect."""
+        if isolate and stream.suspect:
+            exclude = exclude | self._holding_suspects(stream)
         snaps, demand = self.snapshots(), stream.demand()
         rid = place(snaps, demand, exclude)
         if rid is None and (self.kv_network is not None or self.kv_ray is not None):
@@ -322,6 +386,14 @@ class Scheduler:
             if active and not any(fits_alone(s, demand) for s in active):
                 rid = place_distributed(snaps, demand, exclude)
         return None if rid is None else self._slot(rid)
+
+    def _holding_suspects(self, stream: ClusterStream) -> frozenset[str]:
+        """Runners that hold a suspect other than `stream` (see ClusterStream.suspect)."""
+        return frozenset(
+            s.runner_id
+            for s in self.slots
+            if any(o.suspect and o is not stream for o in s.streams.values())
+        )
 
     async def _attach(self, stream: ClusterStream, slot: RunnerSlot, initial: bool = False) -> None:
         """Open `stream` on `slot`. initial: the caller's open() (refusals raise to it);
@@ -382,7 +454,10 @@ class Scheduler:
             self._spawn(self._attach(stream, target))
 
     def _kick(self) -> None:
-        """Place waiting requests, oldest first, while runners have room."""
+        """Place waiting requests, oldest first, while runners have room. A suspect that only
+        waits for a runner without another suspect keeps its place but lets later requests
+        by."""
+        held: list[ClusterStream] = []
         while self._queue:
             stream = self._queue[0]
             if stream.closed:
@@ -390,10 +465,14 @@ class Scheduler:
                 continue
             target = self._place(stream)
             if target is None:
+                if stream.suspect and self._place(stream, isolate=False) is not None:
+                    held.append(self._queue.popleft())
+                    continue
                 break
             self._queue.popleft()
             target.streams[stream.request_id] = stream  # count it before the open completes
             self._spawn(self._attach(stream, target))
+        self._queue.extendleft(reversed(held))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -485,8 +564,11 @@ class Scheduler:
             stream.moving = False
             self._kick()
 
-    async def _lost(self, stream: ClusterStream, error: str) -> None:
-        """The stream's runner died: continue from what the client was sent."""
+    async def _lost(self, stream: ClusterStream, error: str, in_failed_step: bool = False) -> None:
+        """The stream's runner died: continue from what the client was sent. in_failed_step:
+        the request was in the step that raised; a request in QUARANTINE_STEPS failed steps
+        in a row ends with an error (a poison request is not retried for ever, nor allowed
+        to take runner after runner down)."""
         slot = stream.slot
         if slot is not None:
             slot.streams.pop(stream.request_id, None)
@@ -494,6 +576,17 @@ class Scheduler:
         stream.slot, stream.inner = None, None
         stream.placed.clear()
         stream.failures += 1
+        if in_failed_step:
+            stream.failed_steps += 1
+            if stream.failed_steps >= QUARANTINE_STEPS:
+                self.quarantined += 1
+                log.error("request %s quarantined: %s", stream.request_id, error)
+                stream.fail(
+                    f"this request was in {stream.failed_steps} engine steps that failed "
+                    f"(last: {error}); it is not retried"
+                )
+                self._kick()
+                return
         if stream.failures >= MAX_FAILURES:
             stream.fail(f"the request failed on {stream.failures} runners; last: {error}")
             return
@@ -506,16 +599,93 @@ class Scheduler:
         if slot.state == "dead":
             return
         log.error("runner %s failed: %s; its requests continue elsewhere", slot.runner_id, error)
+        draining = slot.state == "draining"
         slot.state, slot.error = "dead", error
         self._leave_distkv(slot, dead=True)
         self.failures[slot.runner_id] += 1
+        if not draining:  # (a runner being drained was on its way out anyway)
+            slot.replace_due = self._can_replace()
+            self._replace(slot)
         dead = [s for s in self.slots if s.state == "dead"]
         for old in dead[: max(0, len(dead) - KEEP_DEAD)]:
             self.slots.remove(old)
+        self._fail_queue_if_none_left()
+
+    def _fail_queue_if_none_left(self) -> None:
+        """No runner is active or starting: nothing will ever take the waiting requests."""
         if not self._active() and not self._starting():
             message = self._no_runner_message()
             while self._queue:
                 self._queue.popleft().fail(message)
+
+    # -- replacing dead runners ---------------------------------------------------------------
+    def _can_replace(self) -> bool:
+        return self.restart is not None and self.factory is not None and not self._closed
+
+    def _replace(self, dead: RunnerSlot) -> None:
+        """Start a runner in the dead one's place (see RestartPolicy), unless no event loop
+        runs here (check_runners does it on the next call from one)."""
+        if not dead.replace_due:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        dead.replace_due = False
+        old, dead.handle = dead.handle, None  # let its engine (and KV cache) go
+        if old is not None:
+            with contextlib.suppress(Exception):
+                self._limits = old.limits()
+        quick = time.monotonic() - dead.active_since < self.restart.stable_s
+        streak = dead.streak if quick else 0  # quick failures before this one
+        index = next(self._index)
+        slot = RunnerSlot(f"runner-{index}", index, dead.backend, replaces=dead.runner_id)
+        slot.streak = streak + 1
+        self.slots.append(slot)
+        delay = self.restart.delay(streak)
+        log.warning(
+            "starting runner %s in place of %s%s",
+            slot.runner_id,
+            dead.runner_id,
+            f" in {delay:g} s" if delay else "",
+        )
+        task = asyncio.get_running_loop().create_task(self._replacement(slot, old, delay))
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
+
+    async def _replacement(self, slot: RunnerSlot, old, delay: float) -> None:
+        """Stop the dead runner's handle (its process, its thread's engine), wait `delay`,
+        start `slot` as add_runners would (every adapter, DistKV); a failed start is tried
+        again after the next delay, up to start_attempts times."""
+        try:
+            if old is not None:
+                box = [old]
+                del old  # the worker thread holds the last reference, and drops it
+                await asyncio.to_thread(_let_go, box)
+            while True:
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if self._closed or slot not in self.slots:
+                    return
+                try:
+                    await self._start(slot)
+                except Exception as exc:  # _start left it dead
+                    slot.start_failures += 1
+                    log.error("replacement runner %s failed to start: %s", slot.runner_id, exc)
+                    if slot.start_failures >= self.restart.start_attempts or self._closed:
+                        self._fail_queue_if_none_left()
+                        return
+                    slot.state = "starting"
+                    delay = self.restart.delay(slot.streak + slot.start_failures - 1)
+                    continue
+                self.restarts += 1
+                self._kick()
+                return
+        except asyncio.CancelledError:  # its event loop ended: a later one starts it over
+            if slot.state != ACTIVE:
+                slot.state, slot.error = "dead", "its start was cancelled"
+                slot.replace_due = self._can_replace()
+            raise
 
     def _no_runner_message(self) -> str:
         errors = [f"{s.runner_id}: {s.error}" for s in self.slots if s.error]
@@ -525,10 +695,19 @@ class Scheduler:
         return [s for s in self.slots if s.state == "starting"]
 
     def check_runners(self) -> None:
-        """Notice runners that died between requests (a thread that exited)."""
-        for slot in self.slots:
+        """Notice runners that died between requests (a thread that exited), and replace
+        dead ones that could not be replaced where they died (no event loop there)."""
+        for slot in list(self.slots):
             if slot.state in (ACTIVE, "draining") and not slot.handle.alive():
                 self._runner_died(slot, slot.handle.error or "the runner stopped")
+            elif slot.state == "dead" and slot.replace_due:
+                self._replace(slot)
+
+    def accepting(self) -> bool:
+        """A runner is active or starting: open() takes requests (they may wait here while
+        a dead runner's replacement starts). ready() is narrower: a runner takes work now."""
+        self.check_runners()
+        return bool(self._active() or self._starting())
 
     # -- scale --------------------------------------------------------------------------------
     async def add_runners(self, count: int) -> list[str]:
@@ -552,8 +731,9 @@ class Scheduler:
 
     async def _start(self, slot: RunnerSlot) -> None:
         try:
-            slot.handle = await asyncio.to_thread(self.factory, slot.runner_id)
+            slot.handle = await asyncio.to_thread(self._build, slot.runner_id)
             slot.backend = slot.handle.backend
+            slot.where = _where(slot.handle)
             for key, (path, sha256) in list(self._adapters.items()):
                 info = await slot.handle.register_adapter(key, path, sha256)
                 version = self._current.get(key)
@@ -566,8 +746,18 @@ class Scheduler:
             raise
         await asyncio.to_thread(self._join_distkv, slot)
         slot.state = ACTIVE
-        slot.idle_since = time.monotonic()
+        slot.idle_since = slot.active_since = time.monotonic()
+        slot.error = None
         log.info("runner %s is active", slot.runner_id)
+
+    def _build(self, runner_id: str):
+        """factory(runner_id), on a worker thread; a runner built after shutdown() is stopped
+        at once instead of being left running."""
+        handle = self.factory(runner_id)
+        if self._closed:
+            handle.shutdown()
+            raise RuntimeError("the scheduler shut down while the runner started")
+        return handle
 
     async def drain(self, runner_id: str | None = None, mode: str | None = None) -> str:
         """Stop placing on a runner (None: the least loaded), move its requests away (mode:
@@ -617,13 +807,14 @@ class Scheduler:
         for slot in self.slots:
             h = slot.handle
             stats = h.stats() if h is not None and slot.state != "dead" else None
+            node, pid, device = slot.where
             rows.append(
                 {
                     "id": slot.runner_id,
                     "backend": slot.backend,
-                    "node": getattr(h, "node", None),
-                    "pid": getattr(h, "pid", None),
-                    "device": getattr(h, "device", None),
+                    "node": node,
+                    "pid": pid,
+                    "device": device,
                     "state": slot.state,
                     "running": stats.running if stats else 0,
                     "waiting": stats.waiting if stats else 0,
@@ -636,6 +827,7 @@ class Scheduler:
                     "remote_attention_seconds": stats.remote_attention_seconds if stats else 0.0,
                     "resident_adapters": len(h.resident_adapters()) if stats else 0,
                     "error": slot.error,
+                    "replaces": slot.replaces,  # the dead runner it was started in place of
                 }
             )
         return rows
@@ -693,11 +885,36 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._closed = True
+        for task in list(self._replacing):  # (a runner its factory builds now is stopped)
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it
+                task.get_loop().call_soon_threadsafe(task.cancel)
         for s in self.slots:
             if s.handle is not None and s.state != "dead":
                 s.handle.shutdown()
         if self.kv_network is not None:
             self.kv_network.shutdown()
+
+
+def _where(handle) -> tuple:
+    """(node, pid, device) of a runner, listed after it is let go."""
+    return (
+        getattr(handle, "node", None),
+        getattr(handle, "pid", None),
+        getattr(handle, "device", None),
+    )
+
+
+def _let_go(box: list) -> None:
+    """Stop the dead runner's handle in `box` (a Ray actor is killed; a thread runner's
+    engine joins its thread), drop it and collect its engine, so its memory is free before a
+    replacement loads."""
+    handle = box.pop()
+    try:
+        handle.shutdown()
+    except Exception:
+        log.exception("stopping dead runner %s failed", getattr(handle, "runner_id", "?"))
+    del handle
+    gc.collect()
 
 
 class ClusterStream:
@@ -720,13 +937,21 @@ class ClusterStream:
         self.resume: Resume | None = None
         self.moving = False
         self.closed = False
-        self.failures = 0
+        self.failures = 0  # runners that died under it
+        # failed steps it was in since its last token (QUARANTINE_STEPS of them end it)
+        self.failed_steps = 0
         self.runners_seen: list[str] = []  # every runner it was placed on, in order
         self.retired: list[RequestStream] = []  # streams of runners it left, not yet read out
         self._done = False
         self._final: RequestOutput | None = None
         self._last: RequestOutput | None = None
         self._emitted_chars = 0
+
+    @property
+    def suspect(self) -> bool:
+        """It was in a step that failed and has produced no token since: it may be what made
+        the step fail, so it is retried on a runner holding no other suspect."""
+        return self.failed_steps > 0
 
     @property
     def num_tokens(self) -> int:
@@ -802,7 +1027,7 @@ class ClusterStream:
                 continue
             except RunnerLost as exc:
                 if self.inner is inner:
-                    await self.scheduler._lost(self, str(exc))
+                    await self.scheduler._lost(self, str(exc), exc.in_failed_step)
                 continue
             except StopAsyncIteration:
                 continue
@@ -813,6 +1038,9 @@ class ClusterStream:
         self._emitted_chars += len(out.new_text)
         if out.finished:
             self._finish()
+        elif self.suspect and out.new_token_ids:  # it got past the step that failed
+            self.failed_steps = 0
+            self.scheduler._kick()  # the next suspect may go where it is
         return out
 
     def _finish(self) -> None:

@@ -45,6 +45,35 @@ class ModelInfo:
     dtype: str  # the serving dtype, as ModelConfig.dtype names it ("float32", "bfloat16")
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a runner refuses a request for that depends only on its model and KV pool
+    (punica_x.engine.check_request): the scheduler checks against these while no runner is
+    active (one is restarting). num_blocks: the most KV blocks one request can hold; holder
+    names them in the error."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    holder: str = "the KV cache holds"
+
+    def check(self, prompt: list[int], sampling: SamplingParams) -> None:
+        """Raise what the runner's validate() would for the prompt (ValueError,
+        ContextTooLong); adapters are checked by the caller."""
+        from punica_x.engine import check_request
+
+        check_request(
+            prompt,
+            sampling,
+            self.vocab_size,
+            self.max_model_len,
+            self.block_size,
+            self.num_blocks,
+            self.holder,
+        )
+
+
 class RunnerHandle(Protocol):
     runner_id: str
     model: ModelInfo
@@ -64,5 +93,8 @@ class RunnerHandle(Protocol):
     async def unregister_adapter(self, name: str) -> None: ...
 
     def stats(self) -> RunnerStats: ...
+
+    def limits(self) -> RequestLimits:
+        """What validate() checks prompts against (kept while no runner is active)."""
 
     def alive(self) -> bool: ...

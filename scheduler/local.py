@@ -19,7 +19,7 @@ from punica_x.core import Resume, SamplingParams
 from punica_x.engine import Engine
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
-from scheduler.interface import ModelInfo, RunnerStats
+from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
 
 
 def engine_stats(e: Engine) -> RunnerStats:
@@ -107,6 +107,19 @@ class LocalRunner:
         self.engine.check_prompt(prompt, sampling)
         if adapter is not None:
             self.engine.adapters.check(adapter)
+
+    def limits(self) -> RequestLimits:
+        """validate()'s limits now (the scheduler keeps them for while no runner is up)."""
+        e = self.engine
+        blocks = e.capacity_blocks()
+        lends = blocks > e.cache.allocator.num_blocks
+        return RequestLimits(
+            e.model.dims.vocab_size,
+            e.max_model_len,
+            e.cache.block_size,
+            blocks,
+            "the cluster's KV caches (DistKV) hold" if lends else "the KV cache holds",
+        )
 
     async def open(
         self,

@@ -10,6 +10,9 @@ Messages (all dataclasses, pickled by Ray):
 
 A runner whose process dies (SIGKILL, OOM, a lost node) surfaces as RayActorError on the
 next poll: every open stream ends with RunnerLost and the scheduler recomputes elsewhere.
+A runner whose engine step raised sends a "lost" event per open request, carrying whether
+the request was in that step (RunnerLost.in_failed_step: the scheduler's poison-request
+quarantine); a process that died cannot tell, so its streams end with in_failed_step False.
 
 ray is imported on first use, so the thread backend never pays for it."""
 
@@ -28,10 +31,9 @@ from pathlib import Path
 from punica_x.async_engine import RequestStream, RunnerLost
 from punica_x.config import EngineConfig, dtype_name
 from punica_x.core import RequestOutput, Resume, SamplingParams
-from punica_x.engine import check_request
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
-from scheduler.interface import ModelInfo, RunnerStats
+from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +161,8 @@ class RunnerActor:
         resume: Resume | None,
     ) -> str:
         def deliver(out):
-            if isinstance(out, RunnerLost):
-                self._push("lost", request_id, str(out))
+            if isinstance(out, RunnerLost):  # (why, whether the request was in the step)
+                self._push("lost", request_id, (str(out), out.in_failed_step))
             else:
                 self._push("out", request_id, out)
 
@@ -386,18 +388,19 @@ class RayRunner:
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
+        self.limits().check(prompt, sampling)
+        if adapter is not None and adapter not in self._names:
+            raise UnknownAdapterError(adapter)
+
+    def limits(self) -> RequestLimits:
         i = self.info_
-        check_request(
-            prompt,
-            sampling,
+        return RequestLimits(
             i.vocab_size,
             i.model.max_model_len,
             i.block_size,
             i.kv_blocks_total + self.kv_capacity,
             "the cluster's KV caches (DistKV) hold" if self.kv_capacity else "the KV cache holds",
         )
-        if adapter is not None and adapter not in self._names:
-            raise UnknownAdapterError(adapter)
 
     async def open(
         self,
@@ -483,10 +486,11 @@ class RayRunner:
                 if on_preempt is not None:
                     on_preempt()
             elif kind == "lost":
-                self.error = self.error or payload
+                error, in_failed_step = payload
+                self.error = self.error or error
                 self._streams.pop(request_id, None)
                 self._delivered.pop(request_id, None)
-                deliver(RunnerLost(payload))
+                deliver(RunnerLost(error, in_failed_step))
 
     def _lost(self, error: str) -> None:
         self.error = self.error or error

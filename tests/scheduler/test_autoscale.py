@@ -69,8 +69,8 @@ def test_queue_scales_up_and_idle_scales_down(factory):
 
 
 def test_a_dead_runner_is_replaced(factory):
-    async def main():
-        sched = Scheduler([factory("runner-0"), factory("runner-1")], factory)
+    async def main():  # (the scheduler does not replace it itself: restart=None)
+        sched = Scheduler([factory("runner-0"), factory("runner-1")], factory, restart=None)
         scaler = Autoscaler(sched, AutoscaleConfig(2, 3, interval=0.02))
         sched.slots[0].handle.async_engine.on_step_error = "stop"
 
@@ -89,6 +89,36 @@ def test_a_dead_runner_is_replaced(factory):
     assert last.finish_reason is FinishReason.LENGTH
     assert [(r["id"], r["state"]) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
     assert actions == ["add runner-2"]
+
+
+def test_a_runner_the_scheduler_replaces_is_not_replaced_twice(factory):
+    """The scheduler replaces a dead runner itself (by default): its replacement counts as
+    live while it starts, so the autoscaler starts no second one."""
+
+    async def main():
+        sched = Scheduler([factory("runner-0"), factory("runner-1")], factory)
+        scaler = Autoscaler(sched, AutoscaleConfig(2, 3, interval=0.02))
+
+        def boom():
+            raise RuntimeError("dead engine")
+
+        sched.slots[0].handle.engine.step = boom
+        stream = await sched.open([1, 2, 3], SP, None, "x")
+        last = (await drain_all([stream]))[0]
+        await scaler.tick()  # at once: the replacement may still be starting
+        for _ in range(500):
+            if sched.restarts:
+                break
+            await asyncio.sleep(0.01)
+        await scaler.tick()
+        rows = sched.runners()
+        sched.shutdown()
+        return last, rows, scaler.actions, sched.restarts
+
+    last, rows, actions, restarts = asyncio.run(main())
+    assert last.finish_reason is FinishReason.LENGTH
+    assert [(r["id"], r["state"]) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
+    assert actions == [] and restarts == 1
 
 
 def test_parse():

@@ -177,7 +177,8 @@ def test_drain_moves_every_request_and_refuses_the_last_runner(
 @pytest.mark.parametrize("trial", range(5))
 def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, trial):
     """runner-0's engine raises at a random step (as a crashed kernel would): its requests
-    continue on the other runners from what their clients had; tokens equal an unfailed run."""
+    continue on the other runners from what their clients had; tokens equal an unfailed run;
+    a new runner is started in its place."""
     prompts, ref = reference
     rng = random.Random(trial)
     fail_at = rng.randint(1, 20)  # runner-0 needs about 25 steps for its 3 requests
@@ -203,6 +204,7 @@ def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, t
 
     sps, results, rows = asyncio.run(main())
     assert rows[0]["state"] == "dead" and "injected kernel failure" in rows[0]["error"]
+    assert rows[-1]["replaces"] == "runner-0"  # a new runner started in its place
     for i, result in enumerate(results):
         check(result, ref[sps[i].seed, None][i])
 

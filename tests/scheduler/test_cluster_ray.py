@@ -2,7 +2,7 @@
 session, no dashboard): adapters shipped as bytes, placement, drain between processes, and
 SIGKILL of a runner process at random points (5 in the default suite; 20 more in the `long`
 run, `make test-long`): every request completes with the greedy and seeded tokens of a run
-nobody killed."""
+nobody killed, and the killed runner is replaced by a new process that serves the adapter."""
 
 from __future__ import annotations
 
@@ -151,6 +151,17 @@ def test_sigkill_twenty_more_points(cluster, reference, trial):
     sigkill_at_a_random_point(cluster, reference, trial)
 
 
+async def replaced(cluster, runner_id: str, timeout: float = 120.0) -> str | None:
+    """The state of the runner started in place of runner_id, once it is no longer starting
+    (None: there is none)."""
+    for _ in range(int(timeout / 0.1)):
+        slot = next((s for s in cluster.slots if s.replaces == runner_id), None)
+        if slot is None or slot.state != "starting":
+            return slot and slot.state
+        await asyncio.sleep(0.1)
+    return "starting"
+
+
 def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
     prompts, ref = reference
     rng = random.Random(100 + trial)
@@ -174,11 +185,14 @@ def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
                 break
             await asyncio.sleep(0.1)
         state = victim.state
+        replacement = await replaced(cluster, victim.runner_id)
         await cluster.drain(victim.runner_id)  # forget the dead one
-        return sps, adapters, head, rest, state
+        return sps, adapters, head, rest, state, replacement
 
-    sps, adapters, head, rest, state = asyncio.run(main())
+    restarts = cluster.restarts
+    sps, adapters, head, rest, state, replacement = asyncio.run(main())
     assert state == "dead"
+    assert replacement == "active" and cluster.restarts == restarts + 1  # (a new process)
     rest[0] = (head[0] + rest[0][0], rest[0][1])
     for i, (tokens, last) in enumerate(rest):
         assert last.finish_reason is FinishReason.LENGTH, last.error
@@ -360,3 +374,63 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert tokens == last.token_ids == expected
     assert final == {}
+
+
+def test_a_poison_request_fails_alone_across_the_process_boundary(
+    local_ray, config, reference, monkeypatch
+):
+    """One runner process whose model raises in any step holding a poison token: whether
+    each request was in the failed step crosses the process boundary with its RunnerLost,
+    so the poison request ends alone with the quarantine error after two failed steps (two
+    replacement processes), and the others finish with the undisturbed tokens."""
+    import scheduler.ray_runner as ray_runner
+    from punica_x.models.loader import describe_model
+    from scheduler.cluster import RestartPolicy
+
+    prompts, ref = reference
+    used = {t for p in prompts[:2] for t in p} | {t for r in ref[None, None][:2] for t in r}
+    token = next(t for t in range(3, 300) if t not in used)
+    poison = prompts[2][:3] + [token] + prompts[2][3:]
+
+    class PoisonedActor(ray_runner.RunnerActor):  # (pickled by value into the actor)
+        def __init__(self, config, runner_id):
+            super().__init__(config, runner_id)
+            model = self.engine.model
+
+            def forward(batch, *args, **kwargs):
+                if token in batch.input_ids.tolist():
+                    raise RuntimeError("injected kernel fault")
+                return model(batch, *args, **kwargs)
+
+            self.engine.model = type("Poisoned", (), {"__call__": staticmethod(forward)})()
+            self.engine.model.dims = model.dims
+
+    monkeypatch.setattr(ray_runner, "RunnerActor", PoisonedActor)
+
+    def factory(rid):
+        return RayRunner(config, rid)
+
+    async def main():
+        sched = Scheduler(
+            [factory("runner-0")],
+            factory,
+            tokenizer=describe_model(config.model).tokenizer,
+            restart=RestartPolicy(backoff_s=0.05),
+        )
+        try:
+            streams = [await sched.open(p, SP, None, f"p{i}") for i, p in enumerate(prompts[:2])]
+            streams.append(await sched.open(poison, SP, None, "poison"))
+            results = await asyncio.gather(*(consume(s) for s in streams))
+            return results, sched.restarts, sched.quarantined
+        finally:
+            sched.shutdown()
+
+    results, restarts, quarantined = asyncio.run(main())
+    for i, (tokens, last) in enumerate(results[:2]):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == ref[None, None][i]
+    last = results[2][1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.error.startswith("this request was in 2 engine steps that failed"), last.error
+    assert "injected kernel fault" in last.error
+    assert restarts == 2 and quarantined == 1
