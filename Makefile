@@ -26,6 +26,7 @@ test-long: $(STAMP)
 	./scripts/test-deps.sh
 	$(PY) -m punica_x.prepare --all-isas
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
+	FUZZ_LONG=1 $(PY) -m pytest tests/frontend/test_openapi.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,7 +4,8 @@
     punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
     punica-x serve [--model PATH] [--dtype auto|float32|bfloat16|float16] [--host 127.0.0.1]
                    [--port 8000] [--data-dir DIR]
-    punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N]
+    punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
+    punica-x admin tenant weight NAME W
     punica-x admin tenant list
     punica-x admin tenant revoke NAME
     punica-x admin status
@@ -130,6 +131,7 @@ def admin(args) -> int:
             "name": args.name,
             "max_concurrent": args.max_concurrent,
             "tokens_per_minute": args.tokens_per_minute,
+            "weight": args.weight,
         }
         status, data = _call("POST", f"{base}/admin/tenants", token, body)
         if status == 201:
@@ -142,7 +144,14 @@ def admin(args) -> int:
         status, data = _call("GET", f"{base}/admin/tenants", token)
         if status == 200:
             for t in data["data"]:
-                print(f"{t['name']}\t{'revoked' if t['revoked'] else 'active'}")
+                state = "revoked" if t["revoked"] else "active"
+                print(f"{t['name']}\t{state}\tweight {t['weight']:g}")
+            return 0
+    elif args.action == "weight":
+        url = f"{base}/admin/tenants/{args.name}"
+        status, data = _call("PATCH", url, token, {"weight": args.weight})
+        if status == 200:
+            print(f"tenant {args.name}: weight {data['weight']:g}")
             return 0
     else:
         status, data = _call("DELETE", f"{base}/admin/tenants/{args.name}", token)
@@ -332,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     create.add_argument("--max-concurrent", type=int, default=None)
     create.add_argument("--tokens-per-minute", type=int, default=None)
+    create.add_argument(
+        "--weight", type=float, default=1.0, help="its share of the runners while tenants wait"
+    )
+    weight = actions.add_parser(
+        "weight", parents=[common], help="set a tenant's fair-share weight (default 1)"
+    )
+    weight.add_argument("name")
+    weight.add_argument("weight", type=float)
     actions.add_parser("list", parents=[common], help="list tenants")
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
     revoke.add_argument("name")

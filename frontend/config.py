@@ -30,6 +30,7 @@ class Limits:
     tenant_tokens_per_minute: int = 1_000_000  # prompt + generated tokens, sliding minute
     max_ws_frame_bytes: int = 1 * MiB  # larger websocket frames close the socket with 1009
     max_body_bytes: int = 8 * MiB  # JSON bodies of the OpenAI routes
+    max_runners: int = 32  # POST /admin/runners refuses (409) to start more than this in all
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ log = logging.getLogger("punica_x.store")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER);
+    revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER,
+    weight REAL NOT NULL DEFAULT 1.0);
 CREATE TABLE IF NOT EXISTS api_keys (
     id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id),
     key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, created REAL NOT NULL,
@@ -45,6 +46,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, UNIQUE (tenant_id, name, version));
 """
+TENANT_COLUMNS = "id, name, created, revoked, max_concurrent, tokens_per_minute, weight"
 ADAPTER_COLUMNS = (
     "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
     "state, stored_dtype"
@@ -64,6 +66,7 @@ class Tenant:
     revoked: bool
     max_concurrent: int | None
     tokens_per_minute: int | None
+    weight: float = 1.0  # its share of the runners while tenants wait (scheduler/fairness.py)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,11 @@ class Store:
     def _migrate(self) -> None:
         """Databases from before adapter states had a `deleted` flag instead; those from
         before stored_dtype get the column, NULL in their rows (the API reports null: the
-        dtype is recorded when the upload is parsed, and old rows are not re-read)."""
+        dtype is recorded when the upload is parsed, and old rows are not re-read); tenants
+        from before fair share get weight 1."""
+        tenant_columns = {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}
+        if "weight" not in tenant_columns:
+            self._db.execute("ALTER TABLE tenants ADD COLUMN weight REAL NOT NULL DEFAULT 1.0")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(adapters)")}
         if "state" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN state TEXT NOT NULL DEFAULT 'live'")
@@ -168,14 +175,15 @@ class Store:
         prefix: str,
         max_concurrent: int | None,
         tokens_per_minute: int | None,
+        weight: float = 1.0,
     ) -> Tenant:
         now = time.time()
 
         def insert(db):
             cur = db.execute(
-                "INSERT INTO tenants (name, created, max_concurrent, tokens_per_minute) "
-                "VALUES (?, ?, ?, ?)",
-                (name, now, max_concurrent, tokens_per_minute),
+                "INSERT INTO tenants (name, created, max_concurrent, tokens_per_minute, weight) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (name, now, max_concurrent, tokens_per_minute, weight),
             )
             db.execute(
                 "INSERT INTO api_keys (tenant_id, key_hash, prefix, created) VALUES (?, ?, ?, ?)",
@@ -186,11 +194,16 @@ class Store:
         return self.tenant_by_name(name)
 
     def tenant_by_name(self, name: str) -> Tenant | None:
-        rows = self._rows("SELECT * FROM tenants WHERE name = ?", name)
+        rows = self._rows(f"SELECT {TENANT_COLUMNS} FROM tenants WHERE name = ?", name)
         return _tenant(rows[0]) if rows else None
 
     def tenants(self) -> list[Tenant]:
-        return [_tenant(r) for r in self._rows("SELECT * FROM tenants ORDER BY id")]
+        return [_tenant(r) for r in self._rows(f"SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id")]
+
+    def set_tenant_weight(self, tenant_id: int, weight: float) -> None:
+        self._transaction(
+            lambda db: db.execute("UPDATE tenants SET weight = ? WHERE id = ?", (weight, tenant_id))
+        )
 
     def revoke_tenant(self, tenant_id: int) -> None:
         def revoke(db):
@@ -201,12 +214,13 @@ class Store:
 
     def tenant_by_key_hash(self, key_hash: str) -> tuple[Tenant, str] | None:
         """(tenant, stored hash) of a live key, for a constant-time comparison by the caller."""
+        columns = ", ".join(f"t.{c.strip()}" for c in TENANT_COLUMNS.split(","))
         rows = self._rows(
-            "SELECT t.*, k.key_hash FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+            f"SELECT {columns}, k.key_hash FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
             "WHERE k.key_hash = ? AND k.revoked = 0 AND t.revoked = 0",
             key_hash,
         )
-        return (_tenant(rows[0][:6]), rows[0][6]) if rows else None
+        return (_tenant(rows[0][:-1]), rows[0][-1]) if rows else None
 
     # -- adapter files ----------------------------------------------------------------------
     def stage(self, files: dict[str, bytes]) -> Path:
@@ -361,7 +375,7 @@ class Store:
 
 
 def _tenant(row) -> Tenant:
-    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5])
+    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6])
 
 
 def _adapter(row) -> AdapterRecord:

@@ -1,27 +1,31 @@
 """WS /v1/chat/ws: streaming chat over a websocket, several turns per connection.
 
 The key is checked before the socket is accepted (Authorization header, or a `token` query
-parameter for browsers; it is never logged). Client frames:
-  {"type":"chat","model":...,"messages":[...],"max_tokens":...,"temperature":...}
+parameter for browsers; it is never logged). Client frames (frontend/openai/protocol.py):
+  {"type":"chat","model":...,"messages":[...],"max_tokens":...,"temperature":..., ...}
   {"type":"cancel"}
 Server frames: {"type":"token","text":...} as tokens are produced, then
-{"type":"done","finish_reason":...,"usage":{...}}; {"type":"error","code":...,"message":...}
-for a bad frame or a refused request (the connection stays usable). Frames larger than the
-configured cap close the socket with 1009; a disconnect aborts the running generation."""
+{"type":"done","finish_reason":...,"usage":{...}} (with "error" when the generation failed);
+{"type":"error","code":...,"message":...,"param":...} for a bad frame or a refused request
+(the connection stays usable). Frames larger than the configured cap close the socket with
+1009; a disconnect aborts the running generation."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
+from pydantic import TypeAdapter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from frontend.auth import Authenticator
 from frontend.errors import ApiError
 from frontend.manager import Caller, FrontendManager
+from frontend.openai.protocol import WsCancelFrame, WsChatFrame, WsFrame
+from frontend.request_body import parse_json, validate
 
 POLICY_VIOLATION = 1008
+FRAMES = TypeAdapter(WsFrame)
 
 
 async def ws_chat(websocket: WebSocket, manager: FrontendManager, auth: Authenticator) -> None:
@@ -48,71 +52,75 @@ class _Session:
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
                 return
-            raw = message.get("text")
-            if raw is None and message.get("bytes") is not None:
-                raw = message["bytes"].decode("utf-8", "replace")
             try:
-                frame = json.loads(raw or "")
-                if not isinstance(frame, dict):
-                    raise ValueError("a frame must be a JSON object")
-            except ValueError as exc:
-                await self.send_error("invalid_frame", f"could not read the frame: {exc}")
+                frame = read_frame(message)
+            except ApiError as exc:
+                await self.send_error(exc)
                 continue
-            kind = frame.get("type")
-            if kind == "chat":
-                if self.task is not None and not self.task.done():
-                    await self.send_error("busy", "a reply is still streaming; cancel it first")
-                else:
-                    self.task = asyncio.create_task(self.chat(frame))
-            elif kind == "cancel":
+            if isinstance(frame, WsCancelFrame):
                 if self.task is not None and not self.task.done():
                     self.task.cancel()
-            else:
+            elif self.task is not None and not self.task.done():
                 await self.send_error(
-                    "unknown_type", f"unknown frame type {kind!r} (chat or cancel)"
+                    ApiError(409, "busy", "a reply is still streaming; cancel it first")
                 )
+            else:
+                self.task = asyncio.create_task(self.chat(frame))
 
-    async def chat(self, frame: dict) -> None:
+    async def chat(self, frame: WsChatFrame) -> None:
         m = self.manager
-        stream = None
-        admitted = False
-        generated, reason, prompt = 0, "cancelled", []
+        streams: list = []
+        generated, reason, error, prompt = 0, "cancelled", None, []
         try:
-            adapter = m.resolve_model(self.caller, frame.get("model"))
-            prompt = m.encode_chat(frame.get("messages"))
-            sampling = m.sampling(frame, len(prompt))
-            m.admit(self.caller, stream=True)
-            admitted = True
-            stream = await m.open(self.caller, frame["model"], adapter, prompt, sampling)
-            async for out in stream:
+            adapter = m.resolve_model(self.caller, frame.model)
+            gen = await m.requests.chat(frame, adapter)
+            prompt = gen.choices[0].prompt
+            streams = await m.start(self.caller, gen)
+            async for out in streams[0]:
                 generated += len(out.new_token_ids)
                 if out.new_text:
                     await self.ws.send_json({"type": "token", "text": out.new_text})
                 if out.finished:
                     reason = out.finish_reason.value if out.finish_reason else "stop"
+                    error = out.error
         except ApiError as exc:
-            await self.send_error(exc.code, exc.message)
+            await self.send_error(exc)
             return
         except asyncio.CancelledError:
             pass  # {"type":"cancel"} or the socket closed
         finally:
-            if stream is not None:
-                await stream.aclose()
-            if admitted:
+            if streams:
+                await streams[0].aclose()
                 m.release(self.caller, stream=True)
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": generated,
             "total_tokens": len(prompt) + generated,
         }
+        done = {"type": "done", "finish_reason": reason, "usage": usage}
+        if error:
+            done["error"] = error
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-            await self.ws.send_json({"type": "done", "finish_reason": reason, "usage": usage})
+            await self.ws.send_json(done)
 
-    async def send_error(self, code: str, message: str) -> None:
+    async def send_error(self, exc: ApiError) -> None:
+        frame = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-            await self.ws.send_json({"type": "error", "code": code, "message": message})
+            await self.ws.send_json(frame)
 
     async def stop(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+
+
+def read_frame(message: dict) -> WsChatFrame | WsCancelFrame:
+    """A client frame, or ApiError (code invalid_frame, unknown_type or the field's)."""
+    raw = message.get("text")
+    if raw is None and message.get("bytes") is not None:
+        raw = message["bytes"].decode("utf-8", "replace")
+    try:
+        data = parse_json(raw or "")
+    except ApiError as exc:
+        raise ApiError(400, "invalid_frame", f"could not read the frame: {exc.message}") from None
+    return validate(FRAMES, data, strip_tag=True)

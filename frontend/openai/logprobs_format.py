@@ -8,11 +8,13 @@ its own bytes, or `bytes:\\xNN...` when they are part of a character (see TokenT
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
 from punica_x.core import TokenLogprob
 
+NO_CHANCE = -9999.0
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
 
 
@@ -68,6 +70,12 @@ def _byte_level_decoder() -> dict[str, int]:
     return table
 
 
+def finite(logprob: float) -> float:
+    """JSON has no -inf or NaN: a logprob that is not finite (a token the model gives no
+    chance, a NaN logit) is reported as vLLM does, -9999.0."""
+    return logprob if math.isfinite(logprob) else NO_CHANCE
+
+
 def completion_logprobs(
     text_of: TokenText,
     token_ids: Sequence[int],
@@ -81,9 +89,9 @@ def completion_logprobs(
         offset += len(piece)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob if e is not None else None for e in entries],
+        "token_logprobs": [finite(e.logprob) if e is not None else None for e in entries],
         "top_logprobs": [
-            {text_of(t): lp for t, lp in e.top} if e is not None else None for e in entries
+            {text_of(t): finite(lp) for t, lp in e.top} if e is not None else None for e in entries
         ],
         "text_offset": offsets,
     }
@@ -92,7 +100,7 @@ def completion_logprobs(
 def chat_logprobs(text_of: TokenText, entries: Sequence[TokenLogprob]) -> dict:
     def one(token_id: int, logprob: float) -> dict:
         raw = list(text_of.raw(token_id))
-        return {"token": text_of(token_id), "logprob": logprob, "bytes": raw}
+        return {"token": text_of(token_id), "logprob": finite(logprob), "bytes": raw}
 
     return {
         "content": [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frontend.logprobs_format import TokenText
+from frontend.openai.logprobs_format import TokenText
 
 
 def test_token_bytes_rebuild_the_text_and_partial_characters_are_named(srv_model_dir):

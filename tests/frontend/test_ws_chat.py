@@ -101,7 +101,8 @@ def test_bad_frames_get_errors_and_the_socket_stays_usable(server, key):
 
 
 def padded_chat(server, size: int) -> str:
-    """A chat frame of exactly `size` bytes (an ignored field pads it)."""
+    """A chat frame of exactly `size` bytes (JSON whitespace pads it: an unknown field would
+    be refused)."""
     frame = {
         "type": "chat",
         "model": server.model_id,
@@ -109,10 +110,9 @@ def padded_chat(server, size: int) -> str:
         "temperature": 0,
         "ignore_eos": True,
         "messages": [{"role": "user", "content": "hello"}],
-        "pad": "",
     }
-    frame["pad"] = "x" * (size - len(json.dumps(frame)))
     raw = json.dumps(frame)
+    raw = raw[:-1] + " " * (size - len(raw)) + "}"
     assert len(raw.encode()) == size
     return raw
 

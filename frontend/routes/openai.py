@@ -1,0 +1,49 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from frontend.openai import serving
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.routes.endpoint import Endpoint
+from frontend.state import ServerState
+
+
+def endpoints(state: ServerState) -> list[Endpoint]:
+    async def models(request: Request):
+        return serving.list_models(*state.caller(request))
+
+    async def completions(request: Request):
+        manager, who = state.caller(request)
+        return await serving.completions(manager, who, request, chat=False)
+
+    async def chat_completions(request: Request):
+        manager, who = state.caller(request)
+        return await serving.completions(manager, who, request, chat=True)
+
+    return [
+        Endpoint("/v1/models", ("GET",), models, "The base model and the caller's adapters"),
+        Endpoint(
+            "/v1/completions",
+            ("POST",),
+            completions,
+            "Text completions (OpenAI)",
+            body=CompletionRequest,
+            streams=True,
+            example={"model": "{model}", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+        ),
+        Endpoint(
+            "/v1/chat/completions",
+            ("POST",),
+            chat_completions,
+            "Chat completions (OpenAI)",
+            body=ChatCompletionRequest,
+            streams=True,
+            example={
+                "model": "{model}",
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 8,
+            },
+        ),
+    ]

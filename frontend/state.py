@@ -1,0 +1,140 @@
+"""The server's state: the store, auth, and the model loaded on a background thread, then the
+frontend manager once a runner can take work (`/ready`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.requests import HTTPConnection
+
+from frontend.auth import Authenticator, ensure_admin_token
+from frontend.config import ServerConfig
+from frontend.errors import ApiError
+from frontend.manager import Caller, FrontendManager
+from frontend.recovery import recover
+from frontend.store import Store
+from scheduler.cluster import Scheduler
+from scheduler.local import LocalRunner
+
+log = logging.getLogger("punica_x.server")
+GC_INTERVAL = 5.0
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = Store(config.data_dir)
+        recover(self.store)  # before anything is served: finish or undo what a kill cut short
+        token, self.admin_token_path, self.admin_token_created = ensure_admin_token(config.data_dir)
+        self.auth = Authenticator(self.store, token)
+        self.manager: FrontendManager | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+        if config.runner_backend == "ray":
+            # here, on the main thread: Ray's head processes die with the thread that
+            # started them (PR_SET_PDEATHSIG), and the loader thread below ends
+            from scheduler.ray_runner import ensure_ray
+
+            ensure_ray(config.ray_address)
+
+    def load(self) -> None:
+        """Load the model and start the runner (runs on a background thread)."""
+        try:
+            self.scheduler = build_scheduler(self.config)
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def require_manager(self) -> FrontendManager:
+        if self.manager is None:
+            detail = f" ({self.load_error})" if self.load_error else " (the model is loading)"
+            raise ApiError(503, "not_ready", "the server is not ready" + detail, retry_after=5)
+        return self.manager
+
+    def caller(self, conn: HTTPConnection) -> tuple[FrontendManager, Caller]:
+        """The manager and the tenant calling (503 until ready, 401 without a valid key)."""
+        manager = self.require_manager()
+        tenant, key_hash = self.auth.tenant(conn)
+        return manager, Caller(tenant, key_hash)
+
+    def admin(self, conn: HTTPConnection) -> FrontendManager:
+        """The manager, for a caller holding the admin token (401 otherwise)."""
+        self.auth.admin(conn)
+        return self.require_manager()
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.requests.close()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    def start_loading(self) -> asyncio.Task:
+        """Load the model on a thread; the task serves once it is loaded (cancel to stop)."""
+        loader = threading.Thread(target=self.load, name="punica-x-load", daemon=True)
+        loader.start()
+        return asyncio.create_task(_when_loaded(self, loader))
+
+
+def build_scheduler(config: ServerConfig) -> Scheduler:
+    """config.runners runners of config.runner_backend, and a factory for more (scale up).
+    thread: in this process, sharing the backbone's weights; ray: one Ray actor each."""
+    engine, n = config.engine, config.runners
+    if config.autoscale:
+        from scheduler.autoscale import AutoscaleConfig
+
+        n = max(n, AutoscaleConfig.parse(config.autoscale).min_runners)
+    if config.runner_backend == "ray":
+        from punica_x.models.loader import describe_model
+        from scheduler.ray_runner import RayRunner, ensure_ray
+
+        meta = describe_model(engine.model)  # the tokenizer here; weights only in the actors
+        ensure_ray(config.ray_address)
+
+        def ray_factory(runner_id: str) -> RayRunner:
+            return RayRunner(engine, runner_id, config.ray_address)
+
+        with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
+            runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
+        return Scheduler(
+            runners,
+            ray_factory,
+            config.idle_after_s,
+            tokenizer=meta.tokenizer,
+            distkv=config.distkv,
+        )
+    first = LocalRunner(engine, "runner-0")
+    shared = first.engine.loaded
+
+    def factory(runner_id: str) -> LocalRunner:
+        return LocalRunner(engine, runner_id, shared=shared)
+
+    runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
+    return Scheduler(runners, factory, config.idle_after_s, distkv=config.distkv)
+
+
+async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:
+    while loader.is_alive():
+        await asyncio.sleep(0.1)
+    if state.scheduler is None:
+        return
+    manager = FrontendManager(state.config, state.scheduler, state.store)
+    await manager.restore_adapters()
+    state.manager = manager
+    log.info("ready: serving %s", manager.model_id)
+    scaler = None
+    if state.config.autoscale:
+        from scheduler.autoscale import AutoscaleConfig, Autoscaler
+
+        config = AutoscaleConfig.parse(state.config.autoscale)
+        scaler = asyncio.create_task(Autoscaler(state.scheduler, config).run())
+        log.info("autoscaling between %d and %d runners", config.min_runners, config.max_runners)
+    try:
+        while True:
+            await asyncio.sleep(GC_INTERVAL)
+            manager.collect_garbage()
+    finally:
+        if scaler is not None:
+            scaler.cancel()
