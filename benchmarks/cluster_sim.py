@@ -51,6 +51,7 @@ from punica_x.kv.swap import SwapPool
 from punica_x.step_time import StepTimeModel
 from punica_x.workloads import output_lengths, poisson_arrivals, zipf_sampler
 from scheduler import placement
+from scheduler.fairness import FairQueue
 
 # A block holds no data here: 1 layer, 1 head, 1 dim (the batcher only counts blocks).
 EMPTY_SPEC = KVCacheSpec(1, 1, 1, 16, torch.float32)
@@ -124,6 +125,8 @@ class Job:
     finish: float | None = None
     moves: int = 0
     runner: str | None = None  # the last runner that took it
+    tenant: str = ""
+    first_token: float | None = None  # when its first token came (the fairness experiment)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
@@ -255,6 +258,7 @@ class SimRunner:
         """The step's effect on its requests (as Engine._postprocess), then the next step."""
         jobs, block = self.jobs, EMPTY_SPEC.block_size
         sampled = 0
+        on_token = self.sim.on_token
         for r, new in scheduled:
             job = jobs.get(r.request_id)
             if job is None:
@@ -266,6 +270,8 @@ class SimRunner:
                 continue  # a prefill chunk
             out.append(0)
             sampled += 1
+            if on_token is not None:
+                on_token(job)
             if length - job.prompt_len + 1 >= job.max_tokens:
                 self._finish(job)
             elif (length + 1) % block == 0:
@@ -300,6 +306,7 @@ class Sim:
     queue: list[Job] = field(default_factory=list)
     done: list[Job] = field(default_factory=list)
     moves: int = 0
+    on_token: object = None  # called with the job of every sampled token (None: no call)
     ticks: int = 0
     tick_violations: int = 0  # autoscaler ticks after which more runners hold work than bound()
 
@@ -407,10 +414,103 @@ class Sim:
 _ids = itertools.count()
 
 
-def make_job(t: float, prompt_len: int, out_len: int, adapter: int) -> Job:
+def make_job(t: float, prompt_len: int, out_len: int, adapter: int, tenant: str = "") -> Job:
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
     r = Request(prompt_token_ids=[0] * prompt_len, sampling=sp, request_id=f"j{next(_ids)}")
-    return Job(r, adapter, t)
+    return Job(r, adapter, t, tenant=tenant)
+
+
+# -- fair share between tenants ---------------------------------------------------------------
+@dataclass
+class FairSim(Sim):
+    """A Sim whose scheduler queue is the live fair-share policy (scheduler/fairness.py
+    FairQueue: VTC order across tenants, a slot taken back from a tenant above its share, the
+    moved request recomputing later), with one fixed pool of runners (no autoscaling)."""
+
+    fair: FairQueue = field(default_factory=FairQueue)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.on_token = self._served
+
+    def _served(self, job: Job) -> None:
+        if job.first_token is None:
+            job.first_token = self.t
+        self.fair.charge(job.tenant, output_tokens=1)
+
+    def arrive(self, job: Job) -> None:
+        self.fair.push(job.tenant, job)
+        self._kick()
+
+    def finished(self, runner: SimRunner, job: Job) -> None:
+        self.done.append(job)
+        self._kick()
+
+    def _kick(self) -> None:
+        running = collections.Counter(j.tenant for r in self.pool for j in r.jobs.values())
+        self.fair.set_running(running)
+        while (head := self.fair.peek()) is not None:
+            tenant, job = head
+            if not self._place(job):
+                self._rebalance()
+                return
+            self.fair.pop(tenant)
+            self._started(job)
+
+    def _started(self, job: Job) -> None:
+        self.fair.started(job.tenant)
+        if job.moves == 0 or job.first_token is None:
+            self.fair.charge(job.tenant, prompt_tokens=job.prompt_len)
+
+    def _rebalance(self) -> None:
+        """As the scheduler's: each move sends the giver's newest request back to the queue
+        (it recomputes later) and opens the taker's oldest waiting one in its place."""
+        slots = sum(r.max_working_set or self.cost.max_batch_size for r in self.pool)
+        for move in self.fair.rebalance(slots):
+            held = [(j, r) for r in self.pool for j in r.jobs.values() if j.tenant == move.giver]
+            job, runner = max(held, key=lambda x: x[0].arrival)
+            runner.take(job)
+            job.moves += 1
+            self.moves += 1
+            self.fair.push(job.tenant, job, front=True)
+            taker = self.fair.pop(move.taker)
+            runner.add(taker)
+            self._started(taker)
+
+
+def fairness(args, cost: StepCost) -> list[dict]:
+    """One runner: tenant A floods it (args.flood requests at t=0), tenant B sends
+    args.light requests at t=5 s; B's median time to first token against B alone, with the
+    scheduler's queue FCFS (Sim) and fair (FairSim). Every job is --output-median tokens."""
+    out_len = cost.output_median * 2
+
+    def run(kind, flood: bool) -> dict:
+        sim = kind(cost, "fcfs", runners=1)
+        if flood:
+            for _ in range(args.flood):
+                sim.arrive(make_job(0.0, 32, out_len, 0, "a"))
+        light = [make_job(5.0, 32, out_len, 1, "b") for _ in range(args.light)]
+        sim.on_token = sim.on_token or (lambda j: setattr(j, "first_token", j.first_token or sim.t))
+        for job in light:
+            sim.at(5.0, lambda job=job: sim.arrive(job))
+        sim.run_until(1e6)
+        ttft = statistics.median(j.first_token - j.arrival for j in light)
+        return {"ttft": ttft, "moves": sim.moves, "done": len(sim.done)}
+
+    rows = []
+    for name, kind in (("fcfs", Sim), ("fair share (VTC)", FairSim)):
+        alone, flood = run(kind, False), run(kind, True)
+        rows.append(
+            {
+                "queue": name,
+                "b_ttft_alone_s": round(alone["ttft"], 3),
+                "b_ttft_flood_s": round(flood["ttft"], 3),
+                "ratio": round(flood["ttft"] / alone["ttft"], 2),
+                "moves": flood["moves"],
+                "finished": flood["done"],
+            }
+        )
+    return rows
 
 
 def rising_then_falling(t: float, duration: float, peak: float) -> float:
@@ -535,7 +635,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--experiment", default="all", choices=["punica", "fastserve", "all"])
+    ap.add_argument(
+        "--experiment", default="all", choices=["punica", "fastserve", "fairness", "all"]
+    )
     ap.add_argument("--profile", default="a100", choices=sorted(PROFILES))
     ap.add_argument("--runners", type=int, default=16)
     ap.add_argument("--duration", type=float, default=3600.0, help="simulated seconds")
@@ -554,6 +656,8 @@ def main() -> None:
         "--output-sigma", type=float, default=1.2, help="fastserve: log-normal sigma of outputs"
     )
     ap.add_argument("--output-max", type=int, default=512, help="fastserve: longest output")
+    ap.add_argument("--flood", type=int, default=160, help="fairness: tenant A's requests")
+    ap.add_argument("--light", type=int, default=6, help="fairness: tenant B's requests")
     args = ap.parse_args()
     print(describe_machine() + " (simulation: wall time only)", flush=True)
     cost = PROFILES[args.profile]
@@ -570,6 +674,10 @@ def main() -> None:
         out["fastserve"] = rows
         print_table(rows, list(rows[0]), f"FCFS vs MLFQ, one runner, {cost.name}")
         plot_fastserve(rows, cost, f"cluster_sim_fastserve_{args.profile}{variant(args)}")
+    if args.experiment in ("fairness", "all"):
+        rows = fairness(args, cost)
+        out["fairness"] = rows
+        print_table(rows, list(rows[0]), f"B's first token in A's flood, one runner, {cost.name}")
     if args.experiment in ("punica", "all"):
         res = pending.result() if pending else punica(args, cost)
         out["punica"] = res

@@ -152,6 +152,7 @@ class Engine:
         # the requests the current (or last) step runs: the ones to suspect when it raises
         self.scheduled_ids: tuple[str, ...] = ()
         self.peer_losses = 0
+        self.num_aborts = 0  # requests aborted here (a client left, a cancel)
 
     def enable_distkv(
         self,
@@ -337,6 +338,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
+        self.num_aborts += 1
         out = self._finish(req, FinishReason.ABORT, new_ids=[], new_text="")
         self._emit(req, out)
         return out

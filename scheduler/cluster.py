@@ -63,9 +63,11 @@ from scheduler.placement import (
     blocks_for,
     drain_choice,
     fits_alone,
+    has_room,
     place,
     place_distributed,
 )
+from scheduler.waiting import TenantRow, WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,10 @@ class Scheduler:
     runners always overlap (their own processes). distkv_transport: Ray runners' data plane,
     "socket" (scheduler/kv_channel.py) or "ray" (actor calls, slower; for comparison).
     restart: how a dead runner is replaced through the factory (RestartPolicy); None, or no
-    factory, leaves dead runners dead. `restarts` counts the replacements that took work."""
+    factory, leaves dead runners dead. `restarts` counts the replacements that took work.
+    fair_share: requests waiting here are served across tenants by their virtual token
+    counters, and a tenant below its share of the batch slots takes one from the tenant
+    furthest above its share (scheduler/fairness.py); False: first come, first served."""
 
     def __init__(
         self,
@@ -208,6 +213,7 @@ class Scheduler:
         distkv_overlap: bool = False,
         distkv_transport: str = "socket",
         restart: RestartPolicy | None = RestartPolicy(),
+        fair_share: bool = True,
     ) -> None:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
@@ -227,7 +233,8 @@ class Scheduler:
             slot = RunnerSlot(r.runner_id, next(self._index), r.backend, r, state=ACTIVE)
             slot.where = _where(r)
             self.slots.append(slot)
-        self._queue: collections.deque[ClusterStream] = collections.deque()
+        self._queue = WaitingQueue(fair_share)
+        self._arrivals = itertools.count()  # the order requests arrived in (newest: largest)
         self._adapters: dict[str, tuple[Path, str | None]] = {}
         # the scheduler's adapter versions -> each runner's own version of the same files
         self._versions: dict[int, dict[str, int]] = {}
@@ -236,7 +243,7 @@ class Scheduler:
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter(
             {
                 (reason, mode): 0
-                for reason in ("kv_pressure", "drain", "failure")
+                for reason in ("kv_pressure", "drain", "failure", "fair_share")
                 for mode in (RECOMPUTE, COPY)
                 if not (reason == "failure" and mode == COPY)
             }
@@ -325,29 +332,53 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
     async def open(
-        self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> ClusterStream:
         """Place a request (or queue it here when no runner has room, or while the only
         runners are starting: a dead one being replaced) and return its output stream;
         refusals (ValueError, UnknownAdapterError) raise here, NoRunner when no runner is
-        active or starting. Closing the stream aborts the request."""
+        active or starting. Closing the stream aborts the request. tenant, weight: whose
+        request it is and that tenant's weight, for fair share."""
         if not self.accepting():
             raise NoRunner("no runner is active")
         if (self.kv_network is not None or self.kv_ray is not None) and not self._dgfm_started:
             self._dgfm_started = True
             self._spawn(self._dgfm_loop())
         self._validate(prompt, sampling, adapter)
-        stream = ClusterStream(self, list(prompt), sampling, adapter, request_id)
-        if self._queue:  # first come, first served: nobody overtakes a waiting request
-            self._queue.append(stream)
+        stream = ClusterStream(self, list(prompt), sampling, adapter, request_id, tenant)
+        stream.arrival = next(self._arrivals)
+        self._queue.set_weight(tenant, weight)
+        if self._queue:  # requests wait: the fair order decides who goes next
+            self._queue.push(stream)
             self._kick()
         else:
             target = self._place(stream)
             if target is None:
-                self._queue.append(stream)
+                self._queue.push(stream)
+                self._kick()  # a tenant below its share may take a slot
             else:
                 await self._attach(stream, target, initial=True)
         return stream
+
+    @property
+    def fair_share(self) -> bool:
+        return self._queue.fair_share
+
+    def admits(self, tenant: str, max_queue: int) -> bool:
+        """Whether a request of `tenant` may wait here: the queue (max_queue) is shared
+        fairly (scheduler/fairness.py FairQueue.admits)."""
+        return self._queue.admits(tenant, max_queue)
+
+    def tenant_rows(self) -> list[TenantRow]:
+        """Each tenant's fair-share state (counters, waiting, running), for /metrics."""
+        self._queue.sync_running(self._placed())
+        return self._queue.rows()
 
     def _validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals a runner would raise; with no runner active, against the last
@@ -417,7 +448,7 @@ class Scheduler:
             if initial:
                 target = self._place(stream)
                 if target is None:
-                    self._queue.append(stream)
+                    self._queue.push(stream)
                     return
                 return await self._attach(stream, target, initial=True)
             return self._requeue(stream)
@@ -435,6 +466,9 @@ class Scheduler:
             self._kick()
             return
         stream.inner = inner
+        if stream.queue_wait is None:  # its first placement: the prompt is served now
+            stream.queue_wait = time.monotonic() - stream.created
+            self._queue.served(stream, prompt_tokens=len(stream.prompt))
         if stream.resume is not None and stream.resume.kv is not None:
             stream.resume = dataclasses.replace(stream.resume, kv=None)  # imported: let it go
         stream.placed.set()
@@ -449,30 +483,116 @@ class Scheduler:
             return
         target = self._place(stream)
         if target is None:
-            self._queue.appendleft(stream)
+            self._queue.push(stream, front=True)
         else:
             self._spawn(self._attach(stream, target))
 
     def _kick(self) -> None:
-        """Place waiting requests, oldest first, while runners have room. A suspect that only
-        waits for a runner without another suspect keeps its place but lets later requests
-        by."""
+        """Place waiting requests while runners have room, in the fair order (the least
+        served tenant's oldest first; with fair share off, the oldest). A suspect that only
+        waits for a runner without another suspect keeps its place but lets others by. When
+        the next request finds no room, a tenant below its share may take a slot."""
         held: list[ClusterStream] = []
-        while self._queue:
-            stream = self._queue[0]
+        self._queue.sync_running(self._placed())
+        while (stream := self._queue.peek()) is not None:
             if stream.closed:
-                self._queue.popleft()
+                self._queue.pop(stream)
                 continue
             target = self._place(stream)
             if target is None:
                 if stream.suspect and self._place(stream, isolate=False) is not None:
-                    held.append(self._queue.popleft())
+                    self._queue.pop(stream)
+                    held.append(stream)
                     continue
+                self._rebalance()
                 break
-            self._queue.popleft()
+            self._queue.pop(stream)
             target.streams[stream.request_id] = stream  # count it before the open completes
+            self._queue.fair.started(self._queue.key(stream))
             self._spawn(self._attach(stream, target))
-        self._queue.extendleft(reversed(held))
+        for stream in reversed(held):
+            self._queue.push(stream, front=True)
+
+    def _served(self, stream: ClusterStream, tokens: int) -> None:
+        """`stream` received `tokens` new tokens: its tenant's counter grows."""
+        self._queue.served(stream, output_tokens=tokens)
+
+    def _placed(self) -> list[ClusterStream]:
+        """Requests on live runners, less those giving their slot up (fair share)."""
+        return [
+            st
+            for s in self.slots
+            if s.state != "dead"
+            for st in s.streams.values()
+            if not st.yielding
+        ]
+
+    def _rebalance(self) -> None:
+        """Requests wait and no runner has room: while a tenant below its share of the batch
+        slots waits and another holds more than its share, that tenant's newest request
+        moves back to the queue (migration: its KV copied or recomputed) and the waiting one
+        takes its slot (scheduler/fairness.py FairQueue.rebalance). Requests giving their
+        slot up no longer count as running, so rounds may overlap."""
+        snaps = [s for s in self.snapshots() if s.state == ACTIVE]
+        moves = self._queue.rebalance(sum(s.max_working_set or s.max_batch_size for s in snaps))
+        chosen: set[str] = set()
+        takers: dict[str, list[ClusterStream]] = {}
+        for move in moves:
+            waiting = takers.setdefault(move.taker, self._queue.waiting_of(move.taker))
+            if not waiting:
+                continue
+            victim = self._victim(move.giver, waiting[0], chosen)
+            if victim is None:
+                continue
+            chosen.add(victim.request_id)
+            taker = waiting.pop(0)
+            self._queue.remove(taker)
+            victim.slot.streams[taker.request_id] = taker  # its slot, held for the taker
+            victim.yielding = True
+            self._spawn(self._yield_slot(victim, taker, victim.slot))
+
+    def _victim(self, tenant: str, taker: ClusterStream, chosen: set[str]) -> ClusterStream | None:
+        """The newest running request of `tenant` (not already chosen) whose runner, without
+        it, has room for `taker`."""
+        candidates = [
+            st
+            for s in self._active()
+            for st in s.streams.values()
+            if self._queue.key(st) == tenant
+            and st.inner is not None
+            and st.request_id not in chosen
+            and not (st.moving or st.closed or st.suspect or st.yielding)
+        ]
+        for st in sorted(candidates, key=lambda st: st.arrival, reverse=True):
+            snap = st.slot.snapshot()
+            # without it, and without those already giving their slots up there
+            leaving = [st, *(o for o in st.slot.streams.values() if o.yielding)]
+            freed = sum(
+                min(blocks_for(o.num_tokens, snap.block_size), snap.kv_blocks_total)
+                for o in leaving
+            )
+            after = dataclasses.replace(
+                snap,
+                working_set=snap.working_set - len(leaving),
+                kv_blocks_committed=snap.kv_blocks_committed - freed,
+            )
+            if has_room(after, taker.demand()):
+                return st
+        return None
+
+    async def _yield_slot(
+        self, victim: ClusterStream, taker: ClusterStream, slot: RunnerSlot
+    ) -> None:
+        """Move `victim` back to the queue and open `taker` in its slot (held for it). Both
+        are sent at once: on a thread runner the take and the open run between the same
+        two steps (the batcher holds the taker until the victim is gone)."""
+        try:
+            await asyncio.gather(
+                self.migrate(victim, "fair_share", requeue=True), self._attach(taker, slot)
+            )
+        finally:
+            victim.yielding = False
+            self._kick()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -486,8 +606,7 @@ class Scheduler:
             if not stream.slot.streams:
                 stream.slot.idle_since = time.monotonic()
             stream.slot = None
-        with contextlib.suppress(ValueError):
-            self._queue.remove(stream)
+        self._queue.remove(stream)
         self._kick()
 
     # -- migration ----------------------------------------------------------------------------
@@ -514,11 +633,13 @@ class Scheduler:
         reason: str,
         target: RunnerSlot | None = None,
         mode: str | None = None,
+        requeue: bool = False,
     ) -> bool:
         """Move a request off its runner: take it there (its outputs so far stay ahead of the
         move in its stream), then place it elsewhere (target, if it still has room) or queue
-        it. mode: RECOMPUTE or COPY (its KV goes along); None lets the cost model choose
-        (scheduler/migration.py). False if it finished or left first."""
+        it (requeue: always queue it, first of its tenant). mode: RECOMPUTE or COPY (its KV
+        goes along); None lets the cost model choose (scheduler/migration.py). False if it
+        finished or left first."""
         source = stream.slot
         if source is None or stream.closed or stream.moving or stream.inner is None:
             return False
@@ -549,6 +670,9 @@ class Scheduler:
                 mode,
                 stream.num_tokens,
             )
+            if requeue:
+                self._queue.push(stream, front=True)
+                return True
             exclude = frozenset({source.runner_id})
             if target is not None and target.state == ACTIVE:
                 snaps = [target.snapshot()]
@@ -615,8 +739,8 @@ class Scheduler:
         """No runner is active or starting: nothing will ever take the waiting requests."""
         if not self._active() and not self._starting():
             message = self._no_runner_message()
-            while self._queue:
-                self._queue.popleft().fail(message)
+            for stream in self._queue.clear():
+                stream.fail(message)
 
     # -- replacing dead runners ---------------------------------------------------------------
     def _can_replace(self) -> bool:
@@ -927,15 +1051,21 @@ class ClusterStream:
         sampling: SamplingParams,
         adapter: str | None,
         request_id: str,
+        tenant: str = "",
     ) -> None:
         self.scheduler = scheduler
         self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
         self.request_id = request_id
+        self.tenant = tenant  # whose request (fair share)
+        self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
+        self.created = time.monotonic()
+        self.queue_wait: float | None = None  # seconds until it was first placed
         self.slot: RunnerSlot | None = None
         self.inner: RequestStream | None = None
         self.placed = asyncio.Event()
         self.resume: Resume | None = None
         self.moving = False
+        self.yielding = False  # giving its slot to another tenant's request (fair share)
         self.closed = False
         self.failures = 0  # runners that died under it
         # failed steps it was in since its last token (QUARANTINE_STEPS of them end it)
@@ -1036,6 +1166,8 @@ class ClusterStream:
     def _deliver(self, out: RequestOutput) -> RequestOutput:
         self._last = out
         self._emitted_chars += len(out.new_text)
+        if out.new_token_ids:
+            self.scheduler._served(self, len(out.new_token_ids))
         if out.finished:
             self._finish()
         elif self.suspect and out.new_token_ids:  # it got past the step that failed

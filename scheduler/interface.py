@@ -21,6 +21,7 @@ class RunnerStats:
     adapter_evictions: int
     adapter_device_bytes: int
     preemptions: int
+    aborts: int = 0  # requests aborted in the engine (a client left, a cancel)
     # MLFQ (zeros under FCFS): running requests paused for higher-priority ones, and their
     # KV swapped to the host pool and back (requests, bytes)
     pauses: int = 0

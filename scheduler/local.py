@@ -34,6 +34,7 @@ def engine_stats(e: Engine) -> RunnerStats:
         adapter_evictions=pool.evictions,
         adapter_device_bytes=pool.device_bytes_used,
         preemptions=e.batcher.num_preemptions,
+        aborts=e.num_aborts,
         pauses=e.batcher.num_pauses,
         **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
         **_distkv_gauges(e),
