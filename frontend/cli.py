@@ -35,21 +35,16 @@ def serve(args) -> int:
     import uvicorn
 
     from frontend.app import create_app
-    from frontend.config import Limits, ServerConfig
+    from frontend.config import ServerConfig
     from frontend.store import StoreError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine = engine_config(args)
-    limits = Limits()
-    for item in args.limit or []:
-        name, _, value = item.partition("=")
-        if name not in Limits.__dataclass_fields__ or not value.isdigit():
-            fields = sorted(Limits.__dataclass_fields__)
-            print(f"--limit wants NAME=INTEGER, NAME one of {fields}", file=sys.stderr)
-            return 2
-        limits = replace(limits, **{name: int(value)})
+    limits = parse_limits(args.limit or [])
+    if limits is None:
+        return 2
     if args.runner_backend is None:
         args.runner_backend = "ray" if args.ray_address else "thread"
     if args.ray_address and args.runner_backend != "ray":
@@ -67,6 +62,8 @@ def serve(args) -> int:
             ray_address=args.ray_address,
             autoscale=args.autoscale,
             distkv=not args.no_distkv,
+            fair_share=not args.no_fair_share,
+            restart_runners=not args.no_runner_restart,
         )
     except ValueError as exc:
         print(f"punica-x: {exc}", file=sys.stderr)
@@ -76,16 +73,7 @@ def serve(args) -> int:
     except StoreError as exc:
         print(f"punica-x: cannot start: {exc}", file=sys.stderr)
         return 1
-    state = app.state.server
-    url = f"http://{args.host}:{args.port}/"
-    print(f"punica-x: web chat at {url}", flush=True)
-    note = "created" if state.admin_token_created else "stored"
-    print(f"punica-x: admin token {note} in {state.admin_token_path} (mode 0600)", flush=True)
-    print(
-        f"punica-x: create a tenant with: punica-x admin tenant create NAME --url {url} "
-        f"--data-dir {args.data_dir}",
-        flush=True,
-    )
+    _greet(app.state.server, args)
     uvicorn.run(
         app,
         host=args.host,
@@ -95,6 +83,33 @@ def serve(args) -> int:
         ws_max_size=config.limits.max_ws_frame_bytes,
     )
     return 0
+
+
+def _greet(state, args) -> None:
+    url = f"http://{args.host}:{args.port}/"
+    print(f"punica-x: web chat at {url}", flush=True)
+    note = "created" if state.admin_token_created else "stored"
+    print(f"punica-x: admin token {note} in {state.admin_token_path} (mode 0600)", flush=True)
+    print(
+        f"punica-x: create a tenant with: punica-x admin tenant create NAME --url {url} "
+        f"--data-dir {args.data_dir}",
+        flush=True,
+    )
+
+
+def parse_limits(items: list[str]):
+    """Limits with `--limit NAME=N` overrides, or None (the reason printed) if one is bad."""
+    from frontend.config import Limits
+
+    limits = Limits()
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in Limits.__dataclass_fields__ or not value.isdigit():
+            fields = sorted(Limits.__dataclass_fields__)
+            print(f"--limit wants NAME=INTEGER, NAME one of {fields}", file=sys.stderr)
+            return None
+        limits = replace(limits, **{name: int(value)})
+    return limits
 
 
 def engine_config(args):
@@ -265,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="build the kernels and convert the model (punica-x prepare -h)")
+    _serve_parser(sub)
+    _admin_parser(sub)
+    return parser
+
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run the HTTP server (REST, OpenAI API, web chat)")
     s.add_argument(
         "--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)"
@@ -301,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=N",
         help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
     )
+    _cluster_args(s)
+
+
+def _cluster_args(s) -> None:
+    """serve's options about the runners: how many, which backend, what they share."""
     s.add_argument(
         "--runners", type=int, default=1, help="runners to start (admin scale changes it; 1)"
     )
@@ -324,10 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
         "thread runners lend each other KV blocks for it)",
     )
     s.add_argument(
+        "--no-fair-share",
+        action="store_true",
+        help="serve waiting requests first come, first served (by default tenants share the "
+        "runners by weighted service: scheduler/fairness.py)",
+    )
+    s.add_argument(
+        "--no-runner-restart",
+        action="store_true",
+        help="leave a dead runner dead (by default it is replaced, with backoff)",
+    )
+    s.add_argument(
         "--ray-address",
         default=None,
         help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting a local Ray",
     )
+
+
+def _admin_parser(sub) -> None:
     a = sub.add_parser("admin", help="administer a running server")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
@@ -363,7 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
     pick = down.add_mutually_exclusive_group()
     pick.add_argument("--runner", default=None, help="the runner to drain (id)")
     pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")
-    return parser
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class ServerConfig:
     idle_after_s: float = 60.0  # a runner idle this long (others with room) is advised away
     # DistKV: a prompt too long for one runner borrows KV blocks on the others (thread runners)
     distkv: bool = True
+    # tenants share the runners by weighted service while requests wait (scheduler/fairness.py)
+    fair_share: bool = True
+    restart_runners: bool = True  # a dead runner is replaced (scheduler RestartPolicy)
 
     def __post_init__(self) -> None:
         if self.runners < 1:

@@ -18,6 +18,10 @@ _TYPES = {
 }
 
 
+def _default_type(status: int) -> str:
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
 class ApiError(Exception):
     def __init__(
         self,
@@ -35,7 +39,7 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, "server_error"),
+                "type": _TYPES.get(self.status, _default_type(self.status)),
                 "param": self.param,
                 "code": self.code,
             }

@@ -33,6 +33,7 @@ from punica_x.errors import ContextTooLong, InvalidRequest
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
 from scheduler.cluster import NoRunner, Scheduler
+from scheduler.fairness import QUEUE_OVERFLOW
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class FrontendManager:
             scheduler.runners,
             lambda: scheduler.migrations,
             lambda: scheduler.restarts,
+            scheduler.tenant_rows,
         )
         self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
         self._versions: dict[int, int] = {}  # store adapter id -> runner version
@@ -164,35 +166,7 @@ class FrontendManager:
         tenant = caller.tenant
         key = _key(tenant.id, name)
         async with self._lock(key):
-            staging = await _storage(asyncio.to_thread(self.store.stage, files))
-            try:
-                info = self.scheduler.info
-                # Every runner check, before anything reaches a runner (and off the event loop).
-                parsed = await asyncio.to_thread(
-                    load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
-                )
-                size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))
-                pending = await _storage(
-                    asyncio.to_thread(
-                        self.store.reserve_adapter,
-                        tenant.id,
-                        name,
-                        parsed.rank,
-                        parsed.target_modules,
-                        parsed.sha256,
-                        size,
-                        parsed.stored_dtype,
-                    )
-                )
-                try:
-                    await _storage(asyncio.to_thread(self.store.install, staging, pending))
-                except BaseException:
-                    await asyncio.to_thread(self._abort, pending)
-                    raise
-            except AdapterError as exc:
-                raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
-            finally:
-                await asyncio.to_thread(self.store.remove_files, staging)
+            pending = await self._install(tenant, name, files)
             previous = self.store.current_adapter(tenant.id, name)
             try:
                 runner_info = await self.scheduler.register_adapter(
@@ -217,6 +191,39 @@ class FrontendManager:
         for old in replaced:
             self._retire(old)
         return record
+
+    async def _install(self, tenant: Tenant, name: str, files: dict[str, bytes]) -> AdapterRecord:
+        """Stage the files, run every runner check on them (off the event loop), reserve the
+        version (a `pending` row) and move the files into its directory."""
+        staging = await _storage(asyncio.to_thread(self.store.stage, files))
+        try:
+            info = self.scheduler.info
+            parsed = await asyncio.to_thread(
+                load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
+            )
+            size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))
+            pending = await _storage(
+                asyncio.to_thread(
+                    self.store.reserve_adapter,
+                    tenant.id,
+                    name,
+                    parsed.rank,
+                    parsed.target_modules,
+                    parsed.sha256,
+                    size,
+                    parsed.stored_dtype,
+                )
+            )
+            try:
+                await _storage(asyncio.to_thread(self.store.install, staging, pending))
+            except BaseException:
+                await asyncio.to_thread(self._abort, pending)
+                raise
+        except AdapterError as exc:
+            raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
+        finally:
+            await asyncio.to_thread(self.store.remove_files, staging)
+        return pending
 
     def _lock(self, key: str) -> asyncio.Lock:
         """Uploads and deletes of one adapter name run one at a time, so the runners and the
@@ -291,16 +298,29 @@ class FrontendManager:
         return _key(caller.tenant.id, model)
 
     # -- generation ---------------------------------------------------------------------------
-    def check_capacity(self) -> None:
+    def check_capacity(self, tenant: Tenant) -> None:
+        """503 while no runner can take work. When the queue (max_queue) is full, 429 for a
+        tenant holding its share of it (the others may still queue, up to QUEUE_OVERFLOW
+        times max_queue in all: beyond, or without fair share, 503 for everyone)."""
         if not self.scheduler.accepting():  # a runner is active, or one is being replaced
             raise ApiError(503, "not_ready", "no runner can take work", retry_after=5)
-        if self.scheduler.stats().waiting >= self.limits.max_queue:
+        max_queue = self.limits.max_queue
+        if self.scheduler.admits(tenant.name, max_queue):
+            return
+        if not self.scheduler.fair_share or self.scheduler.queued >= QUEUE_OVERFLOW * max_queue:
             raise ApiError(
                 503, "overloaded", "the server is at capacity; retry shortly", retry_after=1
             )
+        raise ApiError(
+            429,
+            "queue_share_exceeded",
+            f"the queue of {max_queue} requests is full and tenant {tenant.name!r} holds its "
+            "share of it; retry shortly",
+            retry_after=1,
+        )
 
     def admit(self, caller: Caller, stream: bool) -> None:
-        self.check_capacity()
+        self.check_capacity(caller.tenant)
         self.admission.admit(caller.tenant, caller.key_hash, stream)
 
     async def start(self, caller: Caller, gen: GenerationRequest) -> list[AsyncIterator]:
@@ -336,7 +356,14 @@ class FrontendManager:
         metrics and token accounting. The caller has admitted the request; closing the
         iterator aborts the generation."""
         try:
-            stream = await self.scheduler.open(prompt, sampling, adapter, f"req-{uuid.uuid4().hex}")
+            stream = await self.scheduler.open(
+                prompt,
+                sampling,
+                adapter,
+                f"req-{uuid.uuid4().hex}",
+                tenant=caller.tenant.name,
+                weight=caller.tenant.weight,
+            )
         except UnknownAdapterError:
             raise ApiError(
                 404, "model_not_found", f"the model {model!r} does not exist", "model"
@@ -363,6 +390,10 @@ class FrontendManager:
         try:
             async for out in stream:
                 if out.new_token_ids:
+                    if last == start and stream.queue_wait is not None:
+                        self.metrics.queue_wait.labels(caller.tenant.name).observe(
+                            stream.queue_wait
+                        )
                     now = time.monotonic()
                     (ttft if last == start else itl).observe(now - last)
                     last = now

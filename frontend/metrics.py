@@ -1,5 +1,6 @@
 """Prometheus metrics: per tenant and adapter request/token counters and latency histograms;
-runner gauges (queue, batch, KV blocks, adapter loads) read at scrape time."""
+runner gauges (queue, batch, KV blocks, adapter loads) and each tenant's fair-share state,
+read at scrape time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LABELS = ("tenant", "adapter")
+
+# per-runner gauges: metric name -> (help, key of the row GET /admin/runners lists)
+PER_RUNNER = {
+    "runner_running": ("requests running on a runner", "running"),
+    "runner_waiting": ("requests waiting in a runner's batcher", "waiting"),
+    "runner_kv_blocks_used": ("KV blocks in use on a runner", "kv_blocks_used"),
+    "runner_kv_blocks_free": ("free KV blocks on a runner", "kv_blocks_free"),
+    "kv_blocks_lent": ("KV blocks a runner lends to peers (DistKV)", "kv_blocks_lent"),
+    "kv_blocks_borrowed": (
+        "KV blocks a runner's requests hold on peers (DistKV)",
+        "kv_blocks_borrowed",
+    ),
+}
 
 
 class RunnerCollector:
@@ -23,79 +37,12 @@ class RunnerCollector:
 
     def collect(self):
         s = self._stats()
-        gauges = {
-            "queue_length": ("requests waiting for a batch slot", s.waiting),
-            "batch_size": ("requests in the running batch", s.running),
-            "kv_blocks_used": ("KV cache blocks in use", s.kv_blocks_used),
-            "kv_blocks_free": ("free KV cache blocks", s.kv_blocks_free),
-            "adapter_device_bytes": (
-                "bytes of adapters resident on the device",
-                s.adapter_device_bytes,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"punica_x_{name}", doc, value=value)
-        counters = {
-            "adapter_loads": ("adapter loads onto the device", s.adapter_loads),
-            "adapter_evictions": ("adapters evicted from the device", s.adapter_evictions),
-            "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
-        }
-        counters["mlfq_pauses"] = (
-            "running requests paused for higher-priority ones (MLFQ)",
-            s.pauses,
-        )
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
-        for name, doc, out, back in (
-            ("kv_swaps", "KV swaps to host memory and back (MLFQ)", s.swaps_out, s.swaps_in),
-            ("kv_swap_bytes", "KV bytes swapped (MLFQ)", s.swap_bytes_out, s.swap_bytes_in),
-        ):
-            c = CounterMetricFamily(f"punica_x_{name}", doc, labels=["direction"])
-            c.add_metric(["out"], out)
-            c.add_metric(["in"], back)
-            yield c
+        yield from _totals(s)
         if self._runners is not None:
-            rows = self._runners()
-            per = {
-                "runner_running": ("requests running on a runner", "running"),
-                "runner_waiting": ("requests waiting in a runner's batcher", "waiting"),
-                "runner_kv_blocks_used": ("KV blocks in use on a runner", "kv_blocks_used"),
-                "runner_kv_blocks_free": ("free KV blocks on a runner", "kv_blocks_free"),
-                "kv_blocks_lent": ("KV blocks a runner lends to peers (DistKV)", "kv_blocks_lent"),
-                "kv_blocks_borrowed": (
-                    "KV blocks a runner's requests hold on peers (DistKV)",
-                    "kv_blocks_borrowed",
-                ),
-            }
-            for name, (doc, key) in per.items():
-                g = GaugeMetricFamily(f"punica_x_{name}", doc, labels=["runner"])
-                for row in rows:
-                    g.add_metric([row["id"]], row[key])
-                yield g
-            remote = SummaryMetricFamily(
-                "punica_x_remote_attention_seconds",
-                "round trips of the micro-attention calls a runner's requests sent to the "
-                "runners holding their borrowed KV blocks (DistKV)",
-                labels=["runner"],
-            )
-            for row in rows:
-                remote.add_metric(
-                    [row["id"]],
-                    count_value=row.get("remote_attention_calls", 0),
-                    sum_value=row.get("remote_attention_seconds", 0.0),
-                )
-            yield remote
-            up = GaugeMetricFamily(
-                "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
-            )
-            for row in rows:
-                up.add_metric([row["id"], row["state"]], 1.0 if row["state"] == "active" else 0.0)
-            yield up
+            yield from _per_runner(self._runners())
         if self._migrations is not None:
             c = CounterMetricFamily(
-                "punica_x_migrations",
-                "requests moved between runners",
-                labels=["reason", "mode"],
+                "punica_x_migrations", "requests moved between runners", labels=["reason", "mode"]
             )
             for (reason, mode), n in sorted(self._migrations().items()):
                 c.add_metric([reason, mode], n)
@@ -108,10 +55,91 @@ class RunnerCollector:
             )
 
 
+def _totals(s):
+    gauges = {
+        "queue_length": ("requests waiting for a batch slot", s.waiting),
+        "batch_size": ("requests in the running batch", s.running),
+        "kv_blocks_used": ("KV cache blocks in use", s.kv_blocks_used),
+        "kv_blocks_free": ("free KV cache blocks", s.kv_blocks_free),
+        "adapter_device_bytes": ("adapter bytes resident on the device", s.adapter_device_bytes),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GaugeMetricFamily(f"punica_x_{name}", doc, value=value)
+    counters = {
+        "adapter_loads": ("adapter loads onto the device", s.adapter_loads),
+        "adapter_evictions": ("adapters evicted from the device", s.adapter_evictions),
+        "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
+        "mlfq_pauses": ("running requests paused for higher-priority ones (MLFQ)", s.pauses),
+        "engine_aborts": ("requests aborted in a runner (a client left, a cancel)", s.aborts),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
+    for name, doc, out, back in (
+        ("kv_swaps", "KV swaps to host memory and back (MLFQ)", s.swaps_out, s.swaps_in),
+        ("kv_swap_bytes", "KV bytes swapped (MLFQ)", s.swap_bytes_out, s.swap_bytes_in),
+    ):
+        c = CounterMetricFamily(f"punica_x_{name}", doc, labels=["direction"])
+        c.add_metric(["out"], out)
+        c.add_metric(["in"], back)
+        yield c
+
+
+def _per_runner(rows: list[dict]):
+    for name, (doc, key) in PER_RUNNER.items():
+        g = GaugeMetricFamily(f"punica_x_{name}", doc, labels=["runner"])
+        for row in rows:
+            g.add_metric([row["id"]], row[key])
+        yield g
+    remote = SummaryMetricFamily(
+        "punica_x_remote_attention_seconds",
+        "round trips of the micro-attention calls a runner's requests sent to the "
+        "runners holding their borrowed KV blocks (DistKV)",
+        labels=["runner"],
+    )
+    for row in rows:
+        remote.add_metric(
+            [row["id"]],
+            count_value=row.get("remote_attention_calls", 0),
+            sum_value=row.get("remote_attention_seconds", 0.0),
+        )
+    yield remote
+    up = GaugeMetricFamily(
+        "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
+    )
+    for row in rows:
+        up.add_metric([row["id"], row["state"]], 1.0 if row["state"] == "active" else 0.0)
+    yield up
+
+
+class TenantCollector:
+    """Each tenant's fair-share state (scheduler/fairness.py): its virtual token counter,
+    the tokens served to it, its requests waiting at the scheduler and placed on runners.
+    rows(): TenantRow objects."""
+
+    def __init__(self, rows) -> None:
+        self._rows = rows
+
+    def collect(self):
+        rows = [r for r in self._rows() if r.tenant]
+        families = (
+            (GaugeMetricFamily, "tenant_virtual_tokens", "service (VTC)", "virtual_tokens"),
+            (CounterMetricFamily, "tenant_served_tokens", "prompt + generated", "served_tokens"),
+            (GaugeMetricFamily, "tenant_waiting", "requests waiting at the scheduler", "waiting"),
+            (GaugeMetricFamily, "tenant_running", "requests placed on runners", "running"),
+            (GaugeMetricFamily, "tenant_weight", "fair-share weight", "weight"),
+        )
+        for kind, name, doc, field in families:
+            family = kind(f"punica_x_{name}", doc, labels=["tenant"])
+            for row in rows:
+                family.add_metric([row.tenant], getattr(row, field))
+            yield family
+
+
 class Metrics:
-    def __init__(self, stats, runners=None, migrations=None, restarts=None) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+    def __init__(self, stats, runners=None, migrations=None, restarts=None, tenants=None):
+        """stats, runners, migrations, restarts: RunnerCollector's callables; tenants: a
+        callable returning TenantRows (None: no tenant metrics)."""
+        self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "punica_x_requests", "requests by outcome", LABELS + ("status",), registry=r
         )
@@ -119,21 +147,23 @@ class Metrics:
         self.generated_tokens = Counter(
             "punica_x_generation_tokens", "generated tokens", LABELS, registry=r
         )
-        self.ttft = Histogram(
-            "punica_x_time_to_first_token_seconds",
-            "time to first token",
-            LABELS,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "punica_x_inter_token_latency_seconds",
-            "time between streamed tokens",
-            LABELS,
+        self.ttft = self._histogram("time_to_first_token_seconds", "time to first token")
+        self.itl = self._histogram("inter_token_latency_seconds", "time between streamed tokens")
+        self.queue_wait = Histogram(
+            "punica_x_queue_wait_seconds",
+            "time a request waited at the scheduler before a runner took it",
+            ("tenant",),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         r.register(RunnerCollector(stats, runners, migrations, restarts))
+        if tenants is not None:
+            r.register(TenantCollector(tenants))
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            f"punica_x_{name}", doc, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

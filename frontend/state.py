@@ -16,7 +16,7 @@ from frontend.errors import ApiError
 from frontend.manager import Caller, FrontendManager
 from frontend.recovery import recover
 from frontend.store import Store
-from scheduler.cluster import Scheduler
+from scheduler.cluster import RestartPolicy, Scheduler
 from scheduler.local import LocalRunner
 
 log = logging.getLogger("punica_x.server")
@@ -99,11 +99,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
             runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
         return Scheduler(
-            runners,
-            ray_factory,
-            config.idle_after_s,
-            tokenizer=meta.tokenizer,
-            distkv=config.distkv,
+            runners, ray_factory, tokenizer=meta.tokenizer, **scheduler_options(config)
         )
     first = LocalRunner(engine, "runner-0")
     shared = first.engine.loaded
@@ -112,7 +108,16 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         return LocalRunner(engine, runner_id, shared=shared)
 
     runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
-    return Scheduler(runners, factory, config.idle_after_s, distkv=config.distkv)
+    return Scheduler(runners, factory, **scheduler_options(config))
+
+
+def scheduler_options(config: ServerConfig) -> dict:
+    return dict(
+        idle_after=config.idle_after_s,
+        distkv=config.distkv,
+        restart=RestartPolicy() if config.restart_runners else None,
+        fair_share=config.fair_share,
+    )
 
 
 async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:

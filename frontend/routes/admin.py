@@ -29,6 +29,10 @@ COUNT_QUERY = ("count", {"type": "integer", "minimum": 1, "maximum": 16})
 
 
 def endpoints(state: ServerState) -> list[Endpoint]:
+    return tenant_endpoints(state) + runner_endpoints(state)
+
+
+def tenant_endpoints(state: ServerState) -> list[Endpoint]:
     async def tenants(request: Request):
         manager = state.admin(request)
         if request.method == "POST":
@@ -46,6 +50,30 @@ def endpoints(state: ServerState) -> list[Endpoint]:
             return JSONResponse(tenant_json(manager.set_tenant_weight(name, body.weight)))
         return JSONResponse(tenant_json(manager.revoke_tenant(name)))
 
+    return [
+        Endpoint("/admin/tenants", ("GET",), tenants, "Every tenant", auth="admin"),
+        Endpoint(
+            "/admin/tenants",
+            ("POST",),
+            tenants,
+            "Create a tenant (its API key is in the answer, once)",
+            body=TenantCreate,
+            auth="admin",
+            statuses=(201,),
+        ),
+        Endpoint(
+            "/admin/tenants/{name}",
+            ("PATCH",),
+            tenant,
+            "Set a tenant's fair-share weight",
+            body=TenantUpdate,
+            auth="admin",
+        ),
+        Endpoint("/admin/tenants/{name}", ("DELETE",), tenant, "Revoke a tenant", auth="admin"),
+    ]
+
+
+def runner_endpoints(state: ServerState) -> list[Endpoint]:
     async def runners(request: Request):
         scheduler = state.admin(request).scheduler
         with _cluster_errors():
@@ -67,17 +95,6 @@ def endpoints(state: ServerState) -> list[Endpoint]:
         return JSONResponse({"drained": [drained], **runners_body(scheduler)})
 
     return [
-        Endpoint("/admin/tenants", ("GET",), tenants, "Every tenant", auth="admin"),
-        Endpoint(
-            "/admin/tenants",
-            ("POST",),
-            tenants,
-            "Create a tenant (its API key is in the answer, once)",
-            body=TenantCreate,
-            auth="admin",
-            statuses=(201,),
-        ),
-        Endpoint("/admin/tenants/{name}", ("DELETE",), tenant, "Revoke a tenant", auth="admin"),
         Endpoint("/admin/runners", ("GET",), runners, "Runners and the advice", auth="admin"),
         Endpoint(
             "/admin/runners",

@@ -1,5 +1,6 @@
-"""A client that disconnects (SSE or plain) aborts its request within a step or two: the
-request is counted as aborted and the KV cache returns to its baseline."""
+"""A client that disconnects (SSE or plain) aborts its request within a step or two, at the
+engine: the runner counts an abort (a reply run to its end would not), and its batch slot and
+KV blocks return to their idle values."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ def test_sse_disconnect_aborts(server):
     key = server.create_tenant("sse-quitter")
     server.wait_idle()
     before = server.metric("punica_x_requests_total", tenant="sse-quitter", status="abort")
+    aborted = server.metric("punica_x_engine_aborts_total")
     with (
         server.http(key) as c,
         c.stream(
@@ -31,8 +33,10 @@ def test_sse_disconnect_aborts(server):
             if line.startswith("data: {"):
                 # leaving this loop drops the line iterator, which closes the connection
                 assert server.metric("punica_x_kv_blocks_used") > 0
+                assert server.metric("punica_x_batch_size") == 1
                 break
     server.wait_idle(timeout=10)
+    assert server.metric("punica_x_engine_aborts_total") == aborted + 1
     # counted as aborted: a 3000-token reply that ran to its end would count as "length"
     assert (
         server.metric("punica_x_requests_total", tenant="sse-quitter", status="abort") == before + 1
@@ -42,6 +46,7 @@ def test_sse_disconnect_aborts(server):
 def test_plain_request_disconnect_aborts(server):
     key = server.create_tenant("plain-quitter")
     server.wait_idle()
+    aborted = server.metric("punica_x_engine_aborts_total")
     body = json.dumps(
         {"model": server.model_id, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True}
     ).encode()
@@ -62,4 +67,5 @@ def test_plain_request_disconnect_aborts(server):
     assert server.metric("punica_x_kv_blocks_used") > 0
     s.close()
     server.wait_idle(timeout=10)
+    assert server.metric("punica_x_engine_aborts_total") == aborted + 1
     assert server.metric("punica_x_requests_total", tenant="plain-quitter", status="abort") == 1

@@ -312,6 +312,11 @@ def test_malformed_websocket_frames(server, tenant):
         {"name": "ok-name", "max_concurrent": True},
         {"name": "ok-name", "tokens_per_minute": -5},
         {"name": "ok-name", "role": "admin"},
+        {"name": "ok-name", "weight": 0},
+        {"name": "ok-name", "weight": -1},
+        {"name": "ok-name", "weight": "2"},
+        {"name": "ok-name", "weight": True},
+        {"name": "ok-name", "weight": 1e9},
         [],
         "x",
     ],
@@ -334,3 +339,16 @@ def test_malformed_admin_runner_requests(server):
 def test_malformed_adapter_names(server, tenant, adapter_dirs):
     for name in ("", "../up", "a/b", "x" * 65, server.model_id, ".hidden"):
         refused(server.upload(tenant, name, adapter_dirs["a"]), param="name")
+
+
+def test_tenant_weights(server):
+    with server.http(server.admin_token) as c:
+        r = c.post("/admin/tenants", json={"name": "heavy", "weight": 3})
+        assert r.status_code == 201 and r.json()["weight"] == 3.0
+        for body in ({"weight": 0}, {"weight": "1"}, {"weight": 1e9}, {}, {"weight": 1, "x": 1}):
+            refused(c.patch("/admin/tenants/heavy", json=body))
+        refused(c.patch("/admin/tenants/nobody", json={"weight": 2}), 404)
+        r = c.patch("/admin/tenants/heavy", json={"weight": 0.5})
+        assert r.status_code == 200 and r.json()["weight"] == 0.5
+        listed = {t["name"]: t["weight"] for t in c.get("/admin/tenants").json()["data"]}
+    assert listed["heavy"] == 0.5

@@ -1,5 +1,6 @@
-"""Overload: a bounded queue answers 503 + Retry-After; per-tenant limits give that tenant
-429 + Retry-After while other tenants are unaffected; per-key stream caps."""
+"""Overload: the bounded queue is shared fairly between tenants (429 for a tenant holding its
+share, 503 at twice its size); per-tenant limits give that tenant 429 + Retry-After while
+other tenants are unaffected; per-key stream caps."""
 
 from __future__ import annotations
 
@@ -51,25 +52,42 @@ def small_server(srv_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def test_bounded_queue_answers_503_with_retry_after(small_server):
+def test_bounded_queue_is_shared_fairly(small_server):
+    """batch 1, max_queue 1: tenant q1 runs, q2 waits (the queue is full). q2's next request
+    is 429 (it holds its share of the queue) while q3, holding none, may still queue; at twice
+    max_queue the server answers everyone 503 overloaded. Every refusal has Retry-After, and
+    every admitted request is served once the queue drains."""
     srv = small_server
-    a, b = srv.create_tenant("q1"), srv.create_tenant("q2")
+    a, b, c, d = (srv.create_tenant(f"q{i}") for i in range(1, 5))
     stop = threading.Event()
     first, second = threading.Event(), threading.Event()
     threads = [hold_stream(srv, a, first, stop)]
     assert first.wait(30)
     threads.append(hold_stream(srv, b, second, stop))  # waits: the batch holds one request
-    deadline = time.monotonic() + 10
-    while srv.metric("punica_x_queue_length") < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_queue(srv, 1)
     r = short(srv, b)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_share_exceeded"
+    assert int(r.headers["Retry-After"]) >= 1
+    answers = []
+    late = threading.Thread(target=lambda: answers.append(short(srv, c)), daemon=True)
+    late.start()  # q3 holds nothing: it may queue beyond max_queue
+    wait_for_queue(srv, 2)
+    r = short(srv, d)
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert int(r.headers["Retry-After"]) >= 1
     stop.set()
-    for t in threads:
-        t.join(30)
+    for t in (*threads, late):
+        t.join(60)
+    assert answers and answers[0].status_code == 200, answers
     srv.wait_idle()
     assert short(srv, b).status_code == 200
+
+
+def wait_for_queue(srv, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while srv.metric("punica_x_queue_length") < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.metric("punica_x_queue_length") >= n
 
 
 def test_streams_per_key_are_capped(server):

@@ -151,13 +151,16 @@ def test_limit_max_ws_frame_bytes_is_honoured(tight_server):
 def test_disconnect_aborts_and_frees_kv(server, key):
     server.wait_idle()
     before = server.metric("punica_x_requests_total", tenant="ws-user", status="abort")
+    aborted = server.metric("punica_x_engine_aborts_total")
     ws = connect(ws_url(server, key))
     chat(ws, server, max_tokens=3000)
     assert json.loads(ws.recv(timeout=30))["type"] == "token"
     assert server.metric("punica_x_kv_blocks_used") > 0
+    assert server.metric("punica_x_batch_size") == 1
     ws.close()
-    server.wait_idle(timeout=10)
-    # aborted, not run to its end (which would count as "length")
+    server.wait_idle(timeout=10)  # no request running, no KV block used, nothing queued
+    # the engine itself aborted it (a reply run to its end would count no engine abort)
+    assert server.metric("punica_x_engine_aborts_total") == aborted + 1
     assert server.metric("punica_x_requests_total", tenant="ws-user", status="abort") == before + 1
 
 
