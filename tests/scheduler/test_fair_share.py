@@ -39,16 +39,21 @@ def reference(tiny_model_dir):
     return a, b, ref_a, ref_b
 
 
-def one_runner(shared, fair_share: bool) -> Scheduler:
+def one_runner(shared, fair_share: bool, policy: str = "fcfs") -> Scheduler:
+    """One runner of 4 batch slots; under MLFQ it holds no more than those 4 (the rest waits
+    at the scheduler, in the fair order) and orders what it holds itself."""
+    batch = BatchConfig(max_batch_size=4, policy=policy)
+    if policy == "mlfq":
+        batch = BatchConfig(max_batch_size=4, policy=policy, mlfq_working_set=4)
     config = EngineConfig(
         model=ModelConfig(model="unused", dtype="float32"),
         cache=CacheConfig(num_blocks=256),
-        batch=BatchConfig(max_batch_size=4),
+        batch=batch,
     )
     return Scheduler([LocalRunner(config, "runner-0", shared=shared)], fair_share=fair_share)
 
 
-def flood_then_light(shared, reference, fair_share: bool):
+def flood_then_light(shared, reference, fair_share: bool, policy: str = "fcfs"):
     """A opens 12 requests (4 run, 8 wait); once A's first tokens arrive, B opens 2. Returns
     each request's tokens and, for B, how many of A's requests had produced no token yet
     when B's first token came."""
@@ -67,7 +72,7 @@ def flood_then_light(shared, reference, fair_share: bool):
         return tokens
 
     async def main():
-        sched = one_runner(shared, fair_share)
+        sched = one_runner(shared, fair_share, policy)
         flood = [await sched.open(p, FLOOD, None, f"a{i}", tenant="a") for i, p in enumerate(a)]
         readers = [asyncio.ensure_future(read(s)) for s in flood]
         while len(first_token) < 4:  # A's first 4 are running; 8 wait at the scheduler
@@ -87,9 +92,12 @@ def flood_then_light(shared, reference, fair_share: bool):
     return a_tokens, b_tokens, moves, rows, a_not_started
 
 
-def test_a_flood_does_not_delay_another_tenant(shared, reference):
+@pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
+def test_a_flood_does_not_delay_another_tenant(shared, reference, policy):
+    """Fair share composes with the runner's own order (FCFS or skip-join MLFQ)."""
     _, _, ref_a, ref_b = reference
-    a_tokens, b_tokens, moves, rows, a_not_started = flood_then_light(shared, reference, True)
+    flood = flood_then_light(shared, reference, True, policy)
+    a_tokens, b_tokens, moves, rows, a_not_started = flood
     assert b_tokens == ref_b and a_tokens == ref_a  # the moved requests resumed exactly
     assert a_not_started == 8  # B ran before any of A's backlog
     assert moves >= 2  # B took its share (2 of 4 slots) from A's newest requests
