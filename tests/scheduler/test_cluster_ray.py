@@ -203,7 +203,10 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
     local_ray, tiny_model_dir, reference
 ):
     """runner-0 (6 blocks: 96 tokens) holds both requests when placed, not as they grow: its
-    preemption notice crosses the process boundary and the newest moves to runner-1."""
+    preemption notice crosses the process boundary and the newest moves to runner-1. Each
+    request grows to all 6 blocks, so the two overlap on runner-0 however late the second
+    open lands (with 40 tokens each, a second open delayed by a loaded machine came after
+    the first had grown past the point where both fit, and nothing was preempted)."""
     from punica_x.models.loader import describe_model
 
     prompts, _ = reference
@@ -212,7 +215,8 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
         cache=CacheConfig(num_blocks=6),
         batch=BatchConfig(max_batch_size=4),
     )
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    longest = 6 * config.cache.block_size - max(len(p) for p in prompts[:2])
+    sp = SamplingParams(max_tokens=longest, temperature=0, ignore_eos=True)
     expected = tiny_llm(tiny_model_dir).generate(prompts[:2], None, sp)
 
     async def main():
