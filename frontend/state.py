@@ -16,6 +16,7 @@ from frontend.errors import ApiError
 from frontend.manager import Caller, FrontendManager
 from frontend.recovery import recover
 from frontend.store import Store
+from punica_x.heap import freeze_heap
 from scheduler.cluster import RestartPolicy, Scheduler
 from scheduler.local import LocalRunner
 
@@ -127,6 +128,7 @@ async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:
         return
     manager = FrontendManager(state.config, state.scheduler, state.store)
     await manager.restore_adapters()
+    freeze_heap("server ready")  # the model, runners and stored adapters (punica_x/heap.py)
     state.manager = manager
     log.info("ready: serving %s", manager.model_id)
     scaler = None

@@ -24,6 +24,7 @@ from punica_x.core import (
 )
 from punica_x.detokenizer import Detokenizer
 from punica_x.errors import ContextTooLong, InvalidRequest
+from punica_x.heap import freeze_heap
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
 from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
 from punica_x.kv.swap import SwapPool
@@ -153,6 +154,7 @@ class Engine:
         self.scheduled_ids: tuple[str, ...] = ()
         self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
+        freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def enable_distkv(
         self,

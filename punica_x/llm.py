@@ -8,6 +8,7 @@ from dataclasses import replace
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, LoraConfig, ModelConfig
 from punica_x.core import RequestOutput, SamplingParams
 from punica_x.engine import Engine
+from punica_x.heap import freeze_heap
 from punica_x.lora.pool import AdapterInfo
 
 
@@ -32,8 +33,11 @@ class LLM:
         return self.engine.tokenizer
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Register (or atomically replace) a PEFT adapter; raises AdapterError when refused."""
-        return self.engine.adapters.register(name, path)
+        """Register (or atomically replace) a PEFT adapter; raises AdapterError when refused.
+        The heap is frozen again after it (punica_x/heap.py)."""
+        info = self.engine.adapters.register(name, path)
+        freeze_heap("adapter loaded")
+        return info
 
     def unload_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)

@@ -36,7 +36,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import threading
@@ -47,6 +46,7 @@ from pathlib import Path
 
 from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
 from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
+from punica_x.heap import thaw
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.dgfm import Swap, plan_swaps
@@ -1038,7 +1038,7 @@ def _let_go(box: list) -> None:
     except Exception:
         log.exception("stopping dead runner %s failed", getattr(handle, "runner_id", "?"))
     del handle
-    gc.collect()
+    thaw("a dead runner let go")  # its engine's objects, frozen at its start, are collected
 
 
 class ClusterStream:

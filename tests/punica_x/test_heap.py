@@ -1,0 +1,74 @@
+"""The step loop does not pay for the process's heap (punica_x/heap.py): building an engine
+freezes what is alive, thaw gives frozen cycles back to the collector, and a decode step
+leaves the collector nothing: no new tracked objects and no cyclic garbage, whatever the
+batch."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from helpers import tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.heap import freeze_heap, thaw
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = self
+
+
+@pytest.fixture
+def unfrozen():
+    gc.unfreeze()
+    yield
+    freeze_heap("test done")
+
+
+def test_building_an_engine_freezes_the_heap(tiny_model_dir, unfrozen, monkeypatch):
+    resident = [{"i": i} for i in range(20_000)]  # a heap made before punica-x starts
+    monkeypatch.setenv("PUNICA_X_GC_FREEZE", "0")
+    tiny_llm(tiny_model_dir)
+    assert gc.get_freeze_count() == 0  # off: nothing frozen
+    monkeypatch.setenv("PUNICA_X_GC_FREEZE", "1")
+    tiny_llm(tiny_model_dir)
+    assert gc.get_freeze_count() >= len(resident)
+    assert len(gc.get_objects()) < len(resident)  # collections no longer walk it
+
+
+def test_thaw_collects_frozen_cycles(unfrozen):
+    node = Node()
+    alive = weakref.ref(node)
+    freeze_heap("test")
+    del node
+    gc.collect()
+    assert alive() is not None  # a frozen cycle is not collected...
+    assert thaw("test") >= 1
+    assert alive() is None  # ...until it is thawed
+    assert gc.get_freeze_count() > 0  # and the rest is frozen again
+
+
+@pytest.mark.parametrize("batch", [2, 16])
+def test_a_decode_step_leaves_the_collector_nothing(tiny_model_dir, batch):
+    engine = tiny_llm(tiny_model_dir).engine
+    sp = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([5 + i, 7, 9, 11], sp, None)
+    for _ in range(3):  # every request decoding
+        engine.step()
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        for _ in range(20):
+            outputs = engine.step()
+            assert len(outputs) == batch
+        del outputs
+        grown = len(gc.get_objects()) - before
+        garbage = gc.collect()
+    finally:
+        gc.enable()
+    assert grown <= 4, grown  # nothing accumulates per step or per request
+    assert garbage == 0  # no reference cycles: everything a step made is freed at once
