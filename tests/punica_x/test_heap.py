@@ -70,5 +70,7 @@ def test_a_decode_step_leaves_the_collector_nothing(tiny_model_dir, batch):
         garbage = gc.collect()
     finally:
         gc.enable()
-    assert grown <= 4, grown  # nothing accumulates per step or per request
+    # nothing accumulates per step or per request (one object a step would be 20 here; the
+    # slack is for other threads of the test process)
+    assert grown < 20, grown
     assert garbage == 0  # no reference cycles: everything a step made is freed at once
