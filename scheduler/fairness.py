@@ -145,12 +145,6 @@ class FairQueue(Generic[T]):
         state = self._get(tenant)
         state.running = max(0, state.running - 1)
 
-    def forget_idle(self) -> None:
-        """Drop the state of tenants with nothing waiting or running whose weight is the
-        default (their counter is lifted on return anyway): keeps the table small."""
-        for tenant in [t for t, s in self.tenants.items() if not s.active and s.weight == 1.0]:
-            del self.tenants[tenant]
-
     # -- sharing --------------------------------------------------------------------------------
     def shares(self, total: float, extra: Hashable | None = None) -> dict[Hashable, float]:
         """Each active tenant's weighted share of `total` (extra: count it as active too)."""

@@ -122,12 +122,3 @@ def test_rebalance_takes_from_those_above_their_share():
     # c takes one slot from each: a first (served more), then b (now further above)
     assert q.rebalance(32) == [Rebalance("a", "c"), Rebalance("b", "c")]
     assert q.rebalance(0) == []
-
-
-def test_forget_idle_keeps_weights():
-    q = FairQueue()
-    q.set_weight("gold", 2)
-    q.push("x", 1)
-    q.pop("x")
-    q.forget_idle()
-    assert set(q.tenants) == {"gold"}
