@@ -8,7 +8,7 @@ holds one KVChannel per creditor and sends it, per step, the MicroPlan (pickled,
 per layer, one frame with the query rows and the new tokens' K/V; the reply is (out, lse).
 KV never travels at decode, and nothing goes through the scheduler or Ray's object store.
 
-Why sockets (benchmarks/bench_kv_transport.py, README): a Ray actor call costs ~2.8 ms a
+Why sockets (benchmarks/bench_kv_transport.py, docs/distkv.md): a Ray actor call costs ~2.8 ms a
 round trip on a 2-core AMD EPYC (84 ms per token per creditor at 30 layers); a Unix socket
 frame costs tens of microseconds, about what shared memory plus a pipe costs, and the same
 code runs over TCP between nodes.

@@ -134,7 +134,7 @@ def assert_cap(server, key, cap: int) -> None:
 
 
 def test_frames_over_1_mib_close_with_1009_and_under_it_are_served(server, key):
-    assert_cap(server, key, 1 << 20)  # the default (README: frames over 1 MiB close)
+    assert_cap(server, key, 1 << 20)  # the default (docs/api.md: frames over 1 MiB close)
     with connect(ws_url(server, key), max_size=None) as ws:
         ws.send("x" * (2 << 20))
         with pytest.raises(ConnectionClosed) as e:
