@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: timing (warm-up, repeats, median), the machine's memory-copy
-bandwidth, tables, JSON and PNG output."""
+and read bandwidth, tables, JSON and PNG output."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def copy_bandwidth(
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     t = measure(lambda: (dst.copy_(src), sync()), warmup=2, repeats=repeats)
     return 2 * nbytes / t.median
+
+
+def read_bandwidth(
+    nbytes: int = 512 << 20, repeats: int = 10, device: torch.device | str = "cpu"
+) -> float:
+    """Bytes per second read by a reduction (a sum) over a large float32 tensor: the floor
+    of a kernel that only reads its weights, steadier than a copy's figure (a copy's writes
+    swing with the machine's write-allocate traffic; 30-56 GB/s within one run seen on one
+    VM)."""
+    src = torch.ones(nbytes // 4, device=device)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    t = measure(lambda: (src.sum(), sync()), warmup=2, repeats=repeats)
+    return nbytes / t.median
 
 
 def machine() -> dict:
