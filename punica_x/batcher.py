@@ -26,8 +26,13 @@ BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after thi
 # after a random pause of up to this long: two requests that each hold blocks the other
 # needs (on one runner or on two) would otherwise wait for each other forever.
 BORROW_PATIENCE_S = 2.0
+# A request that has had no block from its peers for this long, over all its yields and
+# retries, ends with an error saying so instead of waiting for ever (the cluster's free blocks
+# are held by others, or a lender's loss left too few).
+BORROW_GIVE_UP_S = 120.0
 WAIT = "wait"  # _grow: blocks are not there yet (peers refused); try again later
 YIELD = "yield"  # _borrow: refused for longer than BORROW_PATIENCE_S; give its blocks back
+GIVE_UP = "give_up"  # _borrow: refused for longer than BORROW_GIVE_UP_S; the request ends
 
 
 class Batcher:
@@ -45,6 +50,8 @@ class Batcher:
         self.borrow_refusals = 0
         self.borrow_yields = 0  # requests that gave their blocks back (BORROW_PATIENCE_S)
         self.patience_s = BORROW_PATIENCE_S
+        self.give_up_s = BORROW_GIVE_UP_S
+        self.starved: list[Request] = []  # gave up borrowing (GIVE_UP): the engine ends them
 
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request (at the head with front: a request moved here from another runner
@@ -123,6 +130,9 @@ class Batcher:
             need = r.num_computed_tokens + n
             if not self._ensure(r, need):
                 got = self._borrow(r, need)
+                if got == GIVE_UP:  # the engine ends it (and frees what it holds)
+                    self.starved.append(r)
+                    continue
                 if got == YIELD:  # it waits without blocks; later ones may use them
                     self.cache.release(r.block_ids)
                     self._give_back(r)
@@ -158,8 +168,9 @@ class Batcher:
         it holds no remote block), then from peers. True when it has them, WAIT when peers
         refused (it asks again after BORROW_RETRY_S, keeping its blocks), YIELD when they
         have refused it for longer than patience_s (the caller frees its blocks; it asks
-        again after a random pause), False when it does not borrow or the whole cluster
-        could never hold it."""
+        again after a random pause), GIVE_UP when it has had no blocks from them for
+        give_up_s over all its tries (the caller ends it), False when it does not borrow or
+        the whole cluster could never hold it."""
         if not self._borrows(r, num_tokens):
             return False
         size = self.cache.block_size
@@ -179,6 +190,10 @@ class Batcher:
         now = time.monotonic()
         if got is None:
             self.borrow_refusals += 1
+            if r.starving_since is None:
+                r.starving_since = now
+            elif now - r.starving_since > self.give_up_s:
+                return GIVE_UP
             if r.borrow_since is None:
                 r.borrow_since = now
             elif now - r.borrow_since > self.patience_s:
@@ -188,7 +203,7 @@ class Batcher:
                 return YIELD
             r.borrow_after = now + BORROW_RETRY_S
             return WAIT
-        r.borrow_since = None
+        r.borrow_since = r.starving_since = None
         self._append(r, got)
         return True
 
@@ -213,6 +228,10 @@ class Batcher:
                     return got
                 if got == YIELD:  # back to the queue without its blocks (recomputes)
                     self._preempt(r)
+                    return False
+                if got == GIVE_UP:
+                    self.running.remove(r)
+                    self.starved.append(r)
                     return False
                 self.running.remove(r)  # the whole cluster cannot hold it
                 overflow.append(r)

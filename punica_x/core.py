@@ -211,6 +211,9 @@ class Request:
     remote: list[RemoteExtent] = field(default_factory=list)
     borrow_after: float = 0.0
     borrow_since: float | None = None
+    # starving_since: when its peers first refused it since it last got blocks, kept over its
+    # yields (Batcher.give_up_s bounds the whole wait)
+    starving_since: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

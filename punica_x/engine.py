@@ -369,6 +369,9 @@ class Engine:
         self.scheduled_ids = tuple(s.request.request_id for s in scheduled)
         for r in overflow:
             outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
+        starved, self.batcher.starved = self.batcher.starved, []
+        for r in starved:
+            outputs.append(self._finish_and_emit(r, FinishReason.ERROR, error=self._starved(r)))
         self._tell_preempted()
         self.idle_step = not scheduled
         if not scheduled:
@@ -587,6 +590,16 @@ class Engine:
             if any(e.owner == owner for e in r.remote):
                 r.remote = [e for e in r.remote if e.owner != owner]
                 self.batcher.preempt(r)
+
+    def _starved(self, r: Request) -> str:
+        """The error of a request whose peers lent it no KV block for Batcher.give_up_s."""
+        error = (
+            f"no peer runner lent the KV blocks this request needs ({r.num_tokens} tokens) for "
+            f"{self.batcher.give_up_s:g} s: the cluster's free blocks are held by other "
+            f"requests; it ends here after {len(r.output_token_ids)} generated tokens"
+        )
+        log.warning("request %s: %s", r.request_id, error)
+        return error
 
     def _too_big(self, r: Request) -> str:
         """The error of a request that outgrew the whole KV cache (running alone, nothing left

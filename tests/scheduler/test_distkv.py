@@ -127,6 +127,32 @@ def test_a_refused_borrow_waits_for_room_then_completes(shared, reference):
     assert net.ledger.refusals > 0
 
 
+@pytest.mark.parametrize("patience", [0.05, float("inf")])
+def test_a_borrow_refused_for_give_up_s_ends_with_an_error_not_a_wait_forever(shared, patience):
+    """b's own work holds every block: a's too-long request is refused again and again. After
+    give_up_s of refusals in all (over its yields, each of which restarts the patience clock)
+    it ends with ERROR and an error naming the wait; a's blocks and the ledger come back
+    clean, and a short request on a still runs."""
+    a, b = engine(shared, 4), engine(shared, 10)
+    net = network({"a": a, "b": b})
+    b.cache.allocator.allocate(10)
+    a.batcher.patience_s, a.batcher.give_up_s = patience, 0.4
+    t0 = time.monotonic()
+    final = {}
+    a.add_request(PROMPT, GREEDY, request_id="q0")
+    while a.has_unfinished() and time.monotonic() - t0 < 10:
+        final.update({o.request_id: o for o in a.step() if o.finished})
+        time.sleep(0.005)
+    out = final["q0"]
+    assert out.finish_reason is FinishReason.ERROR
+    assert "no peer runner lent the KV blocks" in out.error and "for 0.4 s" in out.error
+    assert time.monotonic() - t0 >= 0.4
+    if patience < 0.4:
+        assert a.batcher.borrow_yields >= 1  # the yields did not reset the give-up clock
+    assert a.cache.allocator.num_free == 4 and net.ledger.debts() == {}
+    assert run(a, [PROMPT[:20]])["q0"].finish_reason is FinishReason.LENGTH
+
+
 @pytest.mark.parametrize("patience", [0.2, None])
 def test_two_borrowers_holding_what_the_other_needs_do_not_wait_forever(shared, patience):
     """a (on A) holds A's 6 blocks and 3 of B's, and will need 2 more of B's; b (on B) holds
