@@ -5,7 +5,7 @@ of the KV lives on peers.
                                       [--rounds 3] [--model PATH]
 
 1. Longest context: 1, 2 and 4 runners of --blocks KV blocks each (thread runners in one
-   process sharing the weights, DistKV through scheduler/distkv.py). The longest prompt the
+   process sharing the weights, DistKV through scheduler/distkv/network.py). The longest prompt the
    cluster admits is run to completion; target >= 0.9 x N x the single-runner length.
 2. Decode time per token of one greedy request holding --context tokens, with 0% (all
    local), 50% (one creditor) and 75% (three creditors, 25% each) of its KV on peers, the
@@ -14,7 +14,7 @@ of the KV lives on peers.
    75% remote.
 3. With --ray: the same request over 2 Ray runners (actors in their own processes, behind
    the Scheduler, on a local Ray): all local (runners big enough) against about half of its
-   KV on the other process, over each data plane (transport socket: scheduler/kv_channel.py;
+   KV on the other process, over each data plane (transport socket: scheduler/distkv/channel.py;
    ray: actor calls). Time per token from the stream's token arrival times after the first;
    --rounds rounds, interleaved, medians."""
 
@@ -34,7 +34,7 @@ from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig 
 from punica_x.core import SamplingParams  # noqa: E402
 from punica_x.engine import Engine  # noqa: E402
 from punica_x.models.loader import load_model  # noqa: E402
-from scheduler.distkv import KVNetwork, default_caps  # noqa: E402
+from scheduler.distkv.network import KVNetwork, default_caps  # noqa: E402
 
 BLOCK = 16
 

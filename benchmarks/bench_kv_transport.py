@@ -253,7 +253,7 @@ class _StandIn:
 
 def kv_channel_server(conn, authkey: bytes) -> None:
     """Child of kv_channel: the runners' KVChannelServer over the stand-in, until told."""
-    from scheduler.kv_channel import KVChannelServer
+    from scheduler.distkv.channel import KVChannelServer
 
     torch.set_num_threads(1)
     server = KVChannelServer(_StandIn(), authkey, node="this")
@@ -264,11 +264,11 @@ def kv_channel_server(conn, authkey: bytes) -> None:
 
 @contextmanager
 def kv_channel(max_rows: int, family: str = "unix") -> Iterator[Call]:
-    """What Ray runners use (scheduler/kv_channel.py): a KVChannelServer in another process,
+    """What Ray runners use (scheduler/distkv/channel.py): a KVChannelServer in another process,
     a KVChannel to it (one authenticated socket, one frame each way per call: the query
     and K/V rows out, (out, lse) back), over its Unix socket or its TCP port on 127.0.0.1."""
     from punica_x.kv.rmanager import MicroPlan
-    from scheduler.kv_channel import KVChannel
+    from scheduler.distkv.channel import KVChannel
 
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()

@@ -18,7 +18,7 @@ requests: the requests that were in a step that raised (RunnerLost.in_failed_ste
 retried one per runner (so a step that fails again names one suspect); one that was in two
 failed steps in a row (no token in between) ends with an error and is never moved again.
 
-DistKV (scheduler/distkv.py): a request whose KV fits on no single runner is placed on the
+DistKV (scheduler/distkv/network.py): a request whose KV fits on no single runner is placed on the
 runner with the most room and borrows blocks on the others through the gManager's ledger
 (thread runners; `distkv=False` refuses such a prompt, naming one runner's limit).
 
@@ -38,26 +38,24 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
-from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
+from punica_x.async_engine import RunnerLost
+from punica_x.core import SamplingParams
 from punica_x.heap import thaw
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
-from scheduler.dgfm import Swap, plan_swaps
-from scheduler.distkv import KVNetwork, default_caps
+from scheduler.distkv.dgfm import Swap
+from scheduler.distkv.group import KVGroup, make_kv_group
 from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
 from scheduler.local import LocalRunner
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 from scheduler.placement import (
     ACTIVE,
     Advice,
-    Demand,
     RunnerSnapshot,
     advise,
     blocks_for,
@@ -67,6 +65,7 @@ from scheduler.placement import (
     place,
     place_distributed,
 )
+from scheduler.stream import ClusterStream
 from scheduler.waiting import TenantRow, WaitingQueue
 
 log = logging.getLogger(__name__)
@@ -163,25 +162,6 @@ class RunnerSlot:
         )
 
 
-def paused(handles, fn):
-    """Run fn (on this thread) while every runner in `handles` is held between two steps:
-    each engine thread runs a command that waits until fn is done."""
-    entered = threading.Barrier(len(handles) + 1, timeout=30)
-    done = threading.Event()
-
-    def hold() -> None:
-        entered.wait()
-        done.wait(60)
-
-    for h in handles:
-        h.async_engine.submit(hold)
-    try:
-        entered.wait()
-        return fn()
-    finally:
-        done.set()
-
-
 def kv_lent(handle) -> int:
     """Blocks a runner lends to peers' requests (DistKV); 0 when it takes no part."""
     return handle.stats().kv_blocks_lent
@@ -195,7 +175,7 @@ class Scheduler:
     micro-attention on worker threads while the local part runs; off by default because
     thread runners share the CPU's cores, and there it measured slower (bench_distkv); Ray
     runners always overlap (their own processes). distkv_transport: Ray runners' data plane,
-    "socket" (scheduler/kv_channel.py) or "ray" (actor calls, slower; for comparison).
+    "socket" (scheduler/distkv/channel.py) or "ray" (actor calls, slower; for comparison).
     restart: how a dead runner is replaced through the factory (RestartPolicy); None, or no
     factory, leaves dead runners dead. `restarts` counts the replacements that took work.
     fair_share: requests waiting here are served across tenants by their virtual token
@@ -252,70 +232,35 @@ class Scheduler:
         self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
         self._replacing: set[asyncio.Task] = set()  # dead runners' replacements starting
-        self.lend_fraction, self.distkv_overlap = lend_fraction, distkv_overlap
-        self.kv_network: KVNetwork | None = None  # thread runners
-        self.kv_ray = None  # ray runners: scheduler/distkv_ray.py RayKVGroup
         self.kv_swapped_blocks = 0  # blocks DGFM brought home
         self._closed = False
         self._dgfm_started = False
+        # DistKV (scheduler/distkv/group.py), None when off
+        self.kv_group: KVGroup | None = None
         if distkv:
-            if all(r.backend == "ray" for r in runners):
-                from scheduler.distkv_ray import RayKVGroup
-
-                self.kv_ray = RayKVGroup(lend_fraction, overlap=True, transport=distkv_transport)
-            elif all(r.backend == "thread" for r in runners):
-                self.kv_network = KVNetwork()
-            else:
-                log.warning("DistKV needs runners of one backend; it is off")
+            self.kv_group = make_kv_group(
+                {r.backend for r in runners}, lend_fraction, distkv_overlap, distkv_transport
+            )
             for slot in self.slots:
                 self._join_distkv(slot)
 
     def _join_distkv(self, slot: RunnerSlot) -> None:
         """The runner lends blocks and may borrow them (before it takes any request)."""
-        net, h = self.kv_network, slot.handle
-        if self.kv_ray is not None and h.backend == "ray":
-            self.kv_ray.join(h)
-            return
-        if net is None or getattr(h, "engine", None) is None:
-            return
-        if h.engine.swap is not None:
-            log.warning("runner %s runs the mlfq policy: it takes no part in DistKV", h.runner_id)
-            return
-        caps = default_caps(h.kv_blocks_total, self.lend_fraction)
-        borrower = net.add_runner(slot.runner_id)
-        rm = h.engine.enable_distkv(
-            slot.runner_id, borrower, caps, self.distkv_overlap, pool=net.pool
-        )
-        net.attach(slot.runner_id, rm, getattr(h, "node", ""))
+        if self.kv_group is not None:
+            self.kv_group.join(slot.handle)
 
     def _leave_distkv(self, slot: RunnerSlot, dead: bool) -> None:
-        if self.kv_network is not None:
-            self.kv_network.remove(slot.runner_id, dead)
-        if self.kv_ray is not None:
-            self.kv_ray.leave(slot.runner_id)
+        if self.kv_group is not None:
+            self.kv_group.leave(slot.runner_id, dead)
 
     async def defragment_kv(self, min_swap: int = DGFM_MIN_SWAP) -> list[Swap]:
-        """DGFM: swap the debt cycles of at least min_swap blocks home (scheduler/dgfm.py),
-        with the runners on them paused between steps (thread runners here, Ray runners by
-        actor calls: scheduler/distkv_ray.py). Returns the swaps done."""
-        net = self.kv_network
-        if self.kv_ray is not None:
-            live = {s.runner_id for s in self.slots if s.state in (ACTIVE, "draining")}
-            done = await asyncio.to_thread(self.kv_ray.defragment, live, min_swap)
-        elif net is None:
+        """DGFM: swap the debt cycles of at least min_swap blocks home (scheduler/distkv/dgfm.py)
+        among the live runners, each cycle's runners held between two steps. Returns the
+        swaps done."""
+        if self.kv_group is None:
             return []
-        else:
-            swaps, _ = plan_swaps(net.ledger.debts(), min_swap)
-            rids = {r for s in swaps for r in s.cycle}
-            slots = [
-                s for s in self.slots if s.runner_id in rids and s.state in (ACTIVE, "draining")
-            ]
-            if not swaps or len(slots) != len(rids):
-                return []  # nothing to do, or a runner on a cycle is gone
-            engines = {s.runner_id: s.handle.engine for s in slots}
-            done = await asyncio.to_thread(
-                paused, [s.handle for s in slots], lambda: net.defragment(engines, min_swap)
-            )
+        live = {s.runner_id: s.handle for s in self.slots if s.state in (ACTIVE, "draining")}
+        done = await self.kv_group.defragment(live, min_swap)
         for s in done:
             self.kv_swapped_blocks += s.blocks * len(s.cycle)
             log.info("DGFM: %d blocks of each of %s came home", s.blocks, " -> ".join(s.cycle))
@@ -325,7 +270,7 @@ class Scheduler:
         while not self._closed:
             await asyncio.sleep(DGFM_INTERVAL_S)
             try:
-                if self.kv_ray is not None or self.kv_network.ledger.debts():
+                if self.kv_group.has_work():
                     await self.defragment_kv()
             except Exception:
                 log.exception("DGFM swap failed")
@@ -347,7 +292,7 @@ class Scheduler:
         request it is and that tenant's weight, for fair share."""
         if not self.accepting():
             raise NoRunner("no runner is active")
-        if (self.kv_network is not None or self.kv_ray is not None) and not self._dgfm_started:
+        if self.kv_group is not None and not self._dgfm_started:
             self._dgfm_started = True
             self._spawn(self._dgfm_loop())
         self._validate(prompt, sampling, adapter)
@@ -356,12 +301,12 @@ class Scheduler:
         self._queue.set_weight(tenant, weight)
         if self._queue:  # requests wait: the fair order decides who goes next
             self._queue.push(stream)
-            self._kick()
+            self.kick()
         else:
             target = self._place(stream)
             if target is None:
                 self._queue.push(stream)
-                self._kick()  # a tenant below its share may take a slot
+                self.kick()  # a tenant below its share may take a slot
             else:
                 await self._attach(stream, target, initial=True)
         return stream
@@ -412,7 +357,7 @@ class Scheduler:
             exclude = exclude | self._holding_suspects(stream)
         snaps, demand = self.snapshots(), stream.demand()
         rid = place(snaps, demand, exclude)
-        if rid is None and (self.kv_network is not None or self.kv_ray is not None):
+        if rid is None and self.kv_group is not None:
             active = [s for s in snaps if s.state == ACTIVE and s.runner_id not in exclude]
             if active and not any(fits_alone(s, demand) for s in active):
                 rid = place_distributed(snaps, demand, exclude)
@@ -458,12 +403,12 @@ class Scheduler:
             if initial:
                 raise
             stream.fail(f"the request could not be placed again: {exc}")
-            self._kick()
+            self.kick()
             return
         if stream.closed:  # the caller left while it was being placed
             await inner.aclose()
             slot.streams.pop(stream.request_id, None)
-            self._kick()
+            self.kick()
             return
         stream.inner = inner
         if stream.queue_wait is None:  # its first placement: the prompt is served now
@@ -487,7 +432,7 @@ class Scheduler:
         else:
             self._spawn(self._attach(stream, target))
 
-    def _kick(self) -> None:
+    def kick(self) -> None:
         """Place waiting requests while runners have room, in the fair order (the least
         served tenant's oldest first; with fair share off, the oldest). A suspect that only
         waits for a runner without another suspect keeps its place but lets others by. When
@@ -513,7 +458,7 @@ class Scheduler:
         for stream in reversed(held):
             self._queue.push(stream, front=True)
 
-    def _served(self, stream: ClusterStream, tokens: int) -> None:
+    def stream_served(self, stream: ClusterStream, tokens: int) -> None:
         """`stream` received `tokens` new tokens: its tenant's counter grows."""
         self._queue.served(stream, output_tokens=tokens)
 
@@ -592,14 +537,14 @@ class Scheduler:
             )
         finally:
             victim.yielding = False
-            self._kick()
+            self.kick()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _done(self, stream: ClusterStream) -> None:
+    def stream_done(self, stream: ClusterStream) -> None:
         """A stream ended (finished, aborted, failed): its place is free."""
         if stream.slot is not None:
             stream.slot.streams.pop(stream.request_id, None)
@@ -607,7 +552,7 @@ class Scheduler:
                 stream.slot.idle_since = time.monotonic()
             stream.slot = None
         self._queue.remove(stream)
-        self._kick()
+        self.kick()
 
     # -- migration ----------------------------------------------------------------------------
     def _preempted(self, stream: ClusterStream) -> None:
@@ -686,9 +631,11 @@ class Scheduler:
             return True
         finally:
             stream.moving = False
-            self._kick()
+            self.kick()
 
-    async def _lost(self, stream: ClusterStream, error: str, in_failed_step: bool = False) -> None:
+    async def stream_lost(
+        self, stream: ClusterStream, error: str, in_failed_step: bool = False
+    ) -> None:
         """The stream's runner died: continue from what the client was sent. in_failed_step:
         the request was in the step that raised; a request in QUARANTINE_STEPS failed steps
         in a row ends with an error (a poison request is not retried for ever, nor allowed
@@ -709,7 +656,7 @@ class Scheduler:
                     f"this request was in {stream.failed_steps} engine steps that failed "
                     f"(last: {error}); it is not retried"
                 )
-                self._kick()
+                self.kick()
                 return
         if stream.failures >= MAX_FAILURES:
             stream.fail(f"the request failed on {stream.failures} runners; last: {error}")
@@ -717,7 +664,7 @@ class Scheduler:
         stream.resume = stream.resume_point()
         self.migrations[("failure", "recompute")] += 1
         self._requeue(stream)
-        self._kick()
+        self.kick()
 
     def _runner_died(self, slot: RunnerSlot, error: str) -> None:
         if slot.state == "dead":
@@ -803,7 +750,7 @@ class Scheduler:
                     delay = self.restart.delay(slot.streak + slot.start_failures - 1)
                     continue
                 self.restarts += 1
-                self._kick()
+                self.kick()
                 return
         except asyncio.CancelledError:  # its event loop ended: a later one starts it over
             if slot.state != ACTIVE:
@@ -848,7 +795,7 @@ class Scheduler:
             slots.append(slot)
         results = await asyncio.gather(*(self._start(s) for s in slots), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        self._kick()
+        self.kick()
         if errors:
             raise ClusterError(500, "runner_start_failed", f"a runner failed to start: {errors[0]}")
         return [s.runner_id for s in slots]
@@ -1015,8 +962,8 @@ class Scheduler:
         for s in self.slots:
             if s.handle is not None and s.state != "dead":
                 s.handle.shutdown()
-        if self.kv_network is not None:
-            self.kv_network.shutdown()
+        if self.kv_group is not None:
+            self.kv_group.shutdown()
 
 
 def _where(handle) -> tuple:
@@ -1039,152 +986,3 @@ def _let_go(box: list) -> None:
         log.exception("stopping dead runner %s failed", getattr(handle, "runner_id", "?"))
     del handle
     thaw("a dead runner let go")  # its engine's objects, frozen at its start, are collected
-
-
-class ClusterStream:
-    """One request's outputs as its client sees them, across moves between runners."""
-
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        tenant: str = "",
-    ) -> None:
-        self.scheduler = scheduler
-        self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
-        self.request_id = request_id
-        self.tenant = tenant  # whose request (fair share)
-        self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
-        self.created = time.monotonic()
-        self.queue_wait: float | None = None  # seconds until it was first placed
-        self.slot: RunnerSlot | None = None
-        self.inner: RequestStream | None = None
-        self.placed = asyncio.Event()
-        self.resume: Resume | None = None
-        self.moving = False
-        self.yielding = False  # giving its slot to another tenant's request (fair share)
-        self.closed = False
-        self.failures = 0  # runners that died under it
-        # failed steps it was in since its last token (QUARANTINE_STEPS of them end it)
-        self.failed_steps = 0
-        self.runners_seen: list[str] = []  # every runner it was placed on, in order
-        self.retired: list[RequestStream] = []  # streams of runners it left, not yet read out
-        self._done = False
-        self._final: RequestOutput | None = None
-        self._last: RequestOutput | None = None
-        self._emitted_chars = 0
-
-    @property
-    def suspect(self) -> bool:
-        """It was in a step that failed and has produced no token since: it may be what made
-        the step fail, so it is retried on a runner holding no other suspect."""
-        return self.failed_steps > 0
-
-    @property
-    def num_tokens(self) -> int:
-        generated = len(self._last.token_ids) if self._last is not None else 0
-        if self.resume is not None:
-            generated = max(generated, len(self.resume.output_token_ids))
-        return len(self.prompt) + generated
-
-    def demand(self) -> Demand:
-        return Demand(self.adapter, self.num_tokens)
-
-    def resume_point(self) -> Resume | None:
-        """Where the client stands: what to recompute after a runner failure."""
-        last = self._last
-        if last is None or not last.token_ids:
-            return self.resume
-        return Resume(
-            output_token_ids=tuple(last.token_ids),
-            emitted_chars=self._emitted_chars,
-            logprobs=tuple(last.logprobs or ()),
-            prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs else None,
-        )
-
-    def fail(self, error: str) -> None:
-        """End the stream with an ERROR output carrying what was generated."""
-        if self._done or self._final is not None:
-            return
-        last = self._last
-        self._final = RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt,
-            token_ids=list(last.token_ids) if last else [],
-            text=last.text if last else "",
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=FinishReason.ERROR,
-            error=error,
-        )
-        self.placed.set()
-
-    def __aiter__(self) -> ClusterStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._final is not None:
-                out, self._final = self._final, None
-                self._finish()
-                return out
-            if self._done:
-                raise StopAsyncIteration
-            if self.retired:
-                try:
-                    out = await self.retired[0].__anext__()
-                except (StreamMoved, StopAsyncIteration):
-                    self.retired.pop(0)
-                    continue
-                return self._deliver(out)
-            inner = self.inner
-            if inner is None:
-                try:
-                    await self.placed.wait()
-                except BaseException:
-                    await self.aclose()
-                    raise
-                continue
-            try:
-                out = await inner.__anext__()
-            except StreamMoved:  # its outputs from the old runner are all read
-                if inner in self.retired:
-                    self.retired.remove(inner)
-                continue
-            except RunnerLost as exc:
-                if self.inner is inner:
-                    await self.scheduler._lost(self, str(exc), exc.in_failed_step)
-                continue
-            except StopAsyncIteration:
-                continue
-            return self._deliver(out)
-
-    def _deliver(self, out: RequestOutput) -> RequestOutput:
-        self._last = out
-        self._emitted_chars += len(out.new_text)
-        if out.new_token_ids:
-            self.scheduler._served(self, len(out.new_token_ids))
-        if out.finished:
-            self._finish()
-        elif self.suspect and out.new_token_ids:  # it got past the step that failed
-            self.failed_steps = 0
-            self.scheduler._kick()  # the next suspect may go where it is
-        return out
-
-    def _finish(self) -> None:
-        self._done = True
-        self.scheduler._done(self)
-
-    async def aclose(self) -> None:
-        if self._done:
-            return
-        self.closed = True
-        self._done = True
-        inner = self.inner
-        if inner is not None:
-            await inner.aclose()
-        self.scheduler._done(self)

@@ -212,7 +212,7 @@ class RunnerActor:
     def unregister_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)
 
-    # -- DistKV (scheduler/distkv_ray.py) ---------------------------------------------------
+    # -- DistKV (scheduler/distkv/ray_group.py) ---------------------------------------------------
     def kv_enable(
         self,
         gmanager,
@@ -230,8 +230,8 @@ class RunnerActor:
 
         import ray
 
-        from scheduler.distkv_ray import DataPlane, RayBorrower
-        from scheduler.kv_channel import KVChannelServer
+        from scheduler.distkv.channel import KVChannelServer
+        from scheduler.distkv.ray_group import DataPlane, RayBorrower
 
         plane = DataPlane(transport, authkey, self.info_.node)
         self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity, plane)
@@ -258,7 +258,7 @@ class RunnerActor:
         return {"lent": self.rm.lent_blocks, "calls": self.rm.calls, "frames": frames}
 
     def kv_heartbeat(self):
-        from scheduler.gmanager import Heartbeat
+        from scheduler.distkv.ledger import Heartbeat
 
         return Heartbeat(self.runner_id, self.rm.lendable(), 0.0, self.info_.node)
 
@@ -279,7 +279,7 @@ class RunnerActor:
     def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
         return self.micro[debtor].run(layer, q, k, v, scale)
 
-    # -- DGFM (scheduler/distkv_ray.py RayKVGroup.defragment drives these) --------------------
+    # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
     def dgfm_hold(self, timeout: float = 30.0) -> None:
         """Hold the engine thread between two steps (a command that waits for dgfm_release)
         and lend nothing meanwhile; returns once it is held."""
@@ -303,17 +303,17 @@ class RunnerActor:
             done.set()
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-        from scheduler.distkv import pick
+        from scheduler.distkv.network import pick
 
         return pick(self.engine, creditor, blocks)
 
     def dgfm_take(self, debtor: str, picks: list) -> list:
-        from scheduler.distkv import take_home
+        from scheduler.distkv.network import take_home
 
         return [kv.cpu() for kv in take_home(self.rm, debtor, picks)]  # to another process
 
     def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
-        from scheduler.distkv import bring_home
+        from scheduler.distkv.network import bring_home
 
         bring_home(self.engine, self.runner_id, creditor, picks, data)
 

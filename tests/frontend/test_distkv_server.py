@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from live_server import start_server
 
-from scheduler.distkv import default_caps
+from scheduler.distkv.network import default_caps
 
 BLOCK_BYTES = 8192  # one float32 KV block (16 tokens) of the tiny model
 RUNNER_BLOCKS = 8  # 128 tokens a runner

@@ -305,7 +305,7 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
     DGFM, with both held between steps, copies the KV across, brings each side's blocks home,
     cuts the debts by the blocks moved, and both requests finish with one big engine's
     tokens."""
-    from scheduler.distkv_ray import RayKVGroup
+    from scheduler.distkv.ray_group import RayKVGroup
 
     w0 = [(i * 5) % 200 + 3 for i in range(430)]  # 27 blocks: more than A has
     w1 = [(i * 11) % 200 + 3 for i in range(230)]  # 15 blocks: more than B has
@@ -354,7 +354,7 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
                 if debts.get(("B", "A"), 0) >= 4:
                     break
                 await asyncio.sleep(0.01)
-            swaps = await asyncio.to_thread(group.defragment, {"A", "B", "C"}, 4)
+            swaps = await asyncio.to_thread(group.defragment_blocking, {"A", "B", "C"}, 4)
             after = await asyncio.to_thread(group.debts)
             outs = await asyncio.gather(*(consume(s) for s in streams[::-1]))
             for _ in range(100):  # the loans' returns reach the ledger actor asynchronously

@@ -1,4 +1,4 @@
-"""DistKV's socket data plane (scheduler/kv_channel.py): a debtor's KVChannel to a creditor's
+"""DistKV's socket data plane (scheduler/distkv/channel.py): a debtor's KVChannel to a creditor's
 KVChannelServer gives exactly what calling the creditor's rManager directly gives (out, lse
 and the K/V written into the lent blocks), over the Unix socket and over TCP, in float32 and
 bfloat16; the creditor's errors come back as themselves; a creditor that is gone, or a key
@@ -16,7 +16,7 @@ from punica_x.attention import get_attention_backend
 from punica_x.attention.paged import SeqSpan
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.rmanager import LendCaps, MicroPlan, PeerLost, RManager
-from scheduler.kv_channel import ChannelAddress, KVChannel, KVChannelServer
+from scheduler.distkv.channel import ChannelAddress, KVChannel, KVChannelServer
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 2, 2, 4, 8, 4
 KEY = b"k" * 32

@@ -17,8 +17,8 @@ import torch
 
 from punica_x.core import Request
 from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
-from scheduler.dgfm import Swap, plan_swaps
-from scheduler.gmanager import DebtLedger, Heartbeat
+from scheduler.distkv.dgfm import Swap, plan_swaps
+from scheduler.distkv.ledger import DebtLedger, Heartbeat
 
 
 def default_caps(num_blocks: int, lend_fraction: float = 0.9, max_requests: int = 8) -> LendCaps:
@@ -92,7 +92,7 @@ class KVNetwork:
 
     # -- DGFM -------------------------------------------------------------------------------
     def defragment(self, engines: dict, min_swap: int = 4) -> list[Swap]:
-        """Plan the debt-cycle swaps (scheduler/dgfm.py) and carry them out. `engines`
+        """Plan the debt-cycle swaps (scheduler/distkv/dgfm.py) and carry them out. `engines`
         (runner id -> Engine) must not be stepping meanwhile (the caller pauses them).
         Returns the swaps done, with the blocks each moved."""
         swaps, _ = plan_swaps(self.ledger.debts(), min_swap)

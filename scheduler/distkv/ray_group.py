@@ -5,7 +5,7 @@ every runner reaches it without the scheduler; it stamps heartbeats with its own
 (processes' monotonic clocks differ). A debtor's borrower asks its peers for heartbeats when
 the ledger's are older than HEARTBEAT_S, then for suggestions, then asks the creditors in
 turn (RunnerActor.kv_lend). Data plane (transport "socket", the default): every runner
-serves its rManager on a KVChannelServer (scheduler/kv_channel.py; a Unix socket for peers
+serves its rManager on a KVChannelServer (scheduler/distkv/channel.py; a Unix socket for peers
 on its node, TCP for the others, the group's key authenticates) and a debtor keeps one
 KVChannel per creditor: per step the MicroPlan, per layer one frame with the query rows and
 new K/V, (out, lse) back; straight between the runner processes, never through the scheduler
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 
 from punica_x.kv.rmanager import MicroPlan, PeerLost, RemoteExtent
-from scheduler.gmanager import DebtLedger, Heartbeat
-from scheduler.kv_channel import ChannelAddress, KVChannel
+from scheduler.distkv.channel import ChannelAddress, KVChannel
+from scheduler.distkv.ledger import DebtLedger, Heartbeat
 
 TRANSPORTS = ("socket", "ray")
 
@@ -242,7 +242,7 @@ class RayKVGroup:
         self.addresses: dict[str, ChannelAddress] = {}
 
     def _caps(self, runner):
-        from scheduler.distkv import default_caps
+        from scheduler.distkv.network import default_caps
 
         return default_caps(runner.kv_blocks_total, self.lend_fraction)
 
@@ -272,9 +272,9 @@ class RayKVGroup:
         )
         self._update()
 
-    def leave(self, runner_id: str) -> None:
-        """A runner left (dead or drained): its loans are freed on the others, which stop
-        asking it; its blocks are gone (its debtors see PeerLost and recompute)."""
+    def leave(self, runner_id: str, dead: bool = True) -> None:
+        """A runner left (dead or drained: the same here): its loans are freed on the others,
+        which stop asking it; its blocks are gone (its debtors see PeerLost and recompute)."""
         if self.members.pop(runner_id, None) is None:
             return
         self.addresses.pop(runner_id, None)
@@ -288,15 +288,27 @@ class RayKVGroup:
 
         return ray.get(self.gmanager.debts.remote(), timeout=CALL_TIMEOUT_S)
 
-    def defragment(self, runner_ids: set[str], min_swap: int = 4) -> list:
+    async def defragment(self, slots: dict[str, object], min_swap: int = 4) -> list:
+        """KVGroup.defragment: defragment_blocking on a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.defragment_blocking, set(slots), min_swap)
+
+    def has_work(self) -> bool:
+        return True  # the ledger is in its actor: a pass asks it
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the ledger actor goes with the Ray session."""
+
+    def defragment_blocking(self, runner_ids: set[str], min_swap: int = 4) -> list:
         """DGFM between Ray runners (blocking Ray calls: run it off the event loop): plan the
-        debt-cycle swaps (scheduler/dgfm.py) among `runner_ids` and carry each out as
-        scheduler/distkv.py does in one process: the cycle's runners held between steps and
+        debt-cycle swaps (scheduler/distkv/dgfm.py) among `runner_ids` and carry each out as
+        scheduler/distkv/network.py does in one process: the cycle's runners held between steps and
         lending nothing; each debtor names up to `blocks` blocks it holds on its creditor;
         every creditor copies those blocks' KV and takes them back; every debtor puts the KV
         in blocks of its own (freed by its own debtor's take) and points its request there.
         Returns the swaps done, with the blocks each moved."""
-        from scheduler.dgfm import Swap, plan_swaps
+        from scheduler.distkv.dgfm import Swap, plan_swaps
 
         swaps, _ = plan_swaps(self.debts(), min_swap)
         done = []
@@ -309,10 +321,10 @@ class RayKVGroup:
         return done
 
     def _swap(self, swap) -> int:
-        """One cycle's swap by actor calls (the steps of scheduler/distkv.py's swap)."""
+        """One cycle's swap by actor calls (the steps of scheduler/distkv/network.py's swap)."""
         import ray
 
-        from scheduler.distkv import trim_picks
+        from scheduler.distkv.network import trim_picks
 
         actor = {rid: self.members[rid].actor for rid in swap.cycle}
 

@@ -14,7 +14,7 @@ from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason, SamplingParams
 from punica_x.engine import Engine
 from punica_x.models.loader import load_model
-from scheduler.distkv import KVNetwork, default_caps
+from scheduler.distkv.network import KVNetwork, default_caps
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -320,7 +320,7 @@ def test_paused_holds_every_runner_between_steps_while_fn_runs(shared):
     waits until the swap is done."""
     import threading
 
-    from scheduler.cluster import paused
+    from scheduler.distkv.group import paused
 
     async def main():
         sched = cluster(shared, [6, 6])

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from scheduler.dgfm import Swap, find_cycle, plan_swaps, remote_blocks
+from scheduler.distkv.dgfm import Swap, find_cycle, plan_swaps, remote_blocks
 
 
 def balance(debts) -> dict[str, int]:

@@ -4,7 +4,7 @@ only periodically (loose consistency), debts recorded and cancelled."""
 
 from __future__ import annotations
 
-from scheduler.gmanager import MAX_SUGGESTIONS, DebtLedger, Heartbeat
+from scheduler.distkv.ledger import MAX_SUGGESTIONS, DebtLedger, Heartbeat
 
 
 def ledger_with(free: dict[str, int], now=0.0, nodes=None, **kw) -> DebtLedger:

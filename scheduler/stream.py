@@ -1,0 +1,184 @@
+"""One request's stream as its client sees it, across moves between runners.
+
+A ClusterStream holds the request (prompt, sampling, adapter, tenant) and everything it has
+delivered, so the request can be recomputed elsewhere from where the client stands
+(resume_point). It reads the outputs of the runner stream it is placed on (`inner`), then of
+the streams of runners it left (`retired`), and tells its owner (the Scheduler, through the
+StreamOwner methods) what happens: tokens served, a runner lost under it, its end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
+from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
+from scheduler.placement import Demand
+
+
+class StreamOwner(Protocol):
+    """What a ClusterStream tells the scheduler that placed it."""
+
+    async def stream_lost(
+        self, stream: ClusterStream, error: str, in_failed_step: bool = False
+    ) -> None:
+        """The runner under `stream` is gone (its step failed when in_failed_step)."""
+
+    def stream_served(self, stream: ClusterStream, tokens: int) -> None:
+        """`stream` delivered `tokens` new tokens (fair share counts them)."""
+
+    def stream_done(self, stream: ClusterStream) -> None:
+        """`stream` ended (finished, failed or closed by its client)."""
+
+    def kick(self) -> None:
+        """Room may have appeared: place what waits."""
+
+
+class ClusterStream:
+    """One request's outputs as its client sees them, across moves between runners."""
+
+    def __init__(
+        self,
+        owner: StreamOwner,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        tenant: str = "",
+    ) -> None:
+        self.owner = owner
+        self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
+        self.request_id = request_id
+        self.tenant = tenant  # whose request (fair share)
+        self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
+        self.created = time.monotonic()
+        self.queue_wait: float | None = None  # seconds until it was first placed
+        self.slot = None  # the RunnerSlot it is on (scheduler/cluster.py), None while queued
+        self.inner: RequestStream | None = None
+        self.placed = asyncio.Event()
+        self.resume: Resume | None = None
+        self.moving = False
+        self.yielding = False  # giving its slot to another tenant's request (fair share)
+        self.closed = False
+        self.failures = 0  # runners that died under it
+        # failed steps it was in since its last token (QUARANTINE_STEPS of them end it)
+        self.failed_steps = 0
+        self.runners_seen: list[str] = []  # every runner it was placed on, in order
+        self.retired: list[RequestStream] = []  # streams of runners it left, not yet read out
+        self._done = False
+        self._final: RequestOutput | None = None
+        self._last: RequestOutput | None = None
+        self._emitted_chars = 0
+
+    @property
+    def suspect(self) -> bool:
+        """It was in a step that failed and has produced no token since: it may be what made
+        the step fail, so it is retried on a runner holding no other suspect."""
+        return self.failed_steps > 0
+
+    @property
+    def num_tokens(self) -> int:
+        generated = len(self._last.token_ids) if self._last is not None else 0
+        if self.resume is not None:
+            generated = max(generated, len(self.resume.output_token_ids))
+        return len(self.prompt) + generated
+
+    def demand(self) -> Demand:
+        return Demand(self.adapter, self.num_tokens)
+
+    def resume_point(self) -> Resume | None:
+        """Where the client stands: what to recompute after a runner failure."""
+        last = self._last
+        if last is None or not last.token_ids:
+            return self.resume
+        return Resume(
+            output_token_ids=tuple(last.token_ids),
+            emitted_chars=self._emitted_chars,
+            logprobs=tuple(last.logprobs or ()),
+            prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs else None,
+        )
+
+    def fail(self, error: str) -> None:
+        """End the stream with an ERROR output carrying what was generated."""
+        if self._done or self._final is not None:
+            return
+        last = self._last
+        self._final = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            token_ids=list(last.token_ids) if last else [],
+            text=last.text if last else "",
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            error=error,
+        )
+        self.placed.set()
+
+    def __aiter__(self) -> ClusterStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._final is not None:
+                out, self._final = self._final, None
+                self._finish()
+                return out
+            if self._done:
+                raise StopAsyncIteration
+            if self.retired:
+                try:
+                    out = await self.retired[0].__anext__()
+                except (StreamMoved, StopAsyncIteration):
+                    self.retired.pop(0)
+                    continue
+                return self._deliver(out)
+            inner = self.inner
+            if inner is None:
+                try:
+                    await self.placed.wait()
+                except BaseException:
+                    await self.aclose()
+                    raise
+                continue
+            try:
+                out = await inner.__anext__()
+            except StreamMoved:  # its outputs from the old runner are all read
+                if inner in self.retired:
+                    self.retired.remove(inner)
+                continue
+            except RunnerLost as exc:
+                if self.inner is inner:
+                    await self.owner.stream_lost(self, str(exc), exc.in_failed_step)
+                continue
+            except StopAsyncIteration:
+                continue
+            return self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> RequestOutput:
+        self._last = out
+        self._emitted_chars += len(out.new_text)
+        if out.new_token_ids:
+            self.owner.stream_served(self, len(out.new_token_ids))
+        if out.finished:
+            self._finish()
+        elif self.suspect and out.new_token_ids:  # it got past the step that failed
+            self.failed_steps = 0
+            self.owner.kick()  # the next suspect may go where it is
+        return out
+
+    def _finish(self) -> None:
+        self._done = True
+        self.owner.stream_done(self)
+
+    async def aclose(self) -> None:
+        if self._done:
+            return
+        self.closed = True
+        self._done = True
+        inner = self.inner
+        if inner is not None:
+            await inner.aclose()
+        self.owner.stream_done(self)
