@@ -34,23 +34,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from punica_x.async_engine import RunnerLost
 from punica_x.core import SamplingParams
-from punica_x.heap import thaw
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from scheduler.adapters import AdapterRegistry
 from scheduler.distkv.dgfm import Swap
 from scheduler.distkv.group import KVGroup, make_kv_group
-from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
+from scheduler.errors import ClusterError, NoRunner
+from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
+from scheduler.interface import ModelInfo, RunnerStats
 from scheduler.local import LocalRunner
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 from scheduler.placement import (
@@ -74,40 +75,6 @@ DGFM_INTERVAL_S = 1.0  # how often the scheduler looks for debt cycles to swap h
 DGFM_MIN_SWAP = 4  # blocks: smaller swaps are not worth pausing the runners
 MAX_FAILURES = 3  # runners a request may see fail under it before it ends with an error
 QUARANTINE_STEPS = 2  # failed steps in a row a request may be in before it ends with an error
-KEEP_DEAD = 8  # dead runners still listed (GET /admin/runners) before the oldest is dropped
-
-
-class ClusterError(Exception):
-    """A refused cluster operation; `status` is the HTTP status the admin API answers."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-class NoRunner(RuntimeError):
-    """No runner is active or starting: nothing can take a request now."""
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How a dead runner is replaced (through the scheduler's factory): at once the first
-    time; while each replacement dies within stable_s of taking work, the next one starts
-    after backoff_s, then twice that, ... up to max_backoff_s; a runner that stayed up
-    stable_s is replaced at once again. A replacement whose start fails is tried again
-    (with the next delay) up to start_attempts times, then left dead."""
-
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    stable_s: float = 60.0
-    start_attempts: int = 3
-
-    def delay(self, level: int) -> float:
-        """Seconds before a replacement when `level` runners of its line died quickly
-        before the one it replaces."""
-        if level <= 0:
-            return 0.0
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (level - 1))
 
 
 @dataclass(frozen=True)
@@ -115,56 +82,6 @@ class SchedulerInfo:
     model: ModelInfo
     lora_target: LoraTarget
     max_lora_rank: int
-
-
-@dataclass(eq=False)
-class RunnerSlot:
-    """A runner as the scheduler tracks it (handle is None while it starts)."""
-
-    runner_id: str
-    index: int
-    backend: str
-    handle: LocalRunner | None = None
-    state: str = "starting"
-    streams: dict[str, ClusterStream] = field(default_factory=dict)
-    idle_since: float = field(default_factory=time.monotonic)
-    error: str | None = None
-    active_since: float = field(default_factory=time.monotonic)
-    replaces: str | None = None  # the dead runner this one was started in place of
-    # runners of its line (each replaced the one before) that died in a row just before it,
-    # all but the first within the restart policy's stable_s of taking work (its backoff)
-    streak: int = 0
-    start_failures: int = 0  # failed starts of this replacement
-    replace_due: bool = False  # dead, and to be replaced once an event loop runs
-    where: tuple = (None, None, None)  # node, pid, device (kept after the handle is let go)
-
-    def snapshot(self) -> RunnerSnapshot:
-        h = self.handle
-        if h is None:
-            return RunnerSnapshot(self.runner_id, self.state, 0, 0, 0, 0, 1, index=self.index)
-        committed = sum(
-            min(blocks_for(s.num_tokens, h.block_size), h.kv_blocks_total)  # a DistKV one
-            for s in self.streams.values()  # holds at most this runner's blocks here
-        )
-        committed += kv_lent(h)
-        return RunnerSnapshot(
-            runner_id=self.runner_id,
-            state=self.state,
-            working_set=len(self.streams),
-            max_batch_size=h.max_batch_size,
-            max_working_set=h.max_working_set,
-            kv_blocks_total=h.kv_blocks_total,
-            kv_blocks_committed=committed,
-            kv_blocks_swap=h.kv_blocks_swap,
-            block_size=h.block_size,
-            resident_adapters=h.resident_adapters(),
-            index=self.index,
-        )
-
-
-def kv_lent(handle) -> int:
-    """Blocks a runner lends to peers' requests (DistKV); 0 when it takes no part."""
-    return handle.stats().kv_blocks_lent
 
 
 class Scheduler:
@@ -192,7 +109,7 @@ class Scheduler:
         lend_fraction: float = 0.9,
         distkv_overlap: bool = False,
         distkv_transport: str = "socket",
-        restart: RestartPolicy | None = RestartPolicy(),
+        restart: RestartPolicy | None = DEFAULT_RESTART,
         fair_share: bool = True,
     ) -> None:
         if not runners:
@@ -200,26 +117,12 @@ class Scheduler:
         first = runners[0]
         self.info = SchedulerInfo(first.model, first.lora_target, first.max_lora_rank)
         self.tokenizer = tokenizer if tokenizer is not None else first.tokenizer
-        self.factory = factory
         self.idle_after = idle_after
-        self.restart = restart
-        self.restarts = 0  # dead runners replaced (the replacement took work)
         self.quarantined = 0  # requests ended as poison (in QUARANTINE_STEPS failed steps)
-        # what open() checks a request against while no runner is active (one is starting)
-        self._limits: RequestLimits = first.limits()
-        self._index = itertools.count()
-        self.slots: list[RunnerSlot] = []
-        for r in runners:
-            slot = RunnerSlot(r.runner_id, next(self._index), r.backend, r, state=ACTIVE)
-            slot.where = _where(r)
-            self.slots.append(slot)
+        self.fleet = Fleet(runners, factory, restart, self)
         self._queue = WaitingQueue(fair_share)
         self._arrivals = itertools.count()  # the order requests arrived in (newest: largest)
-        self._adapters: dict[str, tuple[Path, str | None]] = {}
-        # the scheduler's adapter versions -> each runner's own version of the same files
-        self._versions: dict[int, dict[str, int]] = {}
-        self._version_ids = itertools.count(1)
-        self._current: dict[str, int] = {}  # adapter key -> its current scheduler version
+        self.adapters = AdapterRegistry()
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter(
             {
                 (reason, mode): 0
@@ -229,11 +132,8 @@ class Scheduler:
             }
         )
         self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
-        self.failures: collections.Counter[str] = collections.Counter()  # runner deaths
         self._tasks: set[asyncio.Task] = set()
-        self._replacing: set[asyncio.Task] = set()  # dead runners' replacements starting
         self.kv_swapped_blocks = 0  # blocks DGFM brought home
-        self._closed = False
         self._dgfm_started = False
         # DistKV (scheduler/distkv/group.py), None when off
         self.kv_group: KVGroup | None = None
@@ -243,6 +143,36 @@ class Scheduler:
             )
             for slot in self.slots:
                 self._join_distkv(slot)
+
+    # -- the fleet (scheduler/fleet.py) and what it tells the scheduler (FleetHooks) ----------
+    @property
+    def slots(self) -> list[RunnerSlot]:
+        return self.fleet.slots
+
+    @property
+    def restarts(self) -> int:
+        return self.fleet.restarts
+
+    @property
+    def failures(self) -> collections.Counter[str]:
+        return self.fleet.failures
+
+    @property
+    def _closed(self) -> bool:
+        return self.fleet.closed
+
+    async def install(self, handle) -> None:
+        await self.adapters.install(handle)
+
+    def join(self, slot: RunnerSlot) -> None:
+        self._join_distkv(slot)
+
+    def runner_left(self, slot: RunnerSlot) -> None:
+        self._leave_distkv(slot, dead=True)
+
+    def none_left(self, message: str) -> None:
+        for stream in self._queue.clear():
+            stream.fail(message)
 
     def _join_distkv(self, slot: RunnerSlot) -> None:
         """The runner lends blocks and may borrow them (before it takes any request)."""
@@ -328,22 +258,13 @@ class Scheduler:
     def _validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals a runner would raise; with no runner active, against the last
         runner's limits and the adapters registered here."""
-        active = self._active()
+        active = self.fleet.active()
         if active:
             active[0].handle.validate(prompt, sampling, adapter)
             return
-        self._limits.check(prompt, sampling)
-        if adapter is not None and adapter not in self._adapters:
+        self.fleet.limits.check(prompt, sampling)
+        if adapter is not None and adapter not in self.adapters:
             raise UnknownAdapterError(adapter)
-
-    def _active(self) -> list[RunnerSlot]:
-        return [s for s in self.slots if s.state == ACTIVE]
-
-    def _slot(self, runner_id: str) -> RunnerSlot:
-        for s in self.slots:
-            if s.runner_id == runner_id:
-                return s
-        raise ClusterError(404, "runner_not_found", f"no runner {runner_id!r}")
 
     def snapshots(self) -> list[RunnerSnapshot]:
         return [s.snapshot() for s in self.slots]
@@ -361,7 +282,7 @@ class Scheduler:
             active = [s for s in snaps if s.state == ACTIVE and s.runner_id not in exclude]
             if active and not any(fits_alone(s, demand) for s in active):
                 rid = place_distributed(snaps, demand, exclude)
-        return None if rid is None else self._slot(rid)
+        return None if rid is None else self.fleet.slot(rid)
 
     def _holding_suspects(self, stream: ClusterStream) -> frozenset[str]:
         """Runners that hold a suspect other than `stream` (see ClusterStream.suspect)."""
@@ -389,7 +310,7 @@ class Scheduler:
         except RunnerLost as exc:
             slot.streams.pop(stream.request_id, None)
             stream.slot = None
-            self._runner_died(slot, str(exc))
+            self.fleet.died(slot, str(exc))
             if initial:
                 target = self._place(stream)
                 if target is None:
@@ -423,8 +344,8 @@ class Scheduler:
         it was admitted first)."""
         if stream.closed:
             return
-        if not self._active() and not self._starting():
-            stream.fail(self._no_runner_message())
+        if not self.fleet.active() and not self.fleet.starting():
+            stream.fail(self.fleet.no_runner_message())
             return
         target = self._place(stream)
         if target is None:
@@ -501,7 +422,7 @@ class Scheduler:
         it, has room for `taker`."""
         candidates = [
             st
-            for s in self._active()
+            for s in self.fleet.active()
             for st in s.streams.values()
             if self._queue.key(st) == tenant
             and st.inner is not None
@@ -643,7 +564,7 @@ class Scheduler:
         slot = stream.slot
         if slot is not None:
             slot.streams.pop(stream.request_id, None)
-            self._runner_died(slot, error)
+            self.fleet.died(slot, error)
         stream.slot, stream.inner = None, None
         stream.placed.clear()
         stream.failures += 1
@@ -666,169 +587,23 @@ class Scheduler:
         self._requeue(stream)
         self.kick()
 
-    def _runner_died(self, slot: RunnerSlot, error: str) -> None:
-        if slot.state == "dead":
-            return
-        log.error("runner %s failed: %s; its requests continue elsewhere", slot.runner_id, error)
-        draining = slot.state == "draining"
-        slot.state, slot.error = "dead", error
-        self._leave_distkv(slot, dead=True)
-        self.failures[slot.runner_id] += 1
-        if not draining:  # (a runner being drained was on its way out anyway)
-            slot.replace_due = self._can_replace()
-            self._replace(slot)
-        dead = [s for s in self.slots if s.state == "dead"]
-        for old in dead[: max(0, len(dead) - KEEP_DEAD)]:
-            self.slots.remove(old)
-        self._fail_queue_if_none_left()
-
-    def _fail_queue_if_none_left(self) -> None:
-        """No runner is active or starting: nothing will ever take the waiting requests."""
-        if not self._active() and not self._starting():
-            message = self._no_runner_message()
-            for stream in self._queue.clear():
-                stream.fail(message)
-
-    # -- replacing dead runners ---------------------------------------------------------------
-    def _can_replace(self) -> bool:
-        return self.restart is not None and self.factory is not None and not self._closed
-
-    def _replace(self, dead: RunnerSlot) -> None:
-        """Start a runner in the dead one's place (see RestartPolicy), unless no event loop
-        runs here (check_runners does it on the next call from one)."""
-        if not dead.replace_due:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        dead.replace_due = False
-        old, dead.handle = dead.handle, None  # let its engine (and KV cache) go
-        if old is not None:
-            with contextlib.suppress(Exception):
-                self._limits = old.limits()
-        quick = time.monotonic() - dead.active_since < self.restart.stable_s
-        streak = dead.streak if quick else 0  # quick failures before this one
-        index = next(self._index)
-        slot = RunnerSlot(f"runner-{index}", index, dead.backend, replaces=dead.runner_id)
-        slot.streak = streak + 1
-        self.slots.append(slot)
-        delay = self.restart.delay(streak)
-        log.warning(
-            "starting runner %s in place of %s%s",
-            slot.runner_id,
-            dead.runner_id,
-            f" in {delay:g} s" if delay else "",
-        )
-        task = asyncio.get_running_loop().create_task(self._replacement(slot, old, delay))
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
-
-    async def _replacement(self, slot: RunnerSlot, old, delay: float) -> None:
-        """Stop the dead runner's handle (its process, its thread's engine), wait `delay`,
-        start `slot` as add_runners would (every adapter, DistKV); a failed start is tried
-        again after the next delay, up to start_attempts times."""
-        try:
-            if old is not None:
-                box = [old]
-                del old  # the worker thread holds the last reference, and drops it
-                await asyncio.to_thread(_let_go, box)
-            while True:
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if self._closed or slot not in self.slots:
-                    return
-                try:
-                    await self._start(slot)
-                except Exception as exc:  # _start left it dead
-                    slot.start_failures += 1
-                    log.error("replacement runner %s failed to start: %s", slot.runner_id, exc)
-                    if slot.start_failures >= self.restart.start_attempts or self._closed:
-                        self._fail_queue_if_none_left()
-                        return
-                    slot.state = "starting"
-                    delay = self.restart.delay(slot.streak + slot.start_failures - 1)
-                    continue
-                self.restarts += 1
-                self.kick()
-                return
-        except asyncio.CancelledError:  # its event loop ended: a later one starts it over
-            if slot.state != ACTIVE:
-                slot.state, slot.error = "dead", "its start was cancelled"
-                slot.replace_due = self._can_replace()
-            raise
-
-    def _no_runner_message(self) -> str:
-        errors = [f"{s.runner_id}: {s.error}" for s in self.slots if s.error]
-        return "no runner is left to serve the request" + (f" ({errors[-1]})" if errors else "")
-
-    def _starting(self) -> list[RunnerSlot]:
-        return [s for s in self.slots if s.state == "starting"]
-
     def check_runners(self) -> None:
-        """Notice runners that died between requests (a thread that exited), and replace
-        dead ones that could not be replaced where they died (no event loop there)."""
-        for slot in list(self.slots):
-            if slot.state in (ACTIVE, "draining") and not slot.handle.alive():
-                self._runner_died(slot, slot.handle.error or "the runner stopped")
-            elif slot.state == "dead" and slot.replace_due:
-                self._replace(slot)
+        """Notice runners that died between requests, replace dead ones (Fleet.check)."""
+        self.fleet.check()
+
+    async def add_runners(self, count: int) -> list[str]:
+        """Start `count` runners; each takes work once loaded and given every adapter."""
+        return await self.fleet.add(count)
+
+    def runners(self) -> list[dict]:
+        """What GET /admin/runners lists, one dict per runner."""
+        return self.fleet.rows()
 
     def accepting(self) -> bool:
         """A runner is active or starting: open() takes requests (they may wait here while
         a dead runner's replacement starts). ready() is narrower: a runner takes work now."""
-        self.check_runners()
-        return bool(self._active() or self._starting())
-
-    # -- scale --------------------------------------------------------------------------------
-    async def add_runners(self, count: int) -> list[str]:
-        """Start `count` runners; each takes work once loaded and given every adapter."""
-        if self.factory is None:
-            raise ClusterError(409, "fixed_size", "this server cannot start runners")
-        if not 1 <= count <= 16:
-            raise ClusterError(400, "invalid_value", "count must be in [1, 16]")
-        slots = []
-        for _ in range(count):
-            index = next(self._index)
-            slot = RunnerSlot(f"runner-{index}", index, self.slots[0].backend)
-            self.slots.append(slot)
-            slots.append(slot)
-        results = await asyncio.gather(*(self._start(s) for s in slots), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        self.kick()
-        if errors:
-            raise ClusterError(500, "runner_start_failed", f"a runner failed to start: {errors[0]}")
-        return [s.runner_id for s in slots]
-
-    async def _start(self, slot: RunnerSlot) -> None:
-        try:
-            slot.handle = await asyncio.to_thread(self._build, slot.runner_id)
-            slot.backend = slot.handle.backend
-            slot.where = _where(slot.handle)
-            for key, (path, sha256) in list(self._adapters.items()):
-                info = await slot.handle.register_adapter(key, path, sha256)
-                version = self._current.get(key)
-                if version in self._versions:
-                    self._versions[version][slot.runner_id] = info.version
-        except BaseException as exc:
-            slot.state, slot.error = "dead", f"start failed: {exc}"
-            if slot.handle is not None:
-                await asyncio.to_thread(slot.handle.shutdown)
-            raise
-        await asyncio.to_thread(self._join_distkv, slot)
-        slot.state = ACTIVE
-        slot.idle_since = slot.active_since = time.monotonic()
-        slot.error = None
-        log.info("runner %s is active", slot.runner_id)
-
-    def _build(self, runner_id: str):
-        """factory(runner_id), on a worker thread; a runner built after shutdown() is stopped
-        at once instead of being left running."""
-        handle = self.factory(runner_id)
-        if self._closed:
-            handle.shutdown()
-            raise RuntimeError("the scheduler shut down while the runner started")
-        return handle
+        self.fleet.check()
+        return bool(self.fleet.active() or self.fleet.starting())
 
     async def drain(self, runner_id: str | None = None, mode: str | None = None) -> str:
         """Stop placing on a runner (None: the least loaded), move its requests away (mode:
@@ -837,13 +612,13 @@ class Scheduler:
             runner_id = drain_choice(self.snapshots())
             if runner_id is None:
                 raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
-        slot = self._slot(runner_id)
+        slot = self.fleet.slot(runner_id)
         if slot.state == "dead":
             self.slots.remove(slot)
             return runner_id
         if slot.state != ACTIVE:
             raise ClusterError(409, "not_active", f"runner {runner_id} is {slot.state}")
-        if len(self._active()) <= 1:
+        if len(self.fleet.active()) <= 1:
             raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
         slot.state = "draining"
         rm = getattr(getattr(slot.handle, "engine", None), "rmanager", None)
@@ -871,76 +646,20 @@ class Scheduler:
         idle = {s.runner_id: now - s.idle_since for s in self.slots if not s.streams}
         return advise(self.snapshots(), len(self._queue), idle, self.idle_after)
 
-    def runners(self) -> list[dict]:
-        """What GET /admin/runners lists, one dict per runner."""
-        self.check_runners()
-        rows = []
-        for slot in self.slots:
-            h = slot.handle
-            stats = h.stats() if h is not None and slot.state != "dead" else None
-            node, pid, device = slot.where
-            rows.append(
-                {
-                    "id": slot.runner_id,
-                    "backend": slot.backend,
-                    "node": node,
-                    "pid": pid,
-                    "device": device,
-                    "state": slot.state,
-                    "running": stats.running if stats else 0,
-                    "waiting": stats.waiting if stats else 0,
-                    "kv_blocks_used": stats.kv_blocks_used if stats else 0,
-                    "kv_blocks_free": stats.kv_blocks_free if stats else 0,
-                    # DistKV: blocks lent to peers' requests / its requests hold on peers
-                    "kv_blocks_lent": stats.kv_blocks_lent if stats else 0,
-                    "kv_blocks_borrowed": stats.kv_blocks_borrowed if stats else 0,
-                    "remote_attention_calls": stats.remote_attention_calls if stats else 0,
-                    "remote_attention_seconds": stats.remote_attention_seconds if stats else 0.0,
-                    "resident_adapters": len(h.resident_adapters()) if stats else 0,
-                    "error": slot.error,
-                    "replaces": slot.replaces,  # the dead runner it was started in place of
-                }
-            )
-        return rows
-
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
         self, key: str, path: Path, sha256: str | None = None
     ) -> AdapterInfo:
-        """Register on every live runner; the version returned is the scheduler's own (runners
-        number their versions independently), valid for has_version()."""
-        live = [s for s in self.slots if s.handle is not None and s.state != "dead"]
-        infos = {s.runner_id: await s.handle.register_adapter(key, path, sha256) for s in live}
-        self._adapters[key] = (path, sha256)
-        version = next(self._version_ids)
-        self._versions[version] = {rid: info.version for rid, info in infos.items()}
-        self._current[key] = version
-        return dataclasses.replace(next(iter(infos.values())), version=version)
+        """Register on every live runner at once (scheduler/adapters.py: a refusal rolls the
+        others back); the version returned is the scheduler's own, valid for has_version()."""
+        return await self.adapters.register(key, path, sha256, self.fleet.live_handles())
 
     async def unregister_adapter(self, key: str) -> None:
-        self._adapters.pop(key, None)
-        self._current.pop(key, None)
-        missing = None
-        for s in self.slots:
-            if s.handle is not None and s.state != "dead":
-                try:
-                    await s.handle.unregister_adapter(key)
-                except UnknownAdapterError as exc:
-                    missing = exc
-        if missing is not None:
-            raise missing
+        await self.adapters.unregister(key, self.fleet.live_handles())
 
     def has_version(self, version: int) -> bool:
         """Whether any live runner still holds this version (current, or in use)."""
-        per_runner = self._versions.get(version, {})
-        held = any(
-            s.handle.has_version(per_runner[s.runner_id])
-            for s in self.slots
-            if s.handle is not None and s.state != "dead" and s.runner_id in per_runner
-        )
-        if not held:
-            self._versions.pop(version, None)
-        return held
+        return self.adapters.has_version(version, self.fleet.live_handles())
 
     # -- health -------------------------------------------------------------------------------
     def stats(self) -> RunnerStats:
@@ -951,38 +670,10 @@ class Scheduler:
         return RunnerStats(**total)
 
     def ready(self) -> bool:
-        self.check_runners()
-        return bool(self._active())
+        self.fleet.check()
+        return bool(self.fleet.active())
 
     def shutdown(self) -> None:
-        self._closed = True
-        for task in list(self._replacing):  # (a runner its factory builds now is stopped)
-            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it
-                task.get_loop().call_soon_threadsafe(task.cancel)
-        for s in self.slots:
-            if s.handle is not None and s.state != "dead":
-                s.handle.shutdown()
+        self.fleet.shutdown()
         if self.kv_group is not None:
             self.kv_group.shutdown()
-
-
-def _where(handle) -> tuple:
-    """(node, pid, device) of a runner, listed after it is let go."""
-    return (
-        getattr(handle, "node", None),
-        getattr(handle, "pid", None),
-        getattr(handle, "device", None),
-    )
-
-
-def _let_go(box: list) -> None:
-    """Stop the dead runner's handle in `box` (a Ray actor is killed; a thread runner's
-    engine joins its thread), drop it and collect its engine, so its memory is free before a
-    replacement loads."""
-    handle = box.pop()
-    try:
-        handle.shutdown()
-    except Exception:
-        log.exception("stopping dead runner %s failed", getattr(handle, "runner_id", "?"))
-    del handle
-    thaw("a dead runner let go")  # its engine's objects, frozen at its start, are collected

@@ -252,3 +252,39 @@ def test_scale_up_adds_a_runner_that_takes_work_with_every_adapter(
     assert placed == "runner-1"
     for i, result in enumerate(results):
         check(result, ref[None, "r8"][i])
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_adapter_one_runner_refuses_is_rolled_back_on_the_others(
+    shared, tiny_adapters, existing
+):
+    """Registration is all or nothing: runner-1 refuses; runner-0 and runner-2, which took
+    the files at the same time, go back to what they held before: nothing (a new key), or
+    the previous files under that key (an update), which keep serving."""
+
+    async def main():
+        sched = make_cluster(shared, n=3)
+        if existing:
+            await sched.register_adapter("a", tiny_adapters["r8"])
+        refusing = sched.slots[1].handle
+
+        async def refuse(*_args, **_kwargs):
+            raise ValueError("runner-1 has no room for it")
+
+        refusing.register_adapter = refuse
+        with pytest.raises(ValueError, match="no room"):
+            await sched.register_adapter("a", tiny_adapters["r16"])
+        held = {
+            s.runner_id: (s.handle.engine.adapters.info("a").rank if "a" in names else None)
+            for s in sched.slots
+            for names in [s.handle.engine.adapters.names()]
+        }
+        known = "a" in sched.adapters
+        sched.shutdown()
+        return held, known
+
+    held, known = asyncio.run(main())
+    if existing:
+        assert held == {"runner-0": 8, "runner-1": 8, "runner-2": 8} and known
+    else:
+        assert held == {"runner-0": None, "runner-1": None, "runner-2": None} and not known
