@@ -93,7 +93,7 @@ async def measure_backend(backend: str, args) -> tuple[list[dict], MigrationCost
         batch=BatchConfig(max_batch_size=4),
     )
     sched = await asyncio.to_thread(build, backend, config)
-    kv_bpt = sched.slots[0].handle.kv_bytes_per_token
+    kv_bpt = sched.slots[0].handle.info.kv_bytes_per_token
     await one_move(sched, 64, COPY, 0)  # warm both runners (first steps, kernels, pools)
     await one_move(sched, 64, RECOMPUTE, 1)
     points = []

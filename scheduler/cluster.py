@@ -51,8 +51,7 @@ from scheduler.distkv.dgfm import Swap
 from scheduler.distkv.group import KVGroup, make_kv_group
 from scheduler.errors import ClusterError, NoRunner
 from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
-from scheduler.interface import ModelInfo, RunnerStats
-from scheduler.local import LocalRunner
+from scheduler.interface import ModelInfo, RunnerHandle, RunnerStats
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 from scheduler.placement import (
     ACTIVE,
@@ -101,8 +100,8 @@ class Scheduler:
 
     def __init__(
         self,
-        runners: list[LocalRunner],
-        factory: Callable[[str], LocalRunner] | None = None,
+        runners: list[RunnerHandle],
+        factory: Callable[[str], RunnerHandle] | None = None,
         idle_after: float = 60.0,
         tokenizer=None,
         distkv: bool = True,
@@ -115,7 +114,8 @@ class Scheduler:
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
         first = runners[0]
-        self.info = SchedulerInfo(first.model, first.lora_target, first.max_lora_rank)
+        info = first.info
+        self.info = SchedulerInfo(info.model, info.lora_target, info.max_lora_rank)
         self.tokenizer = tokenizer if tokenizer is not None else first.tokenizer
         self.idle_after = idle_after
         self.quarantined = 0  # requests ended as poison (in QUARANTINE_STEPS failed steps)
@@ -491,7 +491,7 @@ class Scheduler:
     def choose_mode(self, stream: ClusterStream, reason: str) -> str:
         h = stream.slot.handle
         costs = self.costs[stream.slot.backend]
-        return choose_mode(stream.num_tokens - 1, h.kv_bytes_per_token, costs, reason)
+        return choose_mode(stream.num_tokens - 1, h.info.kv_bytes_per_token, costs, reason)
 
     async def migrate(
         self,
@@ -621,9 +621,7 @@ class Scheduler:
         if len(self.fleet.active()) <= 1:
             raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
         slot.state = "draining"
-        rm = getattr(getattr(slot.handle, "engine", None), "rmanager", None)
-        if rm is not None:
-            rm.caps = dataclasses.replace(rm.caps, max_blocks=0)  # lends nothing more
+        slot.handle.stop_lending()
         log.info("draining runner %s (%d requests)", runner_id, len(slot.streams))
         while slot.streams:
             for stream in list(slot.streams.values()):

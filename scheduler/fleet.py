@@ -23,8 +23,7 @@ from typing import Protocol
 
 from punica_x.heap import thaw
 from scheduler.errors import ClusterError
-from scheduler.interface import RequestLimits
-from scheduler.local import LocalRunner
+from scheduler.interface import RequestLimits, RunnerHandle
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
 from scheduler.stream import ClusterStream
 
@@ -64,7 +63,7 @@ class RunnerSlot:
     runner_id: str
     index: int
     backend: str
-    handle: LocalRunner | None = None
+    handle: RunnerHandle | None = None
     state: str = "starting"
     streams: dict[str, ClusterStream] = field(default_factory=dict)
     idle_since: float = field(default_factory=time.monotonic)
@@ -82,8 +81,9 @@ class RunnerSlot:
         h = self.handle
         if h is None:
             return RunnerSnapshot(self.runner_id, self.state, 0, 0, 0, 0, 1, index=self.index)
+        i = h.info
         committed = sum(
-            min(blocks_for(s.num_tokens, h.block_size), h.kv_blocks_total)  # a DistKV one
+            min(blocks_for(s.num_tokens, i.block_size), i.kv_blocks_total)  # a DistKV one
             for s in self.streams.values()  # holds at most this runner's blocks here
         )
         committed += kv_lent(h)
@@ -91,12 +91,12 @@ class RunnerSlot:
             runner_id=self.runner_id,
             state=self.state,
             working_set=len(self.streams),
-            max_batch_size=h.max_batch_size,
-            max_working_set=h.max_working_set,
-            kv_blocks_total=h.kv_blocks_total,
+            max_batch_size=i.max_batch_size,
+            max_working_set=i.max_working_set,
+            kv_blocks_total=i.kv_blocks_total,
             kv_blocks_committed=committed,
-            kv_blocks_swap=h.kv_blocks_swap,
-            block_size=h.block_size,
+            kv_blocks_swap=i.kv_blocks_swap,
+            block_size=i.block_size,
             resident_adapters=h.resident_adapters(),
             index=self.index,
         )
@@ -133,8 +133,8 @@ class Fleet:
 
     def __init__(
         self,
-        runners: list[LocalRunner],
-        factory: Callable[[str], LocalRunner] | None,
+        runners: list[RunnerHandle],
+        factory: Callable[[str], RunnerHandle] | None,
         restart: RestartPolicy | None,
         hooks: FleetHooks,
     ) -> None:
@@ -361,11 +361,7 @@ class Fleet:
 
 def _where(handle) -> tuple:
     """(node, pid, device) of a runner, listed after it is let go."""
-    return (
-        getattr(handle, "node", None),
-        getattr(handle, "pid", None),
-        getattr(handle, "device", None),
-    )
+    return handle.info.node, handle.info.pid, handle.info.device
 
 
 def _let_go(box: list) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from punica_x.core import RequestOutput, SamplingParams
+from punica_x.async_engine import RequestStream
+from punica_x.core import Resume, SamplingParams
+from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo
 
 
@@ -75,15 +77,57 @@ class RequestLimits:
         )
 
 
-class RunnerHandle(Protocol):
-    runner_id: str
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What a runner is, built once by the runner from its engine (scheduler/local.py
+    describe_runner) and read by the scheduler: where it runs, its model and LoRA limits, its
+    batch and KV pool."""
+
+    node: str
+    pid: int
+    device: str
     model: ModelInfo
+    lora_target: LoraTarget
+    max_lora_rank: int
+    vocab_size: int
+    max_batch_size: int
+    max_working_set: int
+    block_size: int
+    kv_blocks_total: int
+    kv_bytes_per_token: int
+    kv_blocks_swap: int  # the MLFQ host pool (0 under FCFS)
+
+
+class RunnerHandle(Protocol):
+    """A runner as the scheduler drives it: LocalRunner (a thread in this process) and
+    RayRunner (an actor) implement all of it; the scheduler is typed against this."""
+
+    runner_id: str
+    backend: str  # "thread" or "ray"
+    info: RunnerInfo
+    tokenizer: object | None  # None: the scheduler brings its own (Ray runners)
+    error: str | None  # why it stopped, once it has
+
+    def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
+        """The refusals open() would raise (ValueError, UnknownAdapterError), without
+        adding the request."""
 
     async def open(
-        self, prompt: list[int], sampling: SamplingParams, adapter: str | None, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        resume: Resume | None = None,
+        on_preempt: Callable[[], None] | None = None,
+    ) -> RequestStream:
         """Add a request (refusals raise here) and return its output stream; closing the
-        stream aborts the request."""
+        stream aborts the request. resume: continue a request moved here from its tokens (or
+        its KV); on_preempt: called when the runner preempts it."""
+
+    async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
+        """Take a request out to move it (its stream ends with StreamMoved); with_kv: its
+        KV comes along."""
 
     async def register_adapter(
         self, name: str, path: Path, sha256: str | None = None
@@ -93,9 +137,19 @@ class RunnerHandle(Protocol):
 
     async def unregister_adapter(self, name: str) -> None: ...
 
+    def has_version(self, version: int) -> bool:
+        """Whether this runner still holds its own adapter version `version`."""
+
+    def resident_adapters(self) -> frozenset[str]: ...
+
     def stats(self) -> RunnerStats: ...
 
     def limits(self) -> RequestLimits:
         """What validate() checks prompts against (kept while no runner is active)."""
 
+    def stop_lending(self) -> None:
+        """DistKV: lend no more blocks to peers (a runner being drained)."""
+
     def alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

@@ -19,7 +19,7 @@ from punica_x.core import Resume, SamplingParams
 from punica_x.engine import Engine
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
-from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
+from scheduler.interface import ModelInfo, RequestLimits, RunnerInfo, RunnerStats
 
 
 def engine_stats(e: Engine) -> RunnerStats:
@@ -69,6 +69,36 @@ def _swap_counters(s) -> dict[str, int]:
     )
 
 
+def stop_lending(engine: Engine) -> None:
+    """DistKV: the engine's rManager lends no more blocks (none when it takes no part)."""
+    rm = getattr(engine, "rmanager", None)
+    if rm is not None:
+        rm.caps = dataclasses.replace(rm.caps, max_blocks=0)
+
+
+def describe_runner(engine: Engine, config: EngineConfig) -> RunnerInfo:
+    """The RunnerInfo of a runner over `engine` (in this process or in a Ray actor's)."""
+    loaded = engine.loaded
+    spec = engine.cache.spec
+    return RunnerInfo(
+        node=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(engine.device),
+        model=ModelInfo(
+            loaded.name, loaded.max_model_len, loaded.model_dir, dtype_name(engine.dtype)
+        ),
+        lora_target=engine.adapters.target,
+        max_lora_rank=config.lora.max_lora_rank,
+        vocab_size=engine.model.dims.vocab_size,
+        max_batch_size=config.batch.max_batch_size,
+        max_working_set=config.batch.max_working_set,
+        block_size=engine.cache.block_size,
+        kv_blocks_total=engine.cache.allocator.num_blocks,
+        kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
+        kv_blocks_swap=engine.swap.num_blocks if engine.swap is not None else 0,
+    )
+
+
 class LocalRunner:
     backend = "thread"
 
@@ -84,23 +114,8 @@ class LocalRunner:
             loaded = dataclasses.replace(shared, tokenizer=copy.deepcopy(shared.tokenizer))
         self.engine = Engine(config, loaded)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
-        loaded = self.engine.loaded
-        self.model = ModelInfo(
-            loaded.name, loaded.max_model_len, loaded.model_dir, dtype_name(self.engine.dtype)
-        )
-        self.tokenizer = loaded.tokenizer
-        self.node = socket.gethostname()
-        self.pid = os.getpid()
-        self.device = str(self.engine.device)
-        self.max_batch_size = config.batch.max_batch_size
-        self.max_working_set = config.batch.max_working_set
-        self.block_size = self.engine.cache.block_size
-        self.kv_blocks_total = self.engine.cache.allocator.num_blocks
-        self.kv_blocks_swap = self.engine.swap.num_blocks if self.engine.swap is not None else 0
-        spec = self.engine.cache.spec
-        self.kv_bytes_per_token = spec.bytes_per_block // spec.block_size
-        self.lora_target = self.engine.adapters.target
-        self.max_lora_rank = config.lora.max_lora_rank
+        self.info = describe_runner(self.engine, config)
+        self.tokenizer = self.engine.loaded.tokenizer
 
     def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals open() would raise (ValueError, UnknownAdapterError), checked without
@@ -156,6 +171,9 @@ class LocalRunner:
 
     def stats(self) -> RunnerStats:
         return engine_stats(self.engine)
+
+    def stop_lending(self) -> None:
+        stop_lending(self.engine)
 
     def alive(self) -> bool:
         return self.async_engine.alive()

@@ -29,34 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from punica_x.async_engine import RequestStream, RunnerLost
-from punica_x.config import EngineConfig, dtype_name
+from punica_x.config import EngineConfig
 from punica_x.core import RequestOutput, Resume, SamplingParams
-from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
-from scheduler.interface import ModelInfo, RequestLimits, RunnerStats
+from scheduler.interface import RequestLimits, RunnerInfo, RunnerStats
 
 log = logging.getLogger(__name__)
 
 POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _init_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class ActorInfo:
-    node: str
-    pid: int
-    device: str
-    model: ModelInfo
-    lora_target: LoraTarget
-    max_lora_rank: int
-    vocab_size: int
-    max_batch_size: int
-    max_working_set: int
-    block_size: int
-    kv_blocks_total: int
-    kv_bytes_per_token: int
-    kv_blocks_swap: int  # the MLFQ host pool (0 under FCFS)
 
 
 @dataclass(frozen=True)
@@ -100,7 +82,6 @@ class RunnerActor:
     """Runs in the actor's process (an async actor: its methods share one event loop)."""
 
     def __init__(self, config: EngineConfig, runner_id: str) -> None:
-        import socket
         import tempfile
 
         import torch
@@ -115,27 +96,9 @@ class RunnerActor:
         self.runner_id = runner_id
         self.engine = Engine(config)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
-        loaded = self.engine.loaded
-        self.info_ = ActorInfo(
-            node=socket.gethostname(),
-            pid=os.getpid(),
-            device=str(self.engine.device),
-            model=ModelInfo(
-                loaded.name,
-                loaded.max_model_len,
-                loaded.model_dir,
-                dtype_name(self.engine.dtype),
-            ),
-            lora_target=self.engine.adapters.target,
-            max_lora_rank=config.lora.max_lora_rank,
-            vocab_size=self.engine.model.dims.vocab_size,
-            max_batch_size=config.batch.max_batch_size,
-            max_working_set=config.batch.max_working_set,
-            block_size=self.engine.cache.block_size,
-            kv_blocks_total=self.engine.cache.allocator.num_blocks,
-            kv_bytes_per_token=self.engine.cache.spec.bytes_per_block // config.cache.block_size,
-            kv_blocks_swap=self.engine.swap.num_blocks if self.engine.swap is not None else 0,
-        )
+        from scheduler.local import describe_runner
+
+        self.info_ = describe_runner(self.engine, config)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
         # (seq, kind, request id, payload), kept until a poll acknowledges them: a reply lost
         # on the way (its caller gone) is sent again, so no output is ever dropped
@@ -143,8 +106,13 @@ class RunnerActor:
         self.seq = 0
         self.wakeup: asyncio.Event | None = None
 
-    def info(self) -> ActorInfo:
+    def info(self) -> RunnerInfo:
         return self.info_
+
+    def stop_lending(self) -> None:
+        from scheduler.local import stop_lending
+
+        stop_lending(self.engine)
 
     def _push(self, kind: str, request_id: str, payload: object) -> None:
         self.seq += 1
@@ -362,18 +330,8 @@ class RayRunner:
         )
         self.runner_id = runner_id
         self.actor = actor_cls.remote(config, runner_id)
-        info: ActorInfo = ray.get(self.actor.info.remote())
-        self.info_ = info
-        self.model = info.model
-        self.node, self.pid, self.device = info.node, info.pid, info.device
-        self.max_batch_size = info.max_batch_size
-        self.max_working_set = info.max_working_set
-        self.block_size = info.block_size
-        self.kv_blocks_total = info.kv_blocks_total
-        self.kv_bytes_per_token = info.kv_bytes_per_token
-        self.kv_blocks_swap = info.kv_blocks_swap
-        self.lora_target = info.lora_target
-        self.max_lora_rank = info.max_lora_rank
+        info: RunnerInfo = ray.get(self.actor.info.remote())
+        self.info = info
         self.tokenizer = None  # the scheduler brings its own (describe_model)
         self.error: str | None = None
         self._names: set[str] = set()
@@ -393,7 +351,7 @@ class RayRunner:
             raise UnknownAdapterError(adapter)
 
     def limits(self) -> RequestLimits:
-        i = self.info_
+        i = self.info
         return RequestLimits(
             i.vocab_size,
             i.model.max_model_len,
@@ -533,6 +491,10 @@ class RayRunner:
 
     def resident_adapters(self) -> frozenset[str]:
         return self._snapshot.resident
+
+    def stop_lending(self) -> None:
+        if self.error is None:
+            self.actor.stop_lending.remote()  # fire and forget: it lends nothing from then on
 
     def stats(self) -> RunnerStats:
         # a runner that never took a request still reports (a DistKV creditor's loans)

@@ -78,7 +78,7 @@ class ThreadKVGroup:
             log.warning("runner %s runs the mlfq policy: no part in DistKV", handle.runner_id)
             return
         net, rid = self.network, handle.runner_id
-        caps = default_caps(handle.kv_blocks_total, self.lend_fraction)
+        caps = default_caps(handle.info.kv_blocks_total, self.lend_fraction)
         borrower = net.add_runner(rid)
         rm = engine.enable_distkv(rid, borrower, caps, self.overlap, pool=net.pool)
         net.attach(rid, rm, getattr(handle, "node", ""))

@@ -244,7 +244,7 @@ class RayKVGroup:
     def _caps(self, runner):
         from scheduler.distkv.network import default_caps
 
-        return default_caps(runner.kv_blocks_total, self.lend_fraction)
+        return default_caps(runner.info.kv_blocks_total, self.lend_fraction)
 
     def _capacity(self, runner_id: str) -> int:
         return sum(self._caps(r).max_blocks for rid, r in self.members.items() if rid != runner_id)

@@ -116,7 +116,7 @@ def test_ray_runners_report_their_serving_dtype(cluster, config):
     from punica_x.config import dtype_name
 
     assert cluster.info.model.dtype == dtype_name(config.model.torch_dtype())
-    assert {s.handle.model.dtype for s in cluster.slots} == {cluster.info.model.dtype}
+    assert {s.handle.info.model.dtype for s in cluster.slots} == {cluster.info.model.dtype}
 
 
 def test_drain_moves_streams_between_processes(cluster, reference):
@@ -177,7 +177,7 @@ def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
         ]
         victim = streams[0].slot
         head = await consume(streams[0], until=after)
-        os.kill(victim.handle.pid, signal.SIGKILL)
+        os.kill(victim.handle.info.pid, signal.SIGKILL)
         rest = await asyncio.gather(*(consume(s) for s in streams))
         for _ in range(100):  # the runner may have sent every token before the kill landed:
             cluster.check_runners()  # then its death shows at its next poll, not in a stream
@@ -284,7 +284,7 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(
                 if victim is None and len(tokens) >= 2:
                     victim = lender(runners)
                     if victim is not None:
-                        os.kill(victim.pid, signal.SIGKILL)
+                        os.kill(victim.info.pid, signal.SIGKILL)
             return first, tokens, stream._last, victim
         finally:
             sched.shutdown()
