@@ -163,6 +163,23 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return future
 
+    def hold(self, timeout: float = 30.0, limit: float = 120.0) -> Callable[[], None]:
+        """Hold the engine thread between two steps: a command that waits until the returned
+        release() is called, or `limit` seconds pass (a holder that died does not hold it for
+        ever). Returns once it is held; TimeoutError when the thread did not get there within
+        `timeout` (a long step, another holder, a stopped engine)."""
+        entered, done = threading.Event(), threading.Event()
+
+        def wait() -> None:
+            entered.set()
+            done.wait(limit)
+
+        self.submit(wait)
+        if not entered.wait(timeout):
+            done.set()
+            raise TimeoutError(f"the engine was not held within {timeout:g} s")
+        return done.set
+
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 

@@ -251,24 +251,17 @@ class RunnerActor:
     def dgfm_hold(self, timeout: float = 30.0) -> None:
         """Hold the engine thread between two steps (a command that waits for dgfm_release)
         and lend nothing meanwhile; returns once it is held."""
-        entered, self._dgfm_done = threading.Event(), threading.Event()
-        done = self._dgfm_done
-
-        def hold() -> None:
-            entered.set()
-            done.wait(120)  # a scheduler that died mid-swap does not hold it forever
-
-        self.async_engine.submit(hold)
-        if not entered.wait(timeout):
-            done.set()
-            raise TimeoutError(f"runner {self.runner_id}: engine not held within {timeout} s")
+        try:  # (held 120 s at most: a scheduler that died mid-swap does not hold it forever)
+            self._dgfm_release = self.async_engine.hold(timeout, limit=120.0)
+        except TimeoutError as exc:
+            raise TimeoutError(f"runner {self.runner_id}: {exc}") from None
         self.rm.frozen = True
 
     def dgfm_release(self) -> None:
         self.rm.frozen = False
-        done = getattr(self, "_dgfm_done", None)
-        if done is not None:
-            done.set()
+        release = getattr(self, "_dgfm_release", None)
+        if release is not None:
+            release()
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
         from scheduler.distkv.network import pick

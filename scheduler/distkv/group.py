@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from typing import Protocol
 
 from scheduler.distkv.dgfm import Swap, plan_swaps
@@ -43,22 +42,16 @@ class KVGroup(Protocol):
 
 
 def paused(handles, fn):
-    """Run fn (on this thread) while every runner in `handles` is held between two steps:
-    each engine thread runs a command that waits until fn is done."""
-    entered = threading.Barrier(len(handles) + 1, timeout=30)
-    done = threading.Event()
-
-    def hold() -> None:
-        entered.wait()
-        done.wait(60)
-
-    for h in handles:
-        h.async_engine.submit(hold)
+    """Run fn (on this thread) while every runner in `handles` is held between two steps
+    (AsyncEngine.hold)."""
+    releases = []
     try:
-        entered.wait()
+        for h in handles:
+            releases.append(h.async_engine.hold(timeout=30.0, limit=60.0))
         return fn()
     finally:
-        done.set()
+        for release in releases:
+            release()
 
 
 class ThreadKVGroup:

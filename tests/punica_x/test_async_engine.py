@@ -86,3 +86,22 @@ def test_refusals_raise_before_the_first_item(setup):
                 pass
 
     asyncio.run(main())
+
+
+def test_hold_keeps_the_engine_thread_between_steps_until_released(setup):
+    """hold() returns once the engine thread waits in it: a command sent meanwhile runs only
+    after release(); a second hold() while the first is held times out with a clear error,
+    and the engine steps on afterwards."""
+    import threading
+
+    engine, expected = setup
+    release = engine.hold(timeout=5.0)
+    ran = threading.Event()
+    engine.submit(ran.set)
+    assert not ran.wait(0.3), "a command ran while the engine was held"
+    with pytest.raises(TimeoutError, match="not held within 0.2 s"):
+        engine.hold(timeout=0.2)  # (its own command runs and returns at once, later)
+    release()
+    assert ran.wait(5.0)
+    outs = asyncio.run(collect(engine, None))
+    assert [t for o in outs for t in o.new_token_ids] == expected[None]
