@@ -17,7 +17,7 @@ from frontend.manager import Caller, FrontendManager
 from frontend.recovery import recover
 from frontend.store import Store
 from punica_x.heap import freeze_heap
-from scheduler.cluster import RestartPolicy, Scheduler
+from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
 from scheduler.local import LocalRunner
 
 log = logging.getLogger("punica_x.server")
@@ -99,8 +99,8 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
 
         with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
             runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
-        return Scheduler(
-            runners, ray_factory, tokenizer=meta.tokenizer, **scheduler_options(config)
+        return Scheduler.from_config(
+            scheduler_config(config), runners, ray_factory, tokenizer=meta.tokenizer
         )
     first = LocalRunner(engine, "runner-0")
     shared = first.engine.loaded
@@ -109,11 +109,11 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         return LocalRunner(engine, runner_id, shared=shared)
 
     runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
-    return Scheduler(runners, factory, **scheduler_options(config))
+    return Scheduler.from_config(scheduler_config(config), runners, factory)
 
 
-def scheduler_options(config: ServerConfig) -> dict:
-    return dict(
+def scheduler_config(config: ServerConfig) -> SchedulerConfig:
+    return SchedulerConfig(
         idle_after=config.idle_after_s,
         distkv=config.distkv,
         restart=RestartPolicy() if config.restart_runners else None,

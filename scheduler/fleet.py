@@ -198,6 +198,29 @@ class Fleet:
             self.slots.remove(old)
         self._check_none_left()
 
+    def begin_drain(self, runner_id: str) -> RunnerSlot | None:
+        """Stop placing on `runner_id` and lending its blocks; its requests are to be moved.
+        None: it was dead, and is dropped from the list. The last active runner, or one
+        not active, is refused (409)."""
+        slot = self.slot(runner_id)
+        if slot.state == "dead":
+            self.slots.remove(slot)
+            return None
+        if slot.state != ACTIVE:
+            raise ClusterError(409, "not_active", f"runner {runner_id} is {slot.state}")
+        if len(self.active()) <= 1:
+            raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
+        slot.state = "draining"
+        slot.handle.stop_lending()
+        log.info("draining runner %s (%d requests)", runner_id, len(slot.streams))
+        return slot
+
+    async def stop(self, slot: RunnerSlot) -> None:
+        """Stop a drained runner (it holds no request) and drop it from the list."""
+        await asyncio.to_thread(slot.handle.shutdown)
+        self.slots.remove(slot)
+        log.info("runner %s drained and stopped", slot.runner_id)
+
     def _check_none_left(self) -> None:
         if not self.active() and not self.starting():
             self.hooks.none_left(self.no_runner_message())

@@ -13,6 +13,7 @@ no busy one has room, even if it holds the adapter."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,19 @@ def has_room(r: RunnerSnapshot, demand: Demand) -> bool:
         and r.kv_blocks_room + r.kv_blocks_swap >= need
         and need <= r.kv_blocks_total
     )
+
+
+def room_without(r: RunnerSnapshot, leaving: Sequence[int], demand: Demand) -> bool:
+    """Whether `r` has room for `demand` once requests of `leaving` token counts left it
+    (fair share: a slot given up for a waiting request). Each frees at most the runner's
+    blocks (a DistKV request holds no more than that here)."""
+    freed = sum(min(blocks_for(n, r.block_size), r.kv_blocks_total) for n in leaving)
+    after = dataclasses.replace(
+        r,
+        working_set=r.working_set - len(leaving),
+        kv_blocks_committed=r.kv_blocks_committed - freed,
+    )
+    return has_room(after, demand)
 
 
 def place(

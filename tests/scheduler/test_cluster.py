@@ -14,7 +14,7 @@ from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
-from scheduler.cluster import ClusterError, NoRunner, Scheduler
+from scheduler.cluster import ClusterError, NoRunner, Scheduler, SchedulerConfig
 from scheduler.local import LocalRunner
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -288,3 +288,21 @@ def test_an_adapter_one_runner_refuses_is_rolled_back_on_the_others(
         assert held == {"runner-0": 8, "runner-1": 8, "runner-2": 8} and known
     else:
         assert held == {"runner-0": None, "runner-1": None, "runner-2": None} and not known
+
+
+def test_from_config_builds_the_scheduler_the_options_describe(shared):
+    """Scheduler.from_config and the keyword options are one construction: every field of
+    the config reaches the scheduler (a field dropped on the way would fail here)."""
+    config = SchedulerConfig(
+        idle_after=7.5, distkv=False, lend_fraction=0.5, restart=None, fair_share=False
+    )
+    runner = make_cluster(shared, n=1).fleet.slots[0].handle  # (that scheduler is dropped)
+    sched = Scheduler.from_config(config, [runner])
+    try:
+        assert sched.config == config
+        assert sched.idle_after == 7.5
+        assert sched.distkv is None and not sched.fair_share and sched.fleet.restart is None
+    finally:
+        sched.shutdown()
+    with pytest.raises(TypeError):
+        Scheduler([runner], no_such_option=1)
