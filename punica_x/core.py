@@ -223,6 +223,7 @@ class Request:
     # prompt_logprobs[i]: of prompt token i (None for i = 0), filled as prefill chunks run
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
+    prompt_logprobs_sent: bool = False  # an output carried them (RequestOutput)
     matcher: object | None = None  # llguidance matcher when sampling.json_schema is set
 
     @property
@@ -271,7 +272,15 @@ class Resume:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a caller sees after each step: the delta (new_*) and the totals so far."""
+    """What a caller sees after each step that produced something for the request.
+
+    Every output carries the delta: new_token_ids, new_text, new_logprobs (the tokens of
+    this step). The totals of the whole request (token_ids, text, logprobs) are on the final
+    output only (finished=True); on the others they are empty ([], "", and [] for logprobs
+    when they were asked for, None when not), so a step costs O(new tokens), not O(tokens so
+    far), and a Ray runner sends only what is new. A consumer that needs running totals keeps
+    them (scheduler/stream.py does, to resume a request elsewhere). prompt_logprobs: on the
+    first output after the prompt is computed and on the final one; None on the others."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -283,11 +292,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    # with SamplingParams.logprobs: of every generated token so far, and of the new ones
+    # with SamplingParams.logprobs: of every generated token (final output), and of the new ones
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
-    # with SamplingParams.prompt_logprobs, once the prompt is computed: entry i for prompt
-    # token i, None for the first
+    # with SamplingParams.prompt_logprobs, on the first output once the prompt is computed
+    # and on the final one: entry i for prompt token i, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 

@@ -654,30 +654,37 @@ class Engine:
             self.adapters.release(r.adapter)
 
     def _output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        """The step's delta for `r`; the request's totals only when it finished (see
+        RequestOutput)."""
+        done, with_logprobs = r.finished, r.sampling.logprobs is not None
+        new_logprobs = None
+        if with_logprobs:
+            new_logprobs = r.logprobs[len(r.logprobs) - len(new_ids) :] if new_ids else []
         return RequestOutput(
             request_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.output_token_ids),
-            text=self.detokenizer.text(r.request_id),
+            token_ids=list(r.output_token_ids) if done else [],
+            text=self.detokenizer.text(r.request_id) if done else "",
             new_token_ids=new_ids,
             new_text=new_text,
-            finished=r.finished,
+            finished=done,
             finish_reason=r.finish_reason,
             stop_reason=r.stop_reason,
             error=r.error,
-            logprobs=list(r.logprobs) if r.sampling.logprobs is not None else None,
-            new_logprobs=(
-                r.logprobs[len(r.logprobs) - len(new_ids) :]
-                if r.sampling.logprobs is not None
-                else None
-            ),
-            prompt_logprobs=(
-                list(r.prompt_logprobs)
-                if r.sampling.prompt_logprobs is not None
-                and len(r.prompt_logprobs) == len(r.prompt_token_ids)
-                else None
-            ),
+            logprobs=(list(r.logprobs) if done else []) if with_logprobs else None,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=self._prompt_logprobs_out(r),
         )
+
+    @staticmethod
+    def _prompt_logprobs_out(r: Request) -> list | None:
+        """The prompt's logprobs, once complete: on the first output then and the final one."""
+        if r.sampling.prompt_logprobs is None or len(r.prompt_logprobs) != len(r.prompt_token_ids):
+            return None
+        if r.prompt_logprobs_sent and not r.finished:
+            return None
+        r.prompt_logprobs_sent = True
+        return list(r.prompt_logprobs)
 
     @staticmethod
     def _emit(r: Request, out: RequestOutput) -> None:

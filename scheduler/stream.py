@@ -68,7 +68,11 @@ class ClusterStream:
         self.retired: list[RequestStream] = []  # streams of runners it left, not yet read out
         self._done = False
         self._final: RequestOutput | None = None
-        self._last: RequestOutput | None = None
+        # what it delivered so far (outputs carry deltas: see RequestOutput)
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
+        self._text: list[str] = []
         self._emitted_chars = 0
 
     @property
@@ -79,7 +83,7 @@ class ClusterStream:
 
     @property
     def num_tokens(self) -> int:
-        generated = len(self._last.token_ids) if self._last is not None else 0
+        generated = len(self.token_ids)
         if self.resume is not None:
             generated = max(generated, len(self.resume.output_token_ids))
         return len(self.prompt) + generated
@@ -89,26 +93,24 @@ class ClusterStream:
 
     def resume_point(self) -> Resume | None:
         """Where the client stands: what to recompute after a runner failure."""
-        last = self._last
-        if last is None or not last.token_ids:
+        if not self.token_ids:
             return self.resume
         return Resume(
-            output_token_ids=tuple(last.token_ids),
+            output_token_ids=tuple(self.token_ids),
             emitted_chars=self._emitted_chars,
-            logprobs=tuple(last.logprobs or ()),
-            prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs else None,
+            logprobs=tuple(self.logprobs),
+            prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs else None,
         )
 
     def fail(self, error: str) -> None:
         """End the stream with an ERROR output carrying what was generated."""
         if self._done or self._final is not None:
             return
-        last = self._last
         self._final = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt,
-            token_ids=list(last.token_ids) if last else [],
-            text=last.text if last else "",
+            token_ids=list(self.token_ids),
+            text="".join(self._text),
             new_token_ids=[],
             new_text="",
             finished=True,
@@ -158,7 +160,11 @@ class ClusterStream:
             return self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> RequestOutput:
-        self._last = out
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or ()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self._text.append(out.new_text)
         self._emitted_chars += len(out.new_text)
         if out.new_token_ids:
             self.owner.stream_served(self, len(out.new_token_ids))

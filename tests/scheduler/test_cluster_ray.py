@@ -278,14 +278,15 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(
             frames = sum(c["frames"] for c in counts)
             assert frames > 0 if transport == "socket" else frames == 0, counts
             stream = await sched.open(prompt, sp2, None, "long-2")
-            tokens, victim = [], None
+            tokens, victim, last = [], None, None
             async for out in stream:
                 tokens += out.new_token_ids
+                last = out
                 if victim is None and len(tokens) >= 2:
                     victim = lender(runners)
                     if victim is not None:
                         os.kill(victim.info.pid, signal.SIGKILL)
-            return first, tokens, stream._last, victim
+            return first, tokens, last, victim
         finally:
             sched.shutdown()
 
