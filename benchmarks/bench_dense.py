@@ -16,12 +16,12 @@ Backends are interleaved over rounds (the machine's speed drifts); the median is
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_rounds, add_threads, parser
+from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
 
 from punica_x.ops import isa
 from punica_x.ops.dense import OneDnnDense, PackedCpuDense, TorchDense
@@ -69,11 +69,9 @@ def timed(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = parser(__doc__)
+    add_threads(ap)
+    add_rounds(ap, 5)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
@@ -125,12 +123,7 @@ def main() -> None:
 
 
 def plot(rows, names, name: str = "bench_dense", dtype: str = "float32") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from harness import machine
-
+    plt = pyplot()
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(18, 3.6), sharey=True)
     for ax, shape in zip(axes, shapes):

@@ -28,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import describe_machine, print_table, save_plot, write_json  # noqa: E402
+from common.args import add_model, add_rounds  # noqa: E402
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json  # noqa: E402
 
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from punica_x.core import SamplingParams  # noqa: E402
@@ -193,28 +194,8 @@ CONFIGS = [  # (label, remote fraction, creditors, overlap)
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--blocks", type=int, default=32, help="KV blocks per runner (longest)")
-    ap.add_argument("--context", type=int, default=2048, help="tokens held (decode timing)")
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--ray", action="store_true", help="also time decode over 2 Ray runners")
-    ap.add_argument("--ray-only", action="store_true", help="only the Ray runners' section")
-    args = ap.parse_args()
-    machine = describe_machine()
-    print(machine)
-    mc = ModelConfig(
-        model=args.model, max_model_len=max(args.context, 4 * args.blocks * BLOCK) + 64
-    )
-    if args.ray_only:
-        ray_rows = ray_section(args, mc.model)
-        write_json("bench_distkv_ray", {"machine": machine, "args": vars(args), "ray": ray_rows})
-        plot_ray(ray_rows, args.context)
-        return
-    loaded = load_model(mc)
-    model = mc.model
+def longest_section(args, loaded, model: str) -> list[dict]:
+    """Section 1: the longest context 1, 2 and 4 runners of --blocks blocks serve."""
     lengths = [longest(loaded, model, args.blocks, n) for n in (1, 2, 4)]
     single = lengths[0]["served_tokens"]
     for row in lengths:
@@ -224,6 +205,12 @@ def main() -> None:
         ["runners", "blocks_per_runner", "served_tokens", "vs_n_x_single", "completed", "seconds"],
         "longest context served",
     )
+    return lengths
+
+
+def decode_section(args, loaded, model: str) -> tuple[list[dict], dict[str, list[float]]]:
+    """Section 2: decode time per token at each CONFIGS entry, --rounds rounds interleaved;
+    returns (rows of medians, every round's seconds per config)."""
     times: dict[str, list[float]] = {c[0]: [] for c in CONFIGS}
     decode_time(loaded, model, 256, 0.5, 1, True, 4)  # warm-up
     for r in range(args.rounds):
@@ -249,6 +236,33 @@ def main() -> None:
         ["config", "ms_per_token", "vs_all_local"],
         f"decode, {args.context} tokens of context",
     )
+    return decode, times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=32, help="KV blocks per runner (longest)")
+    ap.add_argument("--context", type=int, default=2048, help="tokens held (decode timing)")
+    ap.add_argument("--decode", type=int, default=32)
+    add_rounds(ap)
+    add_model(ap)
+    ap.add_argument("--ray", action="store_true", help="also time decode over 2 Ray runners")
+    ap.add_argument("--ray-only", action="store_true", help="only the Ray runners' section")
+    args = ap.parse_args()
+    machine = describe_machine()
+    print(machine)
+    mc = ModelConfig(
+        model=args.model, max_model_len=max(args.context, 4 * args.blocks * BLOCK) + 64
+    )
+    if args.ray_only:
+        ray_rows = ray_section(args, mc.model)
+        write_json("bench_distkv_ray", {"machine": machine, "args": vars(args), "ray": ray_rows})
+        plot_ray(ray_rows, args.context)
+        return
+    loaded = load_model(mc)
+    model = mc.model
+    lengths = longest_section(args, loaded, model)
+    decode, times = decode_section(args, loaded, model)
     ray_rows = ray_section(args, model) if args.ray else None
     if ray_rows:
         plot_ray(ray_rows, args.context)
@@ -267,11 +281,7 @@ def main() -> None:
 
 
 def plot(lengths: list[dict], decode: list[dict], context: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     n = [r["runners"] for r in lengths]
     a.plot(n, [r["served_tokens"] for r in lengths], "-o", label="served")
@@ -287,11 +297,7 @@ def plot(lengths: list[dict], decode: list[dict], context: int) -> None:
 
 
 def plot_ray(rows: list[dict], context: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r["config"] for r in rows], [r["ms_per_token"] for r in rows])
     ax.set_xlabel(f"ms per decode token, 2 Ray runners ({context} tokens of context)")

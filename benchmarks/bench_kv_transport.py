@@ -41,7 +41,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import describe_machine, print_table, save_plot, write_json  # noqa: E402
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 LAYERS = 30
@@ -408,11 +408,7 @@ def run_option(name: str, args: argparse.Namespace) -> list[dict]:
 
 
 def plot(results: list[dict], rows: list[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(dict.fromkeys(r["option"] for r in results))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(len(names), 1)

@@ -24,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import describe_machine, print_table, save_plot, write_json  # noqa: E402
+from common.args import add_model  # noqa: E402
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json  # noqa: E402
 
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from punica_x.core import SamplingParams  # noqa: E402
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048")
     ap.add_argument("--backends", default="thread,ray")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model", default=None)
+    add_model(ap)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     print(describe_machine())
@@ -151,11 +152,7 @@ def main() -> None:
 
 
 def plot(results: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for backend in sorted({p["backend"] for p in results}):
         pts = [p for p in results if p["backend"] == backend]

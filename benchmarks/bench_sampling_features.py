@@ -21,8 +21,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_generate import decode_step_time, make_adapters, make_prompts
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_requests, add_rounds, add_threads
+from common.engine_timing import decode_step_time
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.workload import load_adapters, make_adapters, make_prompts
 
 from punica_x import LLM, SamplingParams
 from punica_x.structured import canonical_schema
@@ -52,9 +54,9 @@ def params(n: int, logprobs: int, constrained: int, max_tokens: int) -> list[Sam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    add_requests(ap)
+    add_threads(ap)
+    add_rounds(ap)
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,8 +66,7 @@ def main() -> None:
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="bench-sampling-"))
     paths = make_adapters(llm.engine.loaded.model_dir, 8, 16, tmp)
-    for i, p in enumerate(paths):
-        llm.load_adapter(f"a{i}", str(p))
+    load_adapters(llm, paths)
     adapters = [f"a{i % 8}" if i % 9 else None for i in range(n)]
     max_tokens = 20 + args.steps + 8
     decode_step_time(
@@ -98,11 +99,7 @@ def main() -> None:
 
 
 def plot(rows) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar([r["config"] for r in rows], [r["step_ms"] for r in rows])
     ax.set_ylabel("decode step ms (32 requests)")

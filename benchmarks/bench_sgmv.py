@@ -12,22 +12,18 @@ y read and written) / measured copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
-from harness import copy_bandwidth, describe_machine, measure, print_table, save_plot, write_json
+from common.args import add_threads, parser
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.timing import copy_bandwidth, measure
+from common.workload import WORKLOADS
 
 from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
 from punica_x.workloads import assign_adapters, segment_lengths
 
 H, R = 4096, 16
-WORKLOADS = {
-    "distinct": "distinct",
-    "uniform": "uniform",
-    "skewed": "zipf-1.5",
-    "identical": "identical",
-}
 BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
 POOL_BYTES = 256 << 20  # >> last-level cache, so weights come from DRAM
 
@@ -100,11 +96,51 @@ def check_correct(pool: AdapterPool, device, dtype) -> None:
         torch.testing.assert_close(outs[name], outs["loop"], rtol=tol, atol=tol)
 
 
+COLUMNS = [
+    "workload",
+    "batch",
+    "adapters",
+    "loop_ms",
+    "gather_bmm_ms",
+    "sgmv_ms",
+    "floor_ms",
+    "sgmv_GBps",
+    "sgmv_vs_best_baseline",
+    "sgmv_vs_floor",
+]
+
+
+def time_methods(
+    pool: AdapterPool, label: str, popularity: str, batch: int, bandwidth: float, repeats: int
+) -> dict:
+    """One (workload, batch) point: median ms per call of each method on cold weights, and
+    the floor (bytes moved / copy bandwidth)."""
+    device, dtype = pool.a[0].device, pool.a[0].dtype
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = dtype.itemsize
+    lens = segment_lengths(assign_adapters(popularity, batch, random.Random(batch)))
+    x = torch.randn(batch, H, device=device, dtype=dtype)
+    y = torch.zeros(batch, H, device=device, dtype=dtype)
+    pick, fns = methods(pool, lens, x, y)
+    nbytes = len(lens) * 2 * R * H * size + 3 * batch * H * size
+    row = {
+        "workload": label,
+        "batch": batch,
+        "adapters": len(lens),
+        "floor_ms": nbytes / bandwidth * 1e3,
+    }
+    for name, fn in fns.items():
+        timed = lambda fn=fn: (fn(), sync())
+        row[f"{name}_ms"] = measure(timed, repeats=repeats, between=pick).median * 1e3
+    row["sgmv_GBps"] = nbytes / (row["sgmv_ms"] / 1e3) / 1e9
+    row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(row["loop_ms"], row["gather_bmm_ms"])
+    row["sgmv_vs_floor"] = row["sgmv_ms"] / row["floor_ms"]
+    return row
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--threads", type=int, default=2)
+    ap = parser(__doc__)
+    add_threads(ap)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default=None, help="float32 on cpu (default), float16 on cuda")
@@ -116,48 +152,16 @@ def main() -> None:
     bandwidth = copy_bandwidth(device=device)
     pool = AdapterPool(device, dtype)
     check_correct(pool, device, dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    size = dtype.itemsize
-    rows = []
-    for label, popularity in WORKLOADS.items():
-        for batch in BATCHES:
-            lens = segment_lengths(assign_adapters(popularity, batch, random.Random(batch)))
-            x = torch.randn(batch, H, device=device, dtype=dtype)
-            y = torch.zeros(batch, H, device=device, dtype=dtype)
-            pick, fns = methods(pool, lens, x, y)
-            nbytes = len(lens) * 2 * R * H * size + 3 * batch * H * size
-            row = {
-                "workload": label,
-                "batch": batch,
-                "adapters": len(lens),
-                "floor_ms": nbytes / bandwidth * 1e3,
-            }
-            for name, fn in fns.items():
-                timed = lambda fn=fn: (fn(), sync())
-                row[f"{name}_ms"] = measure(timed, repeats=args.repeats, between=pick).median * 1e3
-            row["sgmv_GBps"] = nbytes / (row["sgmv_ms"] / 1e3) / 1e9
-            row["sgmv_vs_best_baseline"] = row["sgmv_ms"] / min(
-                row["loop_ms"], row["gather_bmm_ms"]
-            )
-            row["sgmv_vs_floor"] = row["sgmv_ms"] / row["floor_ms"]
-            rows.append(row)
-    cols = [
-        "workload",
-        "batch",
-        "adapters",
-        "loop_ms",
-        "gather_bmm_ms",
-        "sgmv_ms",
-        "floor_ms",
-        "sgmv_GBps",
-        "sgmv_vs_best_baseline",
-        "sgmv_vs_floor",
+    rows = [
+        time_methods(pool, label, popularity, batch, bandwidth, args.repeats)
+        for label, popularity in WORKLOADS.items()
+        for batch in BATCHES
     ]
     print(
         f"{args.device}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), "
         f"{args.threads} threads, h={H} r={R} {dtype}"
     )
-    print_table(rows, cols, "SGMV shrink+expand, median ms per call (cold weights)")
+    print_table(rows, COLUMNS, "SGMV shrink+expand, median ms per call (cold weights)")
     worst = max(r["sgmv_vs_best_baseline"] for r in rows)
     d64 = next(r for r in rows if r["workload"] == "distinct" and r["batch"] == 64)
     print(f"\nworst sgmv / min(loop, gather_bmm) = {worst:.2f} (target <= 1.0)")
@@ -181,11 +185,7 @@ def main() -> None:
 
 
 def plot(rows, name: str, group: str | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(16, 3.8), sharey=True)
     for ax, label in zip(axes, WORKLOADS):
         sub = [r for r in rows if r["workload"] == label]

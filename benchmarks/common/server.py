@@ -1,0 +1,93 @@
+"""`punica-x serve` for the HTTP benchmarks: on a free port of 127.0.0.1, with a tenant
+holding the benchmark's adapters; stopped when the benchmark is done with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    data_dir: Path, port: int, extra: tuple[str, ...] = (), engine_threads: int | None = None
+) -> subprocess.Popen:
+    """The server on 127.0.0.1:port; engine_threads: torch threads of its engine (thread
+    runners: the server process's OMP_NUM_THREADS; Ray runners: PUNICA_X_RUNNER_THREADS)."""
+    log = (data_dir.parent / "server.log").open("w")
+    env = dict(os.environ)
+    if engine_threads:
+        env["OMP_NUM_THREADS"] = env["PUNICA_X_RUNNER_THREADS"] = str(engine_threads)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+@contextlib.contextmanager
+def bench_server(
+    tmp: Path, paths: list[Path], extra: tuple[str, ...] = (), engine_threads: int | None = None
+):
+    """A server on a free port and a tenant holding the adapters a0..: yields (server, url,
+    tenant key, base model id); the server is stopped on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp / "data", port, extra, engine_threads)
+    try:
+        key, model_id = setup_tenant(url, tmp / "data", paths)
+        yield server, url, key, model_id
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def setup_tenant(url: str, data_dir: Path, paths: list[Path]) -> tuple[str, str]:
+    """A tenant with the adapters a0..a{n-1} uploaded; returns (its key, the base model id)."""
+    token = (data_dir / "admin_token").read_text().strip()
+    admin = {"Authorization": f"Bearer {token}"}
+    key = httpx.post(url + "/admin/tenants", json={"name": "bench"}, headers=admin).json()[
+        "api_key"
+    ]
+    auth = {"Authorization": f"Bearer {key}"}
+    for i, p in enumerate(paths):
+        files = {
+            f: (f, (p / f).read_bytes())
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+        }
+        r = httpx.post(
+            url + "/v1/adapters", data={"name": f"a{i}"}, files=files, headers=auth, timeout=60
+        )
+        r.raise_for_status()
+    return key, httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]

@@ -1,0 +1,96 @@
+"""The multi-LoRA workload the engine benchmarks share: chat prompts on a few topics, rank-r
+adapters on all 7 projections of the default model, and the adapter popularity workloads
+(Distinct / Uniform / Skewed (Zipf 1.5) / Identical) as per-request adapter names a0, a1, ..."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from punica_x.workloads import assign_adapters
+
+WORKLOADS = {
+    "distinct": "distinct",
+    "uniform": "uniform",
+    "skewed": "zipf-1.5",
+    "identical": "identical",
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "honey bees",
+    "the moon",
+    "jazz",
+    "chess",
+    "bread",
+    "rivers",
+    "glaciers",
+    "owls",
+    "trains",
+    "tea",
+    "deserts",
+    "comets",
+    "coral reefs",
+    "maple trees",
+]
+
+
+def make_prompts(tokenizer, n: int, warm_up: bool = False) -> list[str]:
+    """n chat prompts; warm_up: other questions in the same template, for warming an engine
+    up without caching the measured prompts (vLLM's prefix cache keeps every full KV block of
+    a prompt it has seen: warmed up on the measured prompts, it would skip their prefill)."""
+    ask = "Name three things about {}." if warm_up else "Tell me {} about {}."
+    qs = [
+        ask.format(TOPICS[(i + 5) % len(TOPICS)])
+        if warm_up
+        else ask.format("one fact" if i % 2 else "a short story", TOPICS[i % len(TOPICS)])
+        for i in range(n)
+    ]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in qs
+    ]
+
+
+def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
+    """n PEFT adapters of `rank` on all 7 projections (random, seeds 1000..), saved to
+    root/a0, root/a1, ..."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    paths = []
+    for i in range(n):
+        torch.manual_seed(1000 + i)
+        model = get_peft_model(
+            base,
+            LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
+        )
+        model.save_pretrained(root / f"a{i}")
+        base = model.unload()
+        paths.append(root / f"a{i}")
+    return paths
+
+
+def load_adapters(llm, paths: list[Path]) -> list:
+    """Load the adapters into an LLM as a0, a1, ...; returns what each load_adapter returned."""
+    return [llm.load_adapter(f"a{i}", str(p)) for i, p in enumerate(paths)]
+
+
+def workload_names(n: int, workloads=tuple(WORKLOADS)) -> dict[str, list[str]]:
+    """Per workload, the adapter name of each of n requests (the same draw, seed 7, every
+    time)."""
+    return {
+        w: [f"a{i}" for i in assign_adapters(WORKLOADS[w], n, random.Random(7))] for w in workloads
+    }
+
+
+def with_base_model(picks: list[int], adapters: int) -> list[str | None]:
+    """Adapter picks folded onto `adapters` slots, the last slot the base model (None):
+    a0 .. a{adapters-2} and the base."""
+    return [None if i % adapters == adapters - 1 else f"a{i % adapters}" for i in picks]
