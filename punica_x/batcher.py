@@ -11,28 +11,14 @@ adapter is still loading wait without holding anyone up.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 
 from punica_x.config import BatchConfig
 from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
-from punica_x.kv.rmanager import KVBorrower, RemoteExtent
+from punica_x.kv.borrowing import Borrow, KVBorrowing
 from punica_x.planner import ScheduledRequest
-
-BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
-# A request refused for this long gives back every block it holds and starts over (recompute)
-# after a random pause of up to this long: two requests that each hold blocks the other
-# needs (on one runner or on two) would otherwise wait for each other forever.
-BORROW_PATIENCE_S = 2.0
-# A request that has had no block from its peers for this long, over all its yields and
-# retries, ends with an error saying so instead of waiting for ever (the cluster's free blocks
-# are held by others, or a lender's loss left too few).
-BORROW_GIVE_UP_S = 120.0
-WAIT = "wait"  # _grow: blocks are not there yet (peers refused); try again later
-YIELD = "yield"  # _borrow: refused for longer than BORROW_PATIENCE_S; give its blocks back
-GIVE_UP = "give_up"  # _borrow: refused for longer than BORROW_GIVE_UP_S; the request ends
 
 
 class Batcher:
@@ -45,12 +31,8 @@ class Batcher:
         self.num_pauses = 0  # running requests left out for higher-priority ones (MLFQ only)
         self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
         # DistKV: a request that cannot fit in this runner's whole cache borrows blocks on
-        # peers (punica_x/kv/rmanager.py); None: such a request ends with LENGTH
-        self.borrower: KVBorrower | None = None
-        self.borrow_refusals = 0
-        self.borrow_yields = 0  # requests that gave their blocks back (BORROW_PATIENCE_S)
-        self.patience_s = BORROW_PATIENCE_S
-        self.give_up_s = BORROW_GIVE_UP_S
+        # peers (punica_x/kv/borrowing.py); None: such a request ends with LENGTH
+        self.borrowing: KVBorrowing | None = None
         self.starved: list[Request] = []  # gave up borrowing (GIVE_UP): the engine ends them
 
     def add(self, request: Request, front: bool = False) -> None:
@@ -73,16 +55,9 @@ class Batcher:
         self._give_back(request)
 
     def _give_back(self, request: Request) -> None:
-        """Free a request's blocks after its local prefix: its own (moved home by a DGFM
-        swap) here, the others back to their owners."""
-        if request.remote:
-            me = self.borrower.runner_id if self.borrower is not None else None
-            home = [i for e in request.remote if e.owner == me for i in e.block_ids]
-            if home:
-                self.cache.allocator.free(home)
-            away = [e for e in request.remote if e.owner != me]
-            if away and self.borrower is not None:
-                self.borrower.give_back(request.request_id, away)
+        """Free a request's blocks after its local prefix (DistKV)."""
+        if request.remote and self.borrowing is not None:
+            self.borrowing.give_back(request)
         request.remote = []
 
     @property
@@ -113,9 +88,9 @@ class Batcher:
                 i += 1
                 continue
             got = self._grow(r, r.num_computed_tokens + n, overflow)
-            if got == WAIT:
+            if got is Borrow.WAIT:
                 i += 1
-            elif got:
+            elif got is Borrow.GOT:
                 scheduled.append(ScheduledRequest(r, n))
                 budget -= n
                 i += 1
@@ -130,14 +105,14 @@ class Batcher:
             need = r.num_computed_tokens + n
             if not self._ensure(r, need):
                 got = self._borrow(r, need)
-                if got == GIVE_UP:  # the engine ends it (and frees what it holds)
+                if got is Borrow.GIVE_UP:  # the engine ends it (and frees what it holds)
                     self.starved.append(r)
                     continue
-                if got == YIELD:  # it waits without blocks; later ones may use them
+                if got is Borrow.YIELD:  # it waits without blocks; later ones may use them
                     self.cache.release(r.block_ids)
                     self._give_back(r)
                     continue
-                if got is not True:
+                if got is not Borrow.GOT:
                     break
             self.waiting.remove(r)
             r.status = RequestStatus.RUNNING
@@ -157,94 +132,36 @@ class Batcher:
         return self.cache.ensure_capacity(r.block_ids, num_tokens)
 
     def _borrows(self, r: Request, num_tokens: int) -> bool:
-        """Whether r takes blocks from peers: it cannot fit in this runner's whole cache."""
-        need = blocks_needed(num_tokens, self.cache.block_size)
-        return self.borrower is not None and (
-            bool(r.remote) or need > self.cache.allocator.num_blocks
-        )
+        return self.borrowing is not None and self.borrowing.borrows(r, num_tokens)
 
-    def _borrow(self, r: Request, num_tokens: int) -> bool | str:
-        """Blocks for num_tokens of a request that borrows: the free local ones first (while
-        it holds no remote block), then from peers. True when it has them, WAIT when peers
-        refused (it asks again after BORROW_RETRY_S, keeping its blocks), YIELD when they
-        have refused it for longer than patience_s (the caller frees its blocks; it asks
-        again after a random pause), GIVE_UP when it has had no blocks from them for
-        give_up_s over all its tries (the caller ends it), False when it does not borrow or
-        the whole cluster could never hold it."""
-        if not self._borrows(r, num_tokens):
-            return False
-        size = self.cache.block_size
-        need = blocks_needed(num_tokens, size)
-        if need > self.cache.allocator.num_blocks + self.borrower.capacity_blocks():
-            return False
-        missing = need - len(r.block_ids) - sum(len(e.block_ids) for e in r.remote)
-        local = self.cache.allocator.allocate(min(missing, self.cache.allocator.num_free)) or []
-        if r.remote:  # past the local prefix: free local blocks join as an extent of ours
-            self._append(r, [RemoteExtent(self.borrower.runner_id, tuple(local))] if local else [])
-        else:
-            r.block_ids.extend(local)
-        missing -= len(local)
-        if missing <= 0:
-            return True
-        got = self.borrower.borrow(r.request_id, missing)
-        now = time.monotonic()
-        if got is None:
-            self.borrow_refusals += 1
-            if r.starving_since is None:
-                r.starving_since = now
-            elif now - r.starving_since > self.give_up_s:
-                return GIVE_UP
-            if r.borrow_since is None:
-                r.borrow_since = now
-            elif now - r.borrow_since > self.patience_s:
-                r.borrow_since = None
-                r.borrow_after = now + random.uniform(0.1, 1.0) * self.patience_s
-                self.borrow_yields += 1
-                return YIELD
-            r.borrow_after = now + BORROW_RETRY_S
-            return WAIT
-        r.borrow_since = r.starving_since = None
-        self._append(r, got)
-        return True
+    def _borrow(self, r: Request, num_tokens: int) -> Borrow:
+        return Borrow.NO if self.borrowing is None else self.borrowing.borrow(r, num_tokens)
 
-    @staticmethod
-    def _append(r: Request, extents: list[RemoteExtent]) -> None:
-        """Add extents after r's blocks; one segment per owner run (one micro-attention
-        call per owner per layer)."""
-        for extent in extents:
-            last = r.remote[-1] if r.remote else None
-            if last is not None and last.owner == extent.owner:
-                r.remote[-1] = RemoteExtent(last.owner, last.block_ids + extent.block_ids)
-            else:
-                r.remote.append(extent)
-
-    def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> bool | str:
-        """Blocks for num_tokens of r, preempting the newest running requests if needed (or
-        borrowing, for a request too long for this runner: WAIT when peers refuse)."""
+    def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> Borrow:
+        """Blocks for num_tokens of r (GOT), preempting the newest running requests if
+        needed (NO when r itself went), or borrowing, for a request too long for this
+        runner (WAIT when peers refuse; see KVBorrowing)."""
         while not self._ensure(r, num_tokens):
             if self._borrows(r, num_tokens):
                 got = self._borrow(r, num_tokens)
-                if got is True or got == WAIT:
-                    return got
-                if got == YIELD:  # back to the queue without its blocks (recomputes)
+                if got is Borrow.YIELD:  # back to the queue without its blocks (recomputes)
                     self._preempt(r)
-                    return False
-                if got == GIVE_UP:
+                elif got is Borrow.GIVE_UP:
                     self.running.remove(r)
                     self.starved.append(r)
-                    return False
-                self.running.remove(r)  # the whole cluster cannot hold it
-                overflow.append(r)
-                return False
+                elif got is Borrow.NO:  # the whole cluster cannot hold it
+                    self.running.remove(r)
+                    overflow.append(r)
+                return got if got in (Borrow.GOT, Borrow.WAIT) else Borrow.NO
             victim = self.running[-1]
             if victim is r and len(self.running) == 1:
                 self.running.remove(r)
                 overflow.append(r)
-                return False
+                return Borrow.NO
             self._preempt(victim)
             if victim is r:
-                return False
-        return True
+                return Borrow.NO
+        return Borrow.GOT
 
     def preempt(self, r: Request) -> None:
         """Send a running request back to the head of the queue, its KV freed (it

@@ -212,7 +212,7 @@ class Request:
     borrow_after: float = 0.0
     borrow_since: float | None = None
     # starving_since: when its peers first refused it since it last got blocks, kept over its
-    # yields (Batcher.give_up_s bounds the whole wait)
+    # yields (KVBorrowing.give_up_s bounds the whole wait)
     starving_since: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

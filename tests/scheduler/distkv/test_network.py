@@ -119,7 +119,7 @@ def test_a_refused_borrow_waits_for_room_then_completes(shared, reference):
     def release(steps):
         if steps == 5:
             b.cache.allocator.free(own)
-            released.append(a.batcher.borrow_refusals)
+            released.append(a.batcher.borrowing.refusals)
 
     out = run(a, [PROMPT], on_step=release)
     assert released[0] > 0  # it asked and was refused before room appeared
@@ -136,7 +136,7 @@ def test_a_borrow_refused_for_give_up_s_ends_with_an_error_not_a_wait_forever(sh
     a, b = engine(shared, 4), engine(shared, 10)
     net = network({"a": a, "b": b})
     b.cache.allocator.allocate(10)
-    a.batcher.patience_s, a.batcher.give_up_s = patience, 0.4
+    a.batcher.borrowing.patience_s, a.batcher.borrowing.give_up_s = patience, 0.4
     t0 = time.monotonic()
     final = {}
     a.add_request(PROMPT, GREEDY, request_id="q0")
@@ -148,7 +148,7 @@ def test_a_borrow_refused_for_give_up_s_ends_with_an_error_not_a_wait_forever(sh
     assert "no peer runner lent the KV blocks" in out.error and "for 0.4 s" in out.error
     assert time.monotonic() - t0 >= 0.4
     if patience < 0.4:
-        assert a.batcher.borrow_yields >= 1  # the yields did not reset the give-up clock
+        assert a.batcher.borrowing.yields >= 1  # the yields did not reset the give-up clock
     assert a.cache.allocator.num_free == 4 and net.ledger.debts() == {}
     assert run(a, [PROMPT[:20]])["q0"].finish_reason is FinishReason.LENGTH
 
@@ -166,7 +166,7 @@ def test_two_borrowers_holding_what_the_other_needs_do_not_wait_forever(shared, 
     a, b = engine(shared, 6), engine(shared, 6)
     net = network({"a": a, "b": b})
     for e in (a, b):
-        e.batcher.patience_s = patience if patience is not None else float("inf")
+        e.batcher.borrowing.patience_s = patience if patience is not None else float("inf")
     a.add_request(pa, GREEDY, request_id="q0")
     final = {}
     while not a.requests["q0"].remote:  # a is prefilled, on 3 of B's blocks
@@ -182,7 +182,7 @@ def test_two_borrowers_holding_what_the_other_needs_do_not_wait_forever(shared, 
         assert not final, "nothing held them up: the test's deadlock is not one"
         return
     assert {k: v.token_ids for k, v in final.items()} == want
-    assert a.batcher.borrow_yields + b.batcher.borrow_yields >= 1
+    assert a.batcher.borrowing.yields + b.batcher.borrowing.yields >= 1
     assert [e.cache.allocator.num_free for e in (a, b)] == [6, 6]
     assert net.ledger.debts() == {}
 

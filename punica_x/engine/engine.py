@@ -1,0 +1,380 @@
+"""The runner's step loop: schedule -> run one batched model invocation -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from punica_x.attention.dist import DistContext
+from punica_x.config import EngineConfig, dtype_name
+from punica_x.core import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    Resume,
+    SamplingParams,
+    TokenLogprob,
+)
+from punica_x.detokenizer import Detokenizer
+from punica_x.engine.build import build_attention, build_kv, dtype_reason
+from punica_x.engine.checks import check_request
+from punica_x.engine.moves import resume_into, resume_point
+from punica_x.engine.outputs import OutputProcessor, emit
+from punica_x.engine.step_sampling import request_error, sample_step
+from punica_x.errors import InvalidRequest
+from punica_x.heap import freeze_heap
+from punica_x.kv.borrowing import KVBorrowing
+from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
+from punica_x.lora.adapter import LoraTarget
+from punica_x.lora.pool import AdapterPool
+from punica_x.models.loader import LoadedModel, load_model
+from punica_x.ops.sgmv import choose_sgmv
+from punica_x.planner import BatchPlanner, ScheduledRequest
+from punica_x.sampler import Sampler
+from punica_x.structured import Grammars
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
+
+    Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
+
+    def __init__(
+        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded or load_model(config.model)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        d = self.model.dims
+        device, dtype = config.model.torch_device(), config.model.torch_dtype()
+        self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
+        self.max_model_len = self.loaded.max_model_len
+        log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
+        target = LoraTarget(d.num_layers, d.lora_shapes())
+        self.adapters = AdapterPool(target, config.lora, device, dtype)
+        self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
+        self.planner = BatchPlanner(
+            target, config.cache.block_size, device, build_attention(config, d, device, dtype)
+        )
+        self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
+        self.grammars: Grammars | None = None  # built on the first JSON-schema request
+        self.detokenizer = Detokenizer(self.tokenizer)
+        eos = self.loaded.eos_token_ids
+        self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
+        self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
+        self.requests: dict[str, Request] = {}
+        self.rmanager: RManager | None = None  # DistKV (enable_distkv)
+        self.idle_step = False  # the last step ran nothing (requests wait for blocks)
+        # the requests the current (or last) step runs: the ones to suspect when it raises
+        self.scheduled_ids: tuple[str, ...] = ()
+        self.peer_losses = 0
+        self.num_aborts = 0  # requests aborted here (a client left, a cancel)
+        freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
+
+    def enable_distkv(
+        self,
+        runner_id: str,
+        borrower: KVBorrower,
+        caps: LendCaps,
+        overlap: bool = False,
+        pool=None,
+    ) -> RManager:
+        """Take part in DistKV: lend blocks to peers within `caps` (the returned rManager
+        serves them) and let requests too long for this runner borrow through `borrower`.
+        overlap: remote micro-attention runs on `pool` while the local part runs (else in
+        the step's thread after it: where runners share the cores, that is faster)."""
+        if self.swap is not None:
+            raise ValueError(
+                "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
+                "move borrowed blocks"
+            )
+        self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
+        self.batcher.borrowing = KVBorrowing(self.cache, borrower)
+        self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
+        return self.rmanager
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        adapter: str | None = None,
+        request_id: str | None = None,
+        on_output=None,
+        resume: Resume | None = None,
+        on_preempt=None,
+    ) -> Request:
+        """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError.
+
+        resume: continue a request that ran elsewhere (see Resume): its generated tokens are
+        recomputed with the prompt and generation goes on from there; outputs carry the
+        totals (token_ids, text, logprobs) of the whole request, and new_* only what is new."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        sampling = sampling or SamplingParams()
+        self.check_prompt(ids, sampling)
+        ref = self.adapters.acquire(adapter) if adapter is not None else None
+        req = Request(
+            prompt_token_ids=ids,
+            sampling=sampling,
+            adapter=ref,
+            on_output=on_output,
+            on_preempt=on_preempt,
+        )
+        if request_id is not None:
+            req.request_id = request_id
+        if req.request_id in self.requests:
+            if ref is not None:
+                self.adapters.release(ref)
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs.append(None)  # the first token has no context to score it
+        try:
+            if sampling.json_schema is not None:
+                try:
+                    req.matcher = self._grammars().matcher(sampling.json_schema)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), "response_format") from None
+            if resume is not None:
+                vocab = self.model.dims.vocab_size
+                resume_into(req, resume, self.max_model_len, vocab, self.detokenizer, self.cache)
+        except ValueError:
+            if ref is not None:
+                self.adapters.release(ref)
+            raise
+        self.requests[req.request_id] = req
+        self.batcher.add(req, front=resume is not None)  # it was admitted before the others
+        return req
+
+    def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
+        """Remove an unfinished request without finishing it (no output is emitted) and return
+        where it stands, to continue it on another runner; None if it is not here (finished,
+        aborted, unknown). with_kv: include a copy of its computed KV (a live copy). Its KV
+        blocks and adapter reference are released."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        resume = resume_point(req, self.detokenizer, self.cache, self.swap, with_kv)
+        self._release(req)
+        self.detokenizer.drop(request_id)
+        self.requests.pop(request_id, None)
+        return resume
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            self.grammars = Grammars(
+                self.tokenizer, self.model.dims.vocab_size, self.loaded.eos_token_ids
+            )
+        return self.grammars
+
+    def check_prompt(self, ids: list[int], sampling: SamplingParams | None = None) -> None:
+        check_request(
+            ids,
+            sampling or SamplingParams(),
+            self.model.dims.vocab_size,
+            self.max_model_len,
+            self.cache.block_size,
+            self.capacity_blocks(),
+            "the cluster's KV caches (DistKV) hold" if self._peers_lend() else "the KV cache holds",
+        )
+
+    def _peers_lend(self) -> bool:
+        borrowing = self.batcher.borrowing
+        return borrowing is not None and borrowing.capacity_blocks() > 0
+
+    def capacity_blocks(self) -> int:
+        """The most KV blocks one request can hold: this runner's cache, plus what its peers
+        could lend under DistKV."""
+        borrowing = self.batcher.borrowing
+        extra = borrowing.capacity_blocks() if borrowing is not None else 0
+        return self.cache.allocator.num_blocks + extra
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request: it leaves the batch and frees its KV blocks now."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self.num_aborts += 1
+        out = self._finish(req, FinishReason.ABORT, new_ids=[], new_text="")
+        emit(req, out)
+        return out
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with ERROR (used when a step raised)."""
+        return [
+            self._finish_and_emit(r, FinishReason.ERROR, error=error)
+            for r in list(self.requests.values())
+        ]
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.num_unfinished > 0
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One step: schedule, one model invocation, then per request its token, logprobs,
+        grammar, stop checks and text. A failure of the model invocation raises (the whole
+        step failed); a failure that belongs to one request (processing its logits, sampling
+        its token, its logprobs, its grammar, its text) ends that request alone with ERROR
+        and its error, and the others go on exactly as they would have without it."""
+        self.scheduled_ids = ()
+        self.adapters.poll()
+        outputs = self._fail_broken_adapters()
+        scheduled, overflow = self.batcher.schedule()
+        self.scheduled_ids = tuple(s.request.request_id for s in scheduled)
+        for r in overflow:
+            outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
+        starved, self.batcher.starved = self.batcher.starved, []
+        for r in starved:
+            outputs.append(self._finish_and_emit(r, FinishReason.ERROR, error=self._starved(r)))
+        self._tell_preempted()
+        self.idle_step = not scheduled
+        if not scheduled:
+            return outputs
+        started = time.perf_counter()
+        try:
+            batch, ordered = self.planner.plan(scheduled)
+            logits = self.model(batch, self.cache.kv, self.sgmv)
+        except PeerLost as exc:
+            self._lost_peer(exc.owner)
+            return outputs
+        sampling = [s.request for s in ordered if s.samples]
+        failed: dict[Request, str] = {}
+        tokens, new_logprobs = sample_step(
+            self.sampler, logits, sampling, batch.prompt_targets, failed
+        )
+        self.batcher.after_step(scheduled, time.perf_counter() - started)
+        return outputs + self._postprocess(ordered, tokens, new_logprobs, failed)
+
+    def _postprocess(
+        self,
+        ordered: list[ScheduledRequest],
+        tokens: list[int | None],
+        new_logprobs: list[TokenLogprob | None],
+        failed: dict[Request, str],
+    ) -> list[RequestOutput]:
+        """Advance every scheduled request; the ones in `failed` (or failing here) end with
+        ERROR, their KV blocks and adapter released."""
+        outputs = []
+        sampled = iter(zip(tokens, new_logprobs))
+        now = time.monotonic()
+        for s in ordered:
+            r, samples = s.request, s.samples  # before num_computed_tokens moves
+            r.num_computed_tokens += s.num_new_tokens
+            token, logprob = next(sampled) if samples else (None, None)
+            if not samples and r not in failed:
+                continue
+            out = None
+            if r not in failed:
+                out = self._advance(r, token, logprob, now, failed)
+            if out is None:
+                out = self._finish_and_emit(r, FinishReason.ERROR, error=failed[r])
+            else:
+                emit(r, out)
+            outputs.append(out)
+        return outputs
+
+    def _advance(
+        self,
+        r: Request,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        failed: dict[Request, str],
+    ) -> RequestOutput | None:
+        """Append a sampled token and return the request's output (finished if it stops).
+        None if its grammar, stop checks or text raise: the token is taken back and the
+        error put in `failed`."""
+        r.output_token_ids.append(token)
+        if logprob is not None:
+            r.logprobs.append(logprob)
+        r.first_token_time = r.first_token_time or now
+        try:
+            reason, new_text = self.outputs.consume(r, token)
+        except Exception as exc:
+            r.output_token_ids.pop()
+            if logprob is not None:
+                r.logprobs.pop()
+            r.stop_reason = None
+            failed[r] = request_error(r, "postprocessing", exc)
+            return None
+        if reason is not None:
+            return self._finish(r, reason, new_ids=[token], new_text=new_text)
+        return self.outputs.output(r, [token], new_text)
+
+    def _lost_peer(self, owner: str) -> None:
+        """A runner holding borrowed blocks is gone: the requests with blocks there lose
+        them and recompute from their tokens (borrowing again elsewhere); this step's other
+        requests run again next step (what it wrote is rewritten identically)."""
+        self.peer_losses += 1
+        log.warning("runner %s holding borrowed KV blocks is gone", owner)
+        for r in list(self.batcher.running):
+            if any(e.owner == owner for e in r.remote):
+                r.remote = [e for e in r.remote if e.owner != owner]
+                self.batcher.preempt(r)
+
+    def _starved(self, r: Request) -> str:
+        """The error of a request whose peers lent it no KV block for KVBorrowing.give_up_s."""
+        error = (
+            f"no peer runner lent the KV blocks this request needs ({r.num_tokens} tokens) for "
+            f"{self.batcher.borrowing.give_up_s:g} s: the cluster's free blocks are held by other "
+            f"requests; it ends here after {len(r.output_token_ids)} generated tokens"
+        )
+        log.warning("request %s: %s", r.request_id, error)
+        return error
+
+    def _too_big(self, r: Request) -> str:
+        """The error of a request that outgrew the whole KV cache (running alone, nothing left
+        to preempt) or, under DistKV, all the blocks the cluster can give one request: it ends
+        with LENGTH where it stands."""
+        capacity = self.capacity_blocks() * self.cache.block_size
+        where = "cluster's KV caches hold" if self._peers_lend() else "whole cache holds"
+        error = (
+            f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
+            f"{where} {capacity} tokens, so it cannot fit even alone; it ends here "
+            f"after {len(r.output_token_ids)} generated tokens"
+        )
+        log.warning("request %s: %s", r.request_id, error)
+        return error
+
+    def _tell_preempted(self) -> None:
+        preempted, self.batcher.preempted = self.batcher.preempted, []
+        for r in preempted:
+            if r.on_preempt is not None and not r.finished and r.status is RequestStatus.WAITING:
+                try:
+                    r.on_preempt(r.request_id)
+                except Exception:
+                    log.exception("on_preempt callback of %s failed", r.request_id)
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        broken = [r for r in self.batcher.waiting if r.adapter is not None and r.adapter.error]
+        return [self._finish_and_emit(r, FinishReason.ERROR, error=r.adapter.error) for r in broken]
+
+    def _finish_and_emit(
+        self, r: Request, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
+        r.error = error
+        out = self._finish(r, reason, new_ids=[], new_text="")
+        emit(r, out)
+        return out
+
+    def _finish(
+        self, r: Request, reason: FinishReason, new_ids: list[int], new_text: str
+    ) -> RequestOutput:
+        r.finish_reason = reason
+        self._release(r)
+        out = self.outputs.output(r, new_ids, new_text)
+        self.detokenizer.drop(r.request_id)
+        self.requests.pop(r.request_id, None)
+        return out
+
+    def _release(self, r: Request) -> None:
+        """Out of the batch, KV blocks and adapter reference freed, marked finished."""
+        self.batcher.remove(r)
+        r.status = RequestStatus.FINISHED
+        if r.adapter is not None:
+            self.adapters.release(r.adapter)
+
+    def shutdown(self) -> None:
+        self.adapters.shutdown()
