@@ -27,7 +27,7 @@ from common.report import describe_machine, print_table, pyplot, save_plot, writ
 from common.workload import load_adapters, make_adapters, make_prompts
 
 from punica_x import LLM, SamplingParams
-from punica_x.structured import canonical_schema
+from punica_x.sampling.structured import canonical_schema
 
 SCHEMA = canonical_schema(
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 300}

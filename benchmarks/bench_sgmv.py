@@ -20,7 +20,7 @@ from common.report import describe_machine, print_table, pyplot, save_plot, writ
 from common.timing import copy_bandwidth, measure
 from common.workload import WORKLOADS
 
-from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
+from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, get_backend
 from punica_x.workloads import assign_adapters, segment_lengths
 
 H, R = 4096, 16

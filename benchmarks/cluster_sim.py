@@ -5,7 +5,8 @@ Discrete events over many simulated runners. Every decision is made by the code 
 runs, imported and not copied: which runner takes a request (`scheduler.placement.place`),
 when to add a runner (`scheduler.placement.advise`) and which to drain
 (`scheduler.placement.consolidation_choice`), and which requests run each step
-(`punica_x.batcher.Batcher` for FCFS, `punica_x.batcher_mlfq.MLFQBatcher` for skip-join MLFQ,
+(`punica_x.batching.batcher.Batcher` for FCFS,
+`punica_x.batching.batcher_mlfq.MLFQBatcher` for skip-join MLFQ,
 over a KV pool with the runner's block count whose blocks hold no data). Only time is
 modelled: a step takes `StepCost(tokens computed, distinct adapters, KV tokens attended)`.
 
@@ -43,13 +44,13 @@ from common.args import add_output_lengths, add_seed, add_tenant_load, parser
 from common.oracle import OracleBatcher
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 
-from punica_x.batcher import Batcher
-from punica_x.batcher_mlfq import MLFQBatcher
+from punica_x.batching.batcher import Batcher
+from punica_x.batching.batcher_mlfq import MLFQBatcher
+from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
 from punica_x.core import Request, SamplingParams
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.swap import SwapPool
-from punica_x.step_time import StepTimeModel
 from punica_x.workloads import output_lengths, poisson_arrivals, zipf_sampler
 from scheduler import placement
 from scheduler.fairness import FairQueue

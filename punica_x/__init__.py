@@ -21,7 +21,7 @@ __all__ = [
 def __getattr__(name: str):
     # LLM pulls in the model stack (transformers); import it on first use only.
     if name == "LLM":
-        from punica_x.llm import LLM
+        from punica_x.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

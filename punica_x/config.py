@@ -103,13 +103,14 @@ class BatchConfig:
     max_batch_size: int = 32
     max_batched_tokens: int = 2048
     # fcfs: arrival order (Punica); mlfq: skip-join MLFQ with KV swapping (FastServe), see
-    # punica_x/mlfq.py. mlfq_quantum_s / mlfq_levels override the measured q_1 / level count
+    # punica_x/batching/mlfq.py. mlfq_quantum_s / mlfq_levels override the measured q_1 /
+    # level count
     policy: str = "fcfs"
     mlfq_quantum_s: float | None = None
     mlfq_levels: int | None = None
     mlfq_starve_s: float = 10.0
     # the longest generation the levels tell apart; longer ones share the last level in
-    # arrival order (see punica_x/batcher_mlfq.py for why 64 and not the longest)
+    # arrival order (see punica_x/batching/batcher_mlfq.py for why 64 and not the longest)
     mlfq_job_tokens: int = 64
     # requests a runner holds (running + waiting in its batcher) before more wait at the
     # scheduler: the batch under FCFS; under MLFQ a pool to choose the batch from (4x batch)

@@ -59,14 +59,14 @@ class SamplingParams:
     seed: any integer (negative, or beyond 64 bits), taken modulo 2**64: -1 and 2**64 - 1
     draw the same tokens (see sampler.step_seed). None: the engine's generator.
 
-    json_schema: a JSON schema (text, see punica_x.structured): the output is JSON valid
+    json_schema: a JSON schema (text, see punica_x.sampling.structured): the output is JSON valid
     against it, and generation stops when the JSON is complete.
 
     logprobs: None, or return each generated token's logprob with this many (0..20) top
     alternatives. prompt_logprobs: likewise for every prompt token after the first (computed
     from the prefill's own forward pass, only for requests that ask).
 
-    This is the engine's own contract (library users of punica_x.llm / Engine): ValueError,
+    This is the engine's own contract (library users of punica_x.engine.llm / Engine): ValueError,
     naming the field, for a float field that is not a finite number (NaN, inf, a bool, a
     string), an int field that is not an integer (a bool, a float), or a value out of range.
     Integer floats (temperature=1) are taken as floats."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from punica_x.async_engine import RequestStream
 from punica_x.core import Resume, SamplingParams
+from punica_x.engine.async_engine import RequestStream
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo
 

@@ -12,8 +12,8 @@ import asyncio
 import time
 from typing import Protocol
 
-from punica_x.async_engine import RequestStream, RunnerLost, StreamMoved
 from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
+from punica_x.engine.async_engine import RequestStream, RunnerLost, StreamMoved
 from scheduler.placement import Demand
 
 

@@ -3,7 +3,7 @@ known in advance, run by the cluster simulator and by bench_mlfq on the real eng
 
 from __future__ import annotations
 
-from punica_x.batcher_mlfq import MLFQBatcher
+from punica_x.batching.batcher_mlfq import MLFQBatcher
 
 
 class OracleBatcher(MLFQBatcher):

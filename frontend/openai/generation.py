@@ -23,7 +23,7 @@ from frontend.openai.protocol import (
     WsChatFrame,
 )
 from punica_x.core import SamplingParams
-from punica_x.structured import JSON_OBJECT, canonical_schema
+from punica_x.sampling.structured import JSON_OBJECT, canonical_schema
 
 
 @dataclass(frozen=True)

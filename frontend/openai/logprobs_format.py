@@ -1,4 +1,4 @@
-"""Logprobs in the OpenAI formats (values: punica_x.logprobs, the raw model distribution).
+"""Logprobs in the OpenAI formats (values: punica_x.sampling.logprobs, the raw model distribution).
 
 Completions: {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}],
 "text_offset": [...]}, with None for the first prompt token under `echo` (it has no context),

@@ -139,6 +139,37 @@ def plan_dist(
     covered = torch.zeros(num_rows, dtype=torch.bool)
     for sp in plain:
         covered[sp.row_start : sp.row_start + sp.num_rows] = True
+    calls = _split_segments(seqs, block_size, local_spans, writes, covered)
+    merge = getattr(backend, "merge_rows", None)  # a fused merge (the CPU backend has one)
+    remote = [_prepare_call(call, seqs, merge, device, ctx) for call in calls.values()]
+    local = backend.plan(local_spans, block_size, device)
+    w = list(zip(*writes)) if writes else ([], [], [])
+    uncovered = (~covered).nonzero().flatten().to(device)
+    return DistPlan(
+        local=local,
+        seqs=seqs,
+        remote=remote,
+        write_rows=_ints(w[0], device),
+        write_blocks=_ints(w[1], device),
+        write_offsets=_ints(w[2], device),
+        uncovered=uncovered,
+        pool=ctx.pool,
+        overlap=ctx.overlap,
+        stats=ctx.stats,
+        merge=merge,
+    )
+
+
+def _split_segments(
+    seqs: list[DistSeq],
+    block_size: int,
+    local_spans: list[SeqSpan],
+    writes: list[tuple[int, int, int]],
+    covered: torch.Tensor,
+) -> dict[str, _RemoteCall]:
+    """Each sequence's KV segments: its local prefix joins `local_spans` / `writes` /
+    `covered` (one backend plan with the plain requests); the extents on each peer become
+    that peer's call (one micro-attention call per owner)."""
     calls: dict[str, _RemoteCall] = {}
     for si, seq in enumerate(seqs):
         t0 = 0
@@ -165,42 +196,25 @@ def plan_dist(
                 call.write_offsets.append(off)
             if seq.request_id not in call.request_ids:
                 call.request_ids.append(seq.request_id)
-    remote = []
-    merge = getattr(backend, "merge_rows", None)  # a fused merge (the CPU backend has one)
-    for call in calls.values():
-        plan = MicroPlan(
-            tuple(call.request_ids),
-            tuple(call.spans),
-            tuple(call.write_blocks),
-            tuple(call.write_offsets),
-        )
-        micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
-        pairs = None
-        if merge is not None:  # row of the batch <- row of this call's (out, lse)
-            dst = [
-                seqs[si].row_start + first + j for si, first, n, _ in call.items for j in range(n)
-            ]
-            src = [at + j for _, _, n, at in call.items for j in range(n)]
-            pairs = (_ints(dst, device), _ints(src, device))
-        remote.append(
-            (call, micro, _index(call.q_rows, device), _index(call.kv_rows, device), pairs)
-        )
-    local = backend.plan(local_spans, block_size, device)
-    w = list(zip(*writes)) if writes else ([], [], [])
-    uncovered = (~covered).nonzero().flatten().to(device)
-    return DistPlan(
-        local=local,
-        seqs=seqs,
-        remote=remote,
-        write_rows=_ints(w[0], device),
-        write_blocks=_ints(w[1], device),
-        write_offsets=_ints(w[2], device),
-        uncovered=uncovered,
-        pool=ctx.pool,
-        overlap=ctx.overlap,
-        stats=ctx.stats,
-        merge=merge,
+    return calls
+
+
+def _prepare_call(call: _RemoteCall, seqs: list[DistSeq], merge, device, ctx: DistContext):
+    """The peer prepares its micro-attention for this step; returns (call, its prepared
+    micro-attention, q rows, kv rows, (dst, src) merge pairs or None)."""
+    plan = MicroPlan(
+        tuple(call.request_ids),
+        tuple(call.spans),
+        tuple(call.write_blocks),
+        tuple(call.write_offsets),
     )
+    micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
+    pairs = None
+    if merge is not None:  # row of the batch <- row of this call's (out, lse)
+        dst = [seqs[si].row_start + first + j for si, first, n, _ in call.items for j in range(n)]
+        src = [at + j for _, _, n, at in call.items for j in range(n)]
+        pairs = (_ints(dst, device), _ints(src, device))
+    return call, micro, _index(call.q_rows, device), _index(call.kv_rows, device), pairs
 
 
 def _ints(xs, device) -> torch.Tensor:

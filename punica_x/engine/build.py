@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from punica_x.attention import choose_attention
-from punica_x.batcher import Batcher
-from punica_x.batcher_mlfq import MLFQBatcher
+from punica_x.batching.batcher import Batcher
+from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig, ModelConfig
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.swap import SwapPool

@@ -44,7 +44,7 @@ def check_request(
             "logit_bias",
         )
     if sampling.json_schema is not None:
-        from punica_x.structured import compile_json_schema
+        from punica_x.sampling.structured import compile_json_schema
 
         try:
             compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it

@@ -6,6 +6,7 @@ import logging
 import time
 
 from punica_x.attention.dist import DistContext
+from punica_x.batching.planner import BatchPlanner, ScheduledRequest
 from punica_x.config import EngineConfig, dtype_name
 from punica_x.core import (
     FinishReason,
@@ -16,7 +17,6 @@ from punica_x.core import (
     SamplingParams,
     TokenLogprob,
 )
-from punica_x.detokenizer import Detokenizer
 from punica_x.engine.build import build_attention, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
 from punica_x.engine.moves import resume_into, resume_point
@@ -30,9 +30,9 @@ from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
-from punica_x.planner import BatchPlanner, ScheduledRequest
-from punica_x.sampler import Sampler
-from punica_x.structured import Grammars
+from punica_x.sampling.detokenizer import Detokenizer
+from punica_x.sampling.sampler import Sampler
+from punica_x.sampling.structured import Grammars
 
 log = logging.getLogger(__name__)
 

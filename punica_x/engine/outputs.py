@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from punica_x.core import FinishReason, Request, RequestOutput
-from punica_x.detokenizer import Detokenizer
+from punica_x.sampling.detokenizer import Detokenizer
 
 log = logging.getLogger(__name__)
 

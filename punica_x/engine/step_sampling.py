@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 
 from punica_x.core import Request, TokenLogprob
-from punica_x.logprobs import record_prompt_logprobs, sampled_logprobs
-from punica_x.sampler import NoTokenAllowed, Sampler
+from punica_x.sampling.logprobs import record_prompt_logprobs, sampled_logprobs
+from punica_x.sampling.sampler import NoTokenAllowed, Sampler
 
 log = logging.getLogger(__name__)
 

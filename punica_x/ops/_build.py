@@ -35,6 +35,7 @@ import torch
 
 from punica_x.env import cache_dir
 from punica_x.ops import isa as isa_mod
+from punica_x.ops.isa import KernelBuildError
 
 log = logging.getLogger("punica_x.build")
 
@@ -57,10 +58,6 @@ EXTENSIONS = {
     "layers_cpu": (("layers/bindings.cpp", "layers/fused_cpu.cpp"), ("layers/fused.h",)),
 }
 CPU_KINDS = ("sgmv_cpu", "attention_cpu", "dense_cpu", "layers_cpu")
-
-
-class KernelBuildError(RuntimeError):
-    """An extension could not be compiled; the message carries the compiler output."""
 
 
 def build_key(kind: str, isa: str) -> str:

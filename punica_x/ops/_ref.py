@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from punica_x.ops.sgmv import SgmvWeights
+from punica_x.ops.sgmv_weights import SgmvWeights
 
 
 def shrink(v: torch.Tensor, x: torch.Tensor, w: SgmvWeights, layer: int) -> None:

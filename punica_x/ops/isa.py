@@ -74,10 +74,12 @@ def resolve(isa: str | None = None) -> str:
     return native() if choice == "native" else choice
 
 
+class KernelBuildError(RuntimeError):
+    """An extension could not be compiled; the message carries the compiler output."""
+
+
 def check_runnable(isa: str) -> None:
     if isa not in runnable_levels():
-        from punica_x.ops._build import KernelBuildError
-
         missing = sorted(_REQUIRED.get(isa, set()) - cpu_flags())
         raise KernelBuildError(
             f"PUNICA_X_CPU_ISA={isa}: this CPU ({cpu_model()}) cannot run it "

@@ -48,7 +48,7 @@ def test_every_job_finishes_with_its_tokens_under_both_policies():
 
 def test_the_simulation_runs_the_live_mlfq_order(monkeypatch):
     base = jcts(small_run("mlfq")[1])
-    from punica_x import mlfq
+    from punica_x.batching import mlfq
 
     monkeypatch.setattr(mlfq, "order_key", lambda p: (-p.arrival,))  # newest first, levels off
     assert jcts(small_run("mlfq")[1]) != base

@@ -8,8 +8,8 @@ import pytest
 from helpers import tiny_llm
 
 from punica_x import SamplingParams
-from punica_x.async_engine import AsyncEngine
 from punica_x.core import FinishReason
+from punica_x.engine.async_engine import AsyncEngine
 from punica_x.lora.pool import UnknownAdapterError
 
 SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The FCFS batcher (punica_x/batcher.py): when KV runs out the NEWEST running request is
+"""The FCFS batcher (punica_x/batching/batcher.py): when KV runs out the NEWEST running request is
 preempted (on its own, step by step); a request that cannot fit even alone ends with
 finish_reason length and an error saying so (in the engine), while the request it pushed
 out still completes exactly as it would alone."""
@@ -9,7 +9,7 @@ import torch
 from helpers import compute_scheduled, tiny_llm
 
 from punica_x import SamplingParams
-from punica_x.batcher import Batcher
+from punica_x.batching.batcher import Batcher
 from punica_x.config import BatchConfig
 from punica_x.core import FinishReason, Request, RequestStatus
 from punica_x.kv.blocks import KVCache, KVCacheSpec

@@ -1,4 +1,4 @@
-"""The MLFQ batcher (punica_x/batcher_mlfq.py): on its own with a fake clock (who runs, KV
+"""The MLFQ batcher (punica_x/batching/batcher_mlfq.py): on its own with a fake clock (who runs, KV
 swapped out and back bit for bit, the pool exhausted), and in the engine (greedy and seeded
 outputs equal to FCFS's while requests are paused, swapped and recomputed)."""
 
@@ -9,7 +9,7 @@ import torch
 from helpers import compute_scheduled, tiny_llm
 
 from punica_x import SamplingParams
-from punica_x.batcher_mlfq import MLFQBatcher
+from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import BatchConfig
 from punica_x.core import FinishReason, Request
 from punica_x.kv.blocks import KVCache, KVCacheSpec

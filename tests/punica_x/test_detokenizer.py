@@ -2,7 +2,7 @@
 
 from transformers import AutoTokenizer
 
-from punica_x.detokenizer import Detokenizer
+from punica_x.sampling.detokenizer import Detokenizer
 
 
 def stream(tok, text, stop=(), include=False):

@@ -1,4 +1,4 @@
-"""The skip-join MLFQ policy (punica_x/mlfq.py) and the step-time model it is derived from:
+"""The skip-join MLFQ policy (punica_x/batching/mlfq.py) and the step-time model it is derived from:
 pure functions, checked with explicit times."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from punica_x import mlfq
-from punica_x.step_time import StepTimeModel
+from punica_x.batching import mlfq
+from punica_x.batching.step_time import StepTimeModel
 
 LEVELS = mlfq.Levels(q1_s=0.1, count=4, starve_s=5.0)  # quanta 0.1, 0.2, 0.4, 0.8
 

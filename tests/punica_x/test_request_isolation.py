@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 from helpers import tiny_llm
 
-import punica_x.engine as engine_mod
-import punica_x.sampler as sampler_mod
+import punica_x.engine.step_sampling as engine_mod  # where the step calls them
+import punica_x.sampling.sampler as sampler_mod
 from punica_x import SamplingParams
 from punica_x.core import FinishReason
 

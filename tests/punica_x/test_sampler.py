@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from punica_x.core import Request, SamplingParams
-from punica_x.sampler import Sampler
+from punica_x.sampling.sampler import Sampler
 
 
 def req(seed=None, **kw):
@@ -85,7 +85,7 @@ def reference_process(logits: torch.Tensor, r: Request) -> torch.Tensor:
 
 
 def test_bias_and_penalties_match_a_reference_per_request():
-    from punica_x.sampler import process_logits
+    from punica_x.sampling.sampler import process_logits
 
     g = torch.Generator().manual_seed(0)
     vocab = 40
@@ -158,7 +158,7 @@ def test_non_finite_rows_fall_back_to_their_finite_argmax_and_leave_the_rest_alo
 
 def test_a_row_that_overflows_in_its_penalties_takes_its_argmax():
     """A tiny repetition_penalty makes the positive logits of seen tokens +inf."""
-    from punica_x.sampler import process_logits
+    from punica_x.sampling.sampler import process_logits
 
     logits = torch.tensor([[5.0, 1.0, 4.0, -2.0]])
     r = Request(prompt_token_ids=[0], sampling=SamplingParams(repetition_penalty=1e-38))
@@ -168,7 +168,7 @@ def test_a_row_that_overflows_in_its_penalties_takes_its_argmax():
 
 
 def test_a_row_with_no_finite_logit_raises_no_token_allowed():
-    from punica_x.sampler import NoTokenAllowed
+    from punica_x.sampling.sampler import NoTokenAllowed
 
     logits = torch.randn(2, 10)
     logits[1] = float("-inf")
@@ -184,7 +184,7 @@ def test_a_row_with_no_finite_logit_raises_no_token_allowed():
 
 
 def test_any_integer_seed_draws_reproducibly():
-    from punica_x.sampler import step_seed
+    from punica_x.sampling.sampler import step_seed
 
     logits = torch.randn(1, 200)
     seeds = (-1, -(2**63), 2**63, 2**64 - 1, 2**70, 0, 2**32, 12345)
@@ -267,7 +267,7 @@ def test_min_tokens_is_bounded_by_max_tokens():
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
-    from punica_x.sampler import process_logits
+    from punica_x.sampling.sampler import process_logits
 
     eos = (2, 9)
     logits = torch.zeros(4, 12)

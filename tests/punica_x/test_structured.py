@@ -11,7 +11,7 @@ from helpers import tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.core import FinishReason
-from punica_x.structured import canonical_schema
+from punica_x.sampling.structured import canonical_schema
 
 SCHEMAS = [
     {

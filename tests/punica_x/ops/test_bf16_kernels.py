@@ -20,10 +20,9 @@ import torch
 from punica_x.attention import cpu as cpu_attention
 from punica_x.attention.cpu import CpuAttention
 from punica_x.attention.paged import SeqSpan
-from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend
 from punica_x.ops.dense import PackedCpuDense
 from punica_x.ops.fused import CpuFused, TorchFused
-from punica_x.ops.sgmv import cpu_backend
+from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, cpu_backend, get_backend
 
 BF16 = torch.bfloat16
 RTOL = 8e-3

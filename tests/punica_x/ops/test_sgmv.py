@@ -11,8 +11,15 @@ import random
 import pytest
 import torch
 
-from punica_x.ops import SgmvWeights, add_lora_sgmv, get_backend, sgmv_expand, sgmv_shrink
-from punica_x.ops.sgmv import CompiledBackend, cpu_backend
+from punica_x.ops.sgmv import (
+    CompiledBackend,
+    SgmvWeights,
+    add_lora_sgmv,
+    cpu_backend,
+    get_backend,
+    sgmv_expand,
+    sgmv_shrink,
+)
 from punica_x.workloads import POPULARITIES, assign_adapters, segment_lengths
 
 REF = get_backend("cpu", "torch_ref")

@@ -1,6 +1,6 @@
 """Continuous batching by skip-join MLFQ (FastServe) instead of arrival order.
 
-Each step the batcher orders every unfinished request by its MLFQ priority (punica_x/mlfq.py:
+Each step the batcher orders every unfinished request by its MLFQ priority (mlfq.py:
 level, then arrival) and runs the highest ones that fit: batch size, token budget, KV blocks
 - across adapters, so SGMV batching is unchanged. A request that was running and is not
 chosen is preempted at token granularity: it keeps its KV blocks while nobody needs them.
@@ -31,14 +31,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from punica_x import mlfq
-from punica_x.batcher import Batcher
+from punica_x.batching import mlfq
+from punica_x.batching.batcher import Batcher
+from punica_x.batching.planner import ScheduledRequest
+from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
 from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.swap import SwapPool
-from punica_x.planner import ScheduledRequest
-from punica_x.step_time import StepTimeModel
 
 
 class MLFQBatcher(Batcher):

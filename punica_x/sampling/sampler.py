@@ -16,7 +16,7 @@ from collections.abc import Collection
 import torch
 
 from punica_x.core import Request
-from punica_x.structured import mask_constrained
+from punica_x.sampling.structured import mask_constrained
 
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
 _MASK = (1 << 64) - 1

@@ -1,0 +1,102 @@
+"""The segments and LoRA weights of one SGMV launch (layouts in punica_x/ops/sgmv.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class SgmvWeights:
+    """Segments and the LoRA weights one SGMV launch reads (built once per step, read per layer).
+
+    seg:      [S + 1] int32 on the device, first row of each segment
+    seg_host: the same offsets as a tuple (for the reference and for sizing)
+    ranks:    [S, n_slices] int32 on the device (ranks_host: tuple of tuples)
+    a, b:     per segment the adapter's tensors (layouts in the module doc), None for no adapter;
+              held here so the addresses in a_ptr / b_ptr stay valid
+    a_ptr, b_ptr: [S] int64 addresses of a[s] / b[s] (0 for None)
+    h_out:    output width of each slice
+    max_rows: rows of the longest segment with an adapter; max_rank: largest sum_j ranks[s, j]
+    """
+
+    seg: torch.Tensor
+    seg_host: tuple[int, ...]
+    ranks: torch.Tensor
+    ranks_host: tuple[tuple[int, ...], ...]
+    a: tuple[torch.Tensor | None, ...]
+    b: tuple[torch.Tensor | None, ...]
+    a_ptr: torch.Tensor
+    b_ptr: torch.Tensor
+    h_out: tuple[int, ...]
+    max_rows: int
+    max_rank: int
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_host) - 1
+
+    @classmethod
+    def build(
+        cls,
+        seg: Sequence[int],
+        a: Sequence[torch.Tensor | None],
+        b: Sequence[torch.Tensor | None],
+        ranks: Sequence[Sequence[int]],
+        h_out: Sequence[int],
+        device: torch.device | str,
+    ) -> SgmvWeights:
+        """Check shapes and pack pointers. ``seg`` has S + 1 entries; the others S each."""
+        n = len(seg) - 1
+        if not (len(a) == len(b) == len(ranks) == n):
+            raise ValueError(f"need {n} entries of a, b, ranks for {n} segments")
+        h_out = tuple(int(h) for h in h_out)
+        ranks = tuple(tuple(int(r) for r in rs) for rs in ranks)
+        for s in range(n):
+            _check_segment_weights(s, a[s], b[s], ranks[s], h_out)
+            if seg[s + 1] < seg[s]:
+                raise ValueError(f"seg must be non-decreasing, got {list(seg)}")
+        with_adapter = [s for s in range(n) if a[s] is not None]
+        max_rows = max((seg[s + 1] - seg[s] for s in with_adapter), default=0)
+        max_rank = max((sum(ranks[s]) for s in with_adapter), default=0)
+        rank_rows = ranks if n else ((0,) * len(h_out),)
+        return cls(
+            seg=torch.tensor(seg, dtype=torch.int32, device=device),
+            seg_host=tuple(int(x) for x in seg),
+            ranks=torch.tensor(rank_rows, dtype=torch.int32, device=device)[:n],
+            ranks_host=ranks,
+            a=tuple(a),
+            b=tuple(b),
+            a_ptr=_pointers(a, device),
+            b_ptr=_pointers(b, device),
+            h_out=h_out,
+            max_rows=max_rows,
+            max_rank=max_rank,
+        )
+
+
+def _check_segment_weights(s, a, b, ranks, h_out) -> None:
+    if (a is None) != (b is None):
+        raise ValueError(f"segment {s}: a and b must both be given or both be None")
+    if len(ranks) != len(h_out):
+        raise ValueError(f"segment {s}: {len(ranks)} ranks for {len(h_out)} slices")
+    if a is None:
+        return
+    rank = sum(ranks)
+    if a.dim() != 3 or a.shape[1] != rank or not a.is_contiguous():
+        raise ValueError(
+            f"segment {s}: a must be contiguous [L, {rank}, h_in], got {tuple(a.shape)}"
+        )
+    width = sum(r * h for r, h in zip(ranks, h_out))
+    if b.dim() != 2 or b.shape != (a.shape[0], width) or not b.is_contiguous():
+        raise ValueError(
+            f"segment {s}: b must be contiguous [{a.shape[0]}, {width}], got {tuple(b.shape)}"
+        )
+
+
+def _pointers(ws: Sequence[torch.Tensor | None], device) -> torch.Tensor:
+    return torch.tensor(
+        [0 if w is None else w.data_ptr() for w in ws], dtype=torch.int64, device=device
+    )
