@@ -14,41 +14,29 @@ A runner whose engine step raised sends a "lost" event per open request, carryin
 the request was in that step (RunnerLost.in_failed_step: the scheduler's poison-request
 quarantine); a process that died cannot tell, so its streams end with in_failed_step False.
 
-ray is imported on first use, so the thread backend never pays for it."""
+The actor is scheduler/ray_actor.py, its events scheduler/ray_events.py. ray is imported on
+first use, so the thread backend never pays for it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from punica_x.async_engine import RequestStream, RunnerLost
 from punica_x.config import EngineConfig
 from punica_x.core import RequestOutput, Resume, SamplingParams
+from punica_x.engine.async_engine import RequestStream, RunnerLost
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from scheduler.interface import RequestLimits, RunnerInfo, RunnerStats
+from scheduler.ray_actor import ADAPTER_FILES, RunnerActor
+from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
 
-log = logging.getLogger(__name__)
-
-POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
-_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+__all__ = ["RayRunner", "RunnerActor", "ensure_ray"]
 _init_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What a poll reply carries besides the events: the runner's stats, the adapters
-    resident on its device and the adapter versions it still holds."""
-
-    stats: RunnerStats
-    resident: frozenset[str]
-    versions: frozenset[int]
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -76,220 +64,6 @@ def _wants_gpu(config: EngineConfig) -> bool:
     if device != "auto":
         return device.startswith("cuda")
     return ray.cluster_resources().get("GPU", 0) > 0
-
-
-class RunnerActor:
-    """Runs in the actor's process (an async actor: its methods share one event loop)."""
-
-    def __init__(self, config: EngineConfig, runner_id: str) -> None:
-        import tempfile
-
-        import torch
-
-        from punica_x.async_engine import AsyncEngine
-        from punica_x.engine import Engine
-
-        # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
-        # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
-        threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(os.sched_getaffinity(0))
-        torch.set_num_threads(threads)
-        self.runner_id = runner_id
-        self.engine = Engine(config)
-        self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
-        from scheduler.local import describe_runner
-
-        self.info_ = describe_runner(self.engine, config)
-        self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
-        # (seq, kind, request id, payload), kept until a poll acknowledges them: a reply lost
-        # on the way (its caller gone) is sent again, so no output is ever dropped
-        self.events: list[tuple[int, str, str, object]] = []
-        self.seq = 0
-        self.wakeup: asyncio.Event | None = None
-
-    def info(self) -> RunnerInfo:
-        return self.info_
-
-    def stop_lending(self) -> None:
-        from scheduler.local import stop_lending
-
-        stop_lending(self.engine)
-
-    def _push(self, kind: str, request_id: str, payload: object) -> None:
-        self.seq += 1
-        self.events.append((self.seq, kind, request_id, payload))
-        if self.wakeup is not None:
-            self.wakeup.set()
-
-    async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        resume: Resume | None,
-    ) -> str:
-        def deliver(out):
-            if isinstance(out, RunnerLost):  # (why, whether the request was in the step)
-                self._push("lost", request_id, (str(out), out.in_failed_step))
-            else:
-                self._push("out", request_id, out)
-
-        def preempted():
-            self._push("preempt", request_id, None)
-
-        return await self.async_engine.add(
-            prompt, sampling, adapter, request_id, resume, deliver, preempted
-        )
-
-    async def take(self, request_id: str, with_kv: bool = False) -> tuple[Resume | None, list]:
-        """(where the request stands, its events not yet acknowledged): after a take the
-        request produces nothing more here."""
-        resume = await self.async_engine.take(request_id, with_kv)
-        return resume, [e for e in self.events if e[2] == request_id]
-
-    async def abort(self, request_id: str) -> None:
-        await self.async_engine.call(lambda: self.engine.abort(request_id))
-
-    async def poll(self, after: int, timeout: float = POLL_TIMEOUT) -> tuple[list, Snapshot]:
-        """Events after seq `after` (those up to it are acknowledged and dropped), waiting up
-        to `timeout` for one; and the runner's stats."""
-        if self.wakeup is None:
-            self.wakeup = asyncio.Event()
-        self.events = [e for e in self.events if e[0] > after]
-        if not self.events:
-            self.wakeup.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), timeout)
-        return list(self.events), self._snapshot()
-
-    def _snapshot(self) -> Snapshot:
-        from scheduler.local import engine_stats
-
-        pool = self.engine.adapters
-        return Snapshot(engine_stats(self.engine), pool.resident(), pool.versions())
-
-    def register_adapter(
-        self, name: str, files: dict[str, bytes], sha256: str | None, version: int
-    ) -> AdapterInfo:
-        folder = self.adapter_dir / f"{abs(hash(name))}-{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for fname in _ADAPTER_FILES:
-            (folder / fname).write_bytes(files[fname])
-        return self.engine.adapters.register(name, folder, sha256)
-
-    def unregister_adapter(self, name: str) -> None:
-        self.engine.adapters.unregister(name)
-
-    # -- DistKV (scheduler/distkv/ray_group.py) ---------------------------------------------------
-    def kv_enable(
-        self,
-        gmanager,
-        peers: dict,
-        capacity: int,
-        caps,
-        overlap: bool,
-        transport: str,
-        authkey: bytes,
-    ):
-        """Lend within `caps`, borrow through the ledger actor from `peers` (runner id ->
-        actor handle); serve the micro-attention of this runner's loans on a channel server
-        (transport "socket"). Returns the server's ChannelAddress (None with "ray")."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        import ray
-
-        from scheduler.distkv.channel import KVChannelServer
-        from scheduler.distkv.ray_group import DataPlane, RayBorrower
-
-        plane = DataPlane(transport, authkey, self.info_.node)
-        self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity, plane)
-        self.kv_pool = ThreadPoolExecutor(4, thread_name_prefix="distkv")
-        self.rm = self.engine.enable_distkv(
-            self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
-        )
-        self.borrower.local = self.rm
-        self.micro: dict[str, object] = {}
-        self.kv_server = None
-        if transport == "socket":
-            host = ray.util.get_node_ip_address()
-            self.kv_server = KVChannelServer(self.rm, authkey, self.info_.node, host)
-            return self.kv_server.address
-        return None
-
-    def kv_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
-        self.borrower.set_peers(peers, addresses, capacity)
-
-    def kv_counts(self) -> dict[str, int]:
-        """Now: blocks this runner lends (`lent`), micro-attention calls its rManager ran
-        (`calls`) and frames its channel server received (`frames`)."""
-        frames = self.kv_server.frames if self.kv_server is not None else 0
-        return {"lent": self.rm.lent_blocks, "calls": self.rm.calls, "frames": frames}
-
-    def kv_heartbeat(self):
-        from scheduler.distkv.ledger import Heartbeat
-
-        return Heartbeat(self.runner_id, self.rm.lendable(), 0.0, self.info_.node)
-
-    def kv_lend(self, debtor: str, request_id: str, num_blocks: int):
-        return self.rm.lend(debtor, request_id, num_blocks)
-
-    def kv_reclaim(self, debtor: str, request_id: str, block_ids: tuple[int, ...]) -> None:
-        self.rm.reclaim(debtor, request_id, block_ids)
-
-    def kv_reclaim_debtor(self, debtor: str) -> int:
-        self.micro.pop(debtor, None)
-        return self.rm.reclaim_debtor(debtor)
-
-    def kv_prepare(self, debtor: str, plan) -> None:
-        """One debtor step's plan over blocks lent to it (replaces its previous step's)."""
-        self.micro[debtor] = self.rm.prepare(debtor, plan)
-
-    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
-        return self.micro[debtor].run(layer, q, k, v, scale)
-
-    # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
-    def dgfm_hold(self, timeout: float = 30.0) -> None:
-        """Hold the engine thread between two steps (a command that waits for dgfm_release)
-        and lend nothing meanwhile; returns once it is held."""
-        try:  # (held 120 s at most: a scheduler that died mid-swap does not hold it forever)
-            self._dgfm_release = self.async_engine.hold(timeout, limit=120.0)
-        except TimeoutError as exc:
-            raise TimeoutError(f"runner {self.runner_id}: {exc}") from None
-        self.rm.frozen = True
-
-    def dgfm_release(self) -> None:
-        self.rm.frozen = False
-        release = getattr(self, "_dgfm_release", None)
-        if release is not None:
-            release()
-
-    def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-        from scheduler.distkv.network import pick
-
-        return pick(self.engine, creditor, blocks)
-
-    def dgfm_take(self, debtor: str, picks: list) -> list:
-        from scheduler.distkv.network import take_home
-
-        return [kv.cpu() for kv in take_home(self.rm, debtor, picks)]  # to another process
-
-    def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
-        from scheduler.distkv.network import bring_home
-
-        bring_home(self.engine, self.runner_id, creditor, picks, data)
-
-    def alive(self) -> str | None:
-        """None while the engine steps, else why it stopped."""
-        return None if self.async_engine.alive() else (self.async_engine.error or "stopped")
-
-    def shutdown(self) -> None:
-        import shutil
-
-        self.async_engine.shutdown()
-        if getattr(self, "kv_server", None) is not None:
-            self.kv_server.close()
-            self.borrower.close()
-        shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 class RayRunner:
@@ -375,16 +149,14 @@ class RayRunner:
         return RequestStream(request_id, outputs, lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        self._forget(request_id)
         if self.error is None:
             self.actor.abort.remote(request_id)  # fire and forget: its output is dropped
 
     async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         resume, events = await self._call(self.actor.take.remote(request_id, with_kv))
         self._dispatch(events)  # what the pump has not delivered yet, in order
-        self._streams.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        self._forget(request_id)
         return resume
 
     async def _call(self, ref):
@@ -418,30 +190,32 @@ class RayRunner:
             self._snapshot = snapshot
             self._dispatch(events)
             if events:
-                self._acked = max(self._acked, events[-1][0])
+                self._acked = max(self._acked, events[-1].seq)
 
-    def _dispatch(self, events: list) -> None:
+    def _dispatch(self, events: list[Event]) -> None:
         """Deliver events in seq order, each once (a take and a poll may both carry one)."""
-        for seq, kind, request_id, payload in events:
-            entry = self._streams.get(request_id)
-            if entry is None or seq <= self._delivered.get(request_id, 0):
+        for event in events:
+            rid = event.request_id
+            entry = self._streams.get(rid)
+            if entry is None or event.seq <= self._delivered.get(rid, 0):
                 continue
-            self._delivered[request_id] = seq
+            self._delivered[rid] = event.seq
             deliver, on_preempt = entry
-            if kind == "out":
-                deliver(payload)
-                if payload.finished:
-                    self._streams.pop(request_id, None)
-                    self._delivered.pop(request_id, None)
-            elif kind == "preempt":
+            if isinstance(event, OutputEvent):
+                deliver(event.output)
+                if event.output.finished:
+                    self._forget(rid)
+            elif isinstance(event, PreemptEvent):
                 if on_preempt is not None:
                     on_preempt()
-            elif kind == "lost":
-                error, in_failed_step = payload
-                self.error = self.error or error
-                self._streams.pop(request_id, None)
-                self._delivered.pop(request_id, None)
-                deliver(RunnerLost(error, in_failed_step))
+            elif isinstance(event, LostEvent):
+                self.error = self.error or event.error
+                self._forget(rid)
+                deliver(RunnerLost(event.error, event.in_failed_step))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._delivered.pop(request_id, None)
 
     def _lost(self, error: str) -> None:
         self.error = self.error or error
@@ -463,7 +237,7 @@ class RayRunner:
             files_ref = shipped[1]  # read and put once, for every runner (and later ones)
         else:
             files = await asyncio.to_thread(
-                lambda: {f: (Path(path) / f).read_bytes() for f in _ADAPTER_FILES}
+                lambda: {f: (Path(path) / f).read_bytes() for f in ADAPTER_FILES}
             )
             files_ref = ray.put(files)
             RayRunner._shipped[name] = ((str(path), sha256), files_ref)

@@ -1,0 +1,105 @@
+"""A Ray runner actor's DistKV and DGFM methods (RunnerActor inherits them): lending within
+caps, borrowing through the ledger actor, serving micro-attention of its loans on a channel
+server, and the DGFM swap steps that RayKVGroup.defragment (ray_group.py) drives. The actor
+provides `runner_id`, `engine`, `async_engine` and `info_`."""
+
+from __future__ import annotations
+
+
+class KVActorMethods:
+    def kv_enable(
+        self,
+        gmanager,
+        peers: dict,
+        capacity: int,
+        caps,
+        overlap: bool,
+        transport: str,
+        authkey: bytes,
+    ):
+        """Lend within `caps`, borrow through the ledger actor from `peers` (runner id ->
+        actor handle); serve the micro-attention of this runner's loans on a channel server
+        (transport "socket"). Returns the server's ChannelAddress (None with "ray")."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import ray
+
+        from scheduler.distkv.channel import KVChannelServer
+        from scheduler.distkv.ray_group import DataPlane, RayBorrower
+
+        plane = DataPlane(transport, authkey, self.info_.node)
+        self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity, plane)
+        self.kv_pool = ThreadPoolExecutor(4, thread_name_prefix="distkv")
+        self.rm = self.engine.enable_distkv(
+            self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
+        )
+        self.borrower.local = self.rm
+        self.micro: dict[str, object] = {}
+        self.kv_server = None
+        if transport == "socket":
+            host = ray.util.get_node_ip_address()
+            self.kv_server = KVChannelServer(self.rm, authkey, self.info_.node, host)
+            return self.kv_server.address
+        return None
+
+    def kv_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
+        self.borrower.set_peers(peers, addresses, capacity)
+
+    def kv_counts(self) -> dict[str, int]:
+        """Now: blocks this runner lends (`lent`), micro-attention calls its rManager ran
+        (`calls`) and frames its channel server received (`frames`)."""
+        frames = self.kv_server.frames if self.kv_server is not None else 0
+        return {"lent": self.rm.lent_blocks, "calls": self.rm.calls, "frames": frames}
+
+    def kv_heartbeat(self):
+        from scheduler.distkv.ledger import Heartbeat
+
+        return Heartbeat(self.runner_id, self.rm.lendable(), 0.0, self.info_.node)
+
+    def kv_lend(self, debtor: str, request_id: str, num_blocks: int):
+        return self.rm.lend(debtor, request_id, num_blocks)
+
+    def kv_reclaim(self, debtor: str, request_id: str, block_ids: tuple[int, ...]) -> None:
+        self.rm.reclaim(debtor, request_id, block_ids)
+
+    def kv_reclaim_debtor(self, debtor: str) -> int:
+        self.micro.pop(debtor, None)
+        return self.rm.reclaim_debtor(debtor)
+
+    def kv_prepare(self, debtor: str, plan) -> None:
+        """One debtor step's plan over blocks lent to it (replaces its previous step's)."""
+        self.micro[debtor] = self.rm.prepare(debtor, plan)
+
+    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
+        return self.micro[debtor].run(layer, q, k, v, scale)
+
+    # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
+    def dgfm_hold(self, timeout: float = 30.0) -> None:
+        """Hold the engine thread between two steps (a command that waits for dgfm_release)
+        and lend nothing meanwhile; returns once it is held."""
+        try:  # (held 120 s at most: a scheduler that died mid-swap does not hold it forever)
+            self._dgfm_release = self.async_engine.hold(timeout, limit=120.0)
+        except TimeoutError as exc:
+            raise TimeoutError(f"runner {self.runner_id}: {exc}") from None
+        self.rm.frozen = True
+
+    def dgfm_release(self) -> None:
+        self.rm.frozen = False
+        release = getattr(self, "_dgfm_release", None)
+        if release is not None:
+            release()
+
+    def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
+        from scheduler.distkv.network import pick
+
+        return pick(self.engine, creditor, blocks)
+
+    def dgfm_take(self, debtor: str, picks: list) -> list:
+        from scheduler.distkv.network import take_home
+
+        return [kv.cpu() for kv in take_home(self.rm, debtor, picks)]  # to another process
+
+    def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
+        from scheduler.distkv.network import bring_home
+
+        bring_home(self.engine, self.runner_id, creditor, picks, data)

@@ -1,0 +1,140 @@
+"""The process side of a Ray runner: an Engine (on its AsyncEngine thread) inside an async
+Ray actor. The scheduler's side is scheduler/ray_runner.py (RayRunner); the events a poll
+returns are scheduler/ray_events.py; the DistKV and DGFM methods come from
+scheduler/distkv/actor.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+from punica_x.config import EngineConfig
+from punica_x.core import Resume, SamplingParams
+from punica_x.engine.async_engine import RunnerLost
+from punica_x.lora.pool import AdapterInfo
+from scheduler.distkv.actor import KVActorMethods
+from scheduler.interface import RunnerInfo
+from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
+
+POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class RunnerActor(KVActorMethods):
+    """Runs in the actor's process (an async actor: its methods share one event loop)."""
+
+    def __init__(self, config: EngineConfig, runner_id: str) -> None:
+        import tempfile
+
+        import torch
+
+        from punica_x.engine import Engine
+        from punica_x.engine.async_engine import AsyncEngine
+
+        # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
+        # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
+        threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        self.runner_id = runner_id
+        self.engine = Engine(config)
+        self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
+        from scheduler.local import describe_runner
+
+        self.info_ = describe_runner(self.engine, config)
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
+        # kept until a poll acknowledges them: a reply lost on the way (its caller gone) is
+        # sent again, so no output is ever dropped
+        self.events: list[Event] = []
+        self.seq = 0
+        self.wakeup: asyncio.Event | None = None
+
+    def info(self) -> RunnerInfo:
+        return self.info_
+
+    def stop_lending(self) -> None:
+        from scheduler.local import stop_lending
+
+        stop_lending(self.engine)
+
+    def _push(self, event: type, request_id: str, *payload) -> None:
+        self.seq += 1
+        self.events.append(event(self.seq, request_id, *payload))
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    async def open(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        adapter: str | None,
+        request_id: str,
+        resume: Resume | None,
+    ) -> str:
+        def deliver(out):
+            if isinstance(out, RunnerLost):
+                self._push(LostEvent, request_id, str(out), out.in_failed_step)
+            else:
+                self._push(OutputEvent, request_id, out)
+
+        def preempted():
+            self._push(PreemptEvent, request_id)
+
+        return await self.async_engine.add(
+            prompt, sampling, adapter, request_id, resume, deliver, preempted
+        )
+
+    async def take(
+        self, request_id: str, with_kv: bool = False
+    ) -> tuple[Resume | None, list[Event]]:
+        """(where the request stands, its events not yet acknowledged): after a take the
+        request produces nothing more here."""
+        resume = await self.async_engine.take(request_id, with_kv)
+        return resume, [e for e in self.events if e.request_id == request_id]
+
+    async def abort(self, request_id: str) -> None:
+        await self.async_engine.call(lambda: self.engine.abort(request_id))
+
+    async def poll(self, after: int, timeout: float = POLL_TIMEOUT) -> tuple[list[Event], Snapshot]:
+        """Events after seq `after` (those up to it are acknowledged and dropped), waiting up
+        to `timeout` for one; and the runner's stats."""
+        if self.wakeup is None:
+            self.wakeup = asyncio.Event()
+        self.events = [e for e in self.events if e.seq > after]
+        if not self.events:
+            self.wakeup.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), timeout)
+        return list(self.events), self._snapshot()
+
+    def _snapshot(self) -> Snapshot:
+        from scheduler.local import engine_stats
+
+        pool = self.engine.adapters
+        return Snapshot(engine_stats(self.engine), pool.resident(), pool.versions())
+
+    def register_adapter(
+        self, name: str, files: dict[str, bytes], sha256: str | None, version: int
+    ) -> AdapterInfo:
+        folder = self.adapter_dir / f"{abs(hash(name))}-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for fname in ADAPTER_FILES:
+            (folder / fname).write_bytes(files[fname])
+        return self.engine.adapters.register(name, folder, sha256)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.engine.adapters.unregister(name)
+
+    def alive(self) -> str | None:
+        """None while the engine steps, else why it stopped."""
+        return None if self.async_engine.alive() else (self.async_engine.error or "stopped")
+
+    def shutdown(self) -> None:
+        import shutil
+
+        self.async_engine.shutdown()
+        if getattr(self, "kv_server", None) is not None:
+            self.kv_server.close()
+            self.borrower.close()
+        shutil.rmtree(self.adapter_dir, ignore_errors=True)
