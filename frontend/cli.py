@@ -19,14 +19,13 @@ call the running server at --url.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
+
+from frontend.cli_admin import admin, admin_parser
 
 DEFAULT_DATA_DIR = os.environ.get("PUNICA_X_DATA", "data")
 
@@ -125,145 +124,6 @@ def engine_config(args):
     return engine
 
 
-def admin(args) -> int:
-    from frontend.auth import read_admin_token
-
-    token = read_admin_token(Path(args.data_dir))
-    if not token:
-        print(
-            f"no admin token: set PUNICA_X_ADMIN_TOKEN or point --data-dir at the server's data "
-            f"dir ({args.data_dir})",
-            file=sys.stderr,
-        )
-        return 2
-    base = args.url.rstrip("/")
-    if args.object == "status":
-        return _status(base, token)
-    if args.object == "scale":
-        return _scale(args, base, token)
-    if args.action == "create":
-        body = {
-            "name": args.name,
-            "max_concurrent": args.max_concurrent,
-            "tokens_per_minute": args.tokens_per_minute,
-            "weight": args.weight,
-        }
-        status, data = _call("POST", f"{base}/admin/tenants", token, body)
-        if status == 201:
-            print(data["api_key"])
-            print(
-                f"tenant {data['name']} created; the key above is shown only once", file=sys.stderr
-            )
-            return 0
-    elif args.action == "list":
-        status, data = _call("GET", f"{base}/admin/tenants", token)
-        if status == 200:
-            for t in data["data"]:
-                state = "revoked" if t["revoked"] else "active"
-                print(f"{t['name']}\t{state}\tweight {t['weight']:g}")
-            return 0
-    elif args.action == "weight":
-        url = f"{base}/admin/tenants/{args.name}"
-        status, data = _call("PATCH", url, token, {"weight": args.weight})
-        if status == 200:
-            print(f"tenant {args.name}: weight {data['weight']:g}")
-            return 0
-    else:
-        status, data = _call("DELETE", f"{base}/admin/tenants/{args.name}", token)
-        if status == 200:
-            print(f"tenant {args.name} revoked")
-            return 0
-    print(f"error {status}: {json.dumps(data)}", file=sys.stderr)
-    return 1
-
-
-def _status(base: str, token: str) -> int:
-    status, data = _call("GET", f"{base}/admin/runners", token)
-    if status != 200:
-        print(f"error {status}: {json.dumps(data)}", file=sys.stderr)
-        return 1
-    print(_runner_table(data))
-    return 0
-
-
-def _runner_table(data: dict) -> str:
-    head = (
-        "ID",
-        "BACKEND",
-        "NODE",
-        "STATE",
-        "RUNNING",
-        "WAITING",
-        "KV USED/FREE",
-        "LENT/BORROWED",
-        "ADAPTERS",
-    )
-    rows = [head]
-    for r in data["runners"]:
-        rows.append(
-            (
-                r["id"],
-                r["backend"],
-                str(r["node"] or "-"),
-                r["state"],
-                str(r["running"]),
-                str(r["waiting"]),
-                f"{r['kv_blocks_used']}/{r['kv_blocks_free']}",
-                f"{r.get('kv_blocks_lent', 0)}/{r.get('kv_blocks_borrowed', 0)}",
-                str(r["resident_adapters"]),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    advice = data["advice"]
-    detail = f" ({data['advice_reason']})" if data.get("advice_reason") else ""
-    lines.append(f"queued at the scheduler: {data['queued']}; advice: {advice}{detail}")
-    return "\n".join(lines)
-
-
-def _scale(args, base: str, token: str) -> int:
-    """Both directions wait for the change to finish (the server answers when it is done)."""
-    if args.direction == "up":
-        status, data = _call(
-            "POST", f"{base}/admin/runners", token, {"count": args.count}, timeout=900
-        )
-        done, verb = status == 201, "added"
-    elif args.runner is not None:
-        status, data = _call("DELETE", f"{base}/admin/runners/{args.runner}", token, timeout=900)
-        done, verb = status == 200, "drained"
-    else:
-        url = f"{base}/admin/runners?count={args.count}"
-        status, data = _call("DELETE", url, token, timeout=900)
-        done, verb = status == 200, "drained"
-    if not done:
-        message = data.get("error", {})
-        message = message.get("message", message) if isinstance(message, dict) else message
-        print(f"punica-x: scale {args.direction} failed ({status}): {message}", file=sys.stderr)
-        return 1
-    print(f"{verb}: {', '.join(data[verb])}")
-    print(_runner_table(data))
-    return 0
-
-
-def _call(
-    method: str, url: str, token: str, body: dict | None = None, timeout: float = 30
-) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        url,
-        data=data,
-        method=method,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-    except urllib.error.URLError as err:
-        return 0, {"error": f"cannot reach {url}: {err.reason}"}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
@@ -281,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="build the kernels and convert the model (punica-x prepare -h)")
     _serve_parser(sub)
-    _admin_parser(sub)
+    admin_parser(sub, DEFAULT_DATA_DIR)
     return parser
 
 
@@ -365,44 +225,6 @@ def _cluster_args(s) -> None:
         default=None,
         help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting a local Ray",
     )
-
-
-def _admin_parser(sub) -> None:
-    a = sub.add_parser("admin", help="administer a running server")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
-    common.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the admin token is")
-    what = a.add_subparsers(dest="object", required=True)
-    t = what.add_parser("tenant", help="tenants and their API keys")
-    actions = t.add_subparsers(dest="action", required=True)
-    create = actions.add_parser(
-        "create", parents=[common], help="create a tenant, print its API key"
-    )
-    create.add_argument("name")
-    create.add_argument("--max-concurrent", type=int, default=None)
-    create.add_argument("--tokens-per-minute", type=int, default=None)
-    create.add_argument(
-        "--weight", type=float, default=1.0, help="its share of the runners while tenants wait"
-    )
-    weight = actions.add_parser(
-        "weight", parents=[common], help="set a tenant's fair-share weight (default 1)"
-    )
-    weight.add_argument("name")
-    weight.add_argument("weight", type=float)
-    actions.add_parser("list", parents=[common], help="list tenants")
-    revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
-    revoke.add_argument("name")
-    what.add_parser("status", parents=[common], help="runners, their load and the advice")
-    scale = what.add_parser("scale", help="add or drain runners (waits until done)")
-    direction = scale.add_subparsers(dest="direction", required=True)
-    up = direction.add_parser("up", parents=[common], help="start runners")
-    up.add_argument("--count", type=int, default=1)
-    down = direction.add_parser(
-        "down", parents=[common], help="drain runners (their requests move) and stop them"
-    )
-    pick = down.add_mutually_exclusive_group()
-    pick.add_argument("--runner", default=None, help="the runner to drain (id)")
-    pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")
 
 
 if __name__ == "__main__":

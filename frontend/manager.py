@@ -1,51 +1,30 @@
 """One frontend manager behind every adapter (REST, OpenAI API, websocket, admin): tenants,
-adapters (tenant-scoped), prompt preparation, admission and generation with metrics.
-
-Adapters are registered on the runners under a tenant-scoped key (``t<tenant id>/<name>``),
-so one tenant can never reach another's adapter; lookups answer the same 404 for "not
-yours" and "does not exist"."""
+their adapters (tenant_adapters.py), admission and generation with metrics."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from frontend.auth import hash_key, new_api_key
 from frontend.config import ServerConfig
-from frontend.durable import StorageFull
 from frontend.errors import ApiError, bad_request, not_found
 from frontend.limits import Admission
 from frontend.metrics import Metrics
 from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBuilder
 from frontend.protocol import TenantCreate
 from frontend.store import AdapterRecord, Store, Tenant
-from frontend.uploads import CONFIG, WEIGHTS
+from frontend.tenant_adapters import TenantAdapters, adapter_key
 from punica_x.core import RequestOutput, SamplingParams
 from punica_x.errors import ContextTooLong, InvalidRequest
-from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
 from scheduler.cluster import NoRunner, Scheduler
 from scheduler.fairness import QUEUE_OVERFLOW
 
 log = logging.getLogger(__name__)
-
-# AdapterError codes that mean the stored files are not what the row committed.
-UNTRUSTED_FILES = (
-    "sha256_mismatch",
-    "not_found",
-    "missing_file",
-    "bad_config",
-    "bad_weights",
-    "non_finite",
-)
 
 
 @dataclass(frozen=True)
@@ -74,54 +53,11 @@ class FrontendManager:
             lambda: scheduler.restarts,
             scheduler.tenant_rows,
         )
-        self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
-        self._versions: dict[int, int] = {}  # store adapter id -> runner version
-        self._locks: dict[str, asyncio.Lock] = {}  # adapter key -> its uploads/deletes
+        self.adapters = TenantAdapters(store, scheduler, self.model_id)
 
     # -- start-up -----------------------------------------------------------------------------
     async def restore_adapters(self) -> None:
-        """Register the stored live adapters with the runners (after a restart). Files that
-        are missing or do not match the row's sha256 are never served: the row becomes
-        `broken` and the files are quarantined, each with an error line."""
-        for record in self.store.adapters():
-            key = _key(record.tenant_id, record.name)
-            try:
-                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
-                self._versions[record.id] = info.version
-            except AdapterError as exc:
-                if exc.code in UNTRUSTED_FILES:
-                    self.store.set_state(record, "broken")
-                    moved = (
-                        self.store.quarantine(record.path, str(exc))
-                        if record.path.exists()
-                        else None
-                    )
-                    log.error(
-                        "stored adapter %r v%d (tenant %d) is not served (%s): %s; files "
-                        "quarantined at %s",
-                        record.name,
-                        record.version,
-                        record.tenant_id,
-                        exc.code,
-                        exc,
-                        moved,
-                    )
-                else:
-                    log.error(
-                        "stored adapter %r v%d (tenant %d) is not served (%s): %s",
-                        record.name,
-                        record.version,
-                        record.tenant_id,
-                        exc.code,
-                        exc,
-                    )
-            except Exception as exc:  # one broken adapter must not keep the server from starting
-                log.error(
-                    "stored adapter %r (tenant %d) is unusable: %s",
-                    record.name,
-                    record.tenant_id,
-                    exc,
-                )
+        await self.adapters.restore()
 
     # -- tenants ------------------------------------------------------------------------------
     def create_tenant(self, body: TenantCreate) -> tuple[Tenant, str]:
@@ -156,135 +92,19 @@ class FrontendManager:
     async def upload_adapter(
         self, caller: Caller, name: str, files: dict[str, bytes]
     ) -> AdapterRecord:
-        """Store and serve a new version of `name`. Write order (see store.py): staged files
-        (fsynced) -> a `pending` row reserving the version -> rename into the version's own
-        directory -> the runners load it, checking the sha256 -> the row committed `live`
-        (older versions `deleted` in the same transaction). A kill anywhere leaves nothing
-        that is served without a commit; recovery.py cleans the rest at start."""
-        if name == self.model_id:
-            raise bad_request("invalid_name", "adapter names differ from the base model id", "name")
-        tenant = caller.tenant
-        key = _key(tenant.id, name)
-        async with self._lock(key):
-            pending = await self._install(tenant, name, files)
-            previous = self.store.current_adapter(tenant.id, name)
-            try:
-                runner_info = await self.scheduler.register_adapter(
-                    key, pending.path, pending.sha256
-                )
-            except BaseException as exc:
-                await asyncio.to_thread(self._abort, pending)
-                if isinstance(exc, AdapterError):
-                    raise ApiError(400, exc.code, str(exc)) from None
-                raise
-            try:
-                record, replaced = await _storage(
-                    asyncio.to_thread(self.store.commit_adapter, pending)
-                )
-            except BaseException:
-                # The runners serve the new files, but the store could not commit them: put
-                # the runners back on what the store says, and undo the reservation.
-                await self._serve(key, previous)
-                await asyncio.to_thread(self._abort, pending)
-                raise
-        self._versions[record.id] = runner_info.version
-        for old in replaced:
-            self._retire(old)
-        return record
-
-    async def _install(self, tenant: Tenant, name: str, files: dict[str, bytes]) -> AdapterRecord:
-        """Stage the files, run every runner check on them (off the event loop), reserve the
-        version (a `pending` row) and move the files into its directory."""
-        staging = await _storage(asyncio.to_thread(self.store.stage, files))
-        try:
-            info = self.scheduler.info
-            parsed = await asyncio.to_thread(
-                load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
-            )
-            size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))
-            pending = await _storage(
-                asyncio.to_thread(
-                    self.store.reserve_adapter,
-                    tenant.id,
-                    name,
-                    parsed.rank,
-                    parsed.target_modules,
-                    parsed.sha256,
-                    size,
-                    parsed.stored_dtype,
-                )
-            )
-            try:
-                await _storage(asyncio.to_thread(self.store.install, staging, pending))
-            except BaseException:
-                await asyncio.to_thread(self._abort, pending)
-                raise
-        except AdapterError as exc:
-            raise ApiError(400, exc.code, str(exc).replace(str(staging), "<upload>")) from None
-        finally:
-            await asyncio.to_thread(self.store.remove_files, staging)
-        return pending
-
-    def _lock(self, key: str) -> asyncio.Lock:
-        """Uploads and deletes of one adapter name run one at a time, so the runners and the
-        store agree on which version is current."""
-        return self._locks.setdefault(key, asyncio.Lock())
-
-    def _abort(self, pending: AdapterRecord) -> None:
-        """Undo a reservation (best effort: recovery finishes it at start if this fails)."""
-        try:
-            self.store.remove_files(pending.path)
-            self.store.set_state(pending, "aborted")
-        except Exception:
-            log.exception("could not abort pending adapter %r v%d", pending.name, pending.version)
-
-    async def _serve(self, key: str, record: AdapterRecord | None) -> None:
-        """Make the runners serve `record` under `key` again (None: nothing)."""
-        try:
-            if record is None:
-                await self.scheduler.unregister_adapter(key)
-            else:
-                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
-                self._versions[record.id] = info.version
-        except Exception:
-            log.exception("could not restore the runners' version of %s", key)
+        return await self.adapters.upload(caller.tenant, name, files)
 
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
-        return self.store.adapters(caller.tenant.id)
+        return self.adapters.list(caller.tenant)
 
     def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
-        record = self.store.current_adapter(caller.tenant.id, name)
-        if record is None:
-            raise not_found("adapter_not_found", f"adapter {name!r} does not exist")
-        return record
+        return self.adapters.get(caller.tenant, name)
 
     async def delete_adapter(self, caller: Caller, name: str) -> AdapterRecord:
-        """The row is marked deleted (durably) first, then the runners drop the name, then
-        the files go once no request holds them (recovery.py removes them at start if a
-        kill came first)."""
-        key = _key(caller.tenant.id, name)
-        async with self._lock(key):
-            record = self.get_adapter(caller, name)
-            await _storage(asyncio.to_thread(self.store.mark_deleted, record))
-            with contextlib.suppress(UnknownAdapterError):  # a failed start-up restore
-                await self.scheduler.unregister_adapter(key)
-        self._retire(record)
-        return record
-
-    def _retire(self, record: AdapterRecord) -> None:
-        """Delete the files once no request holds the version any more."""
-        version = self._versions.pop(record.id, None)
-        self._trash.append((version if version is not None else -1, record.path))
-        self.collect_garbage()
+        return await self.adapters.delete(caller.tenant, name)
 
     def collect_garbage(self) -> None:
-        keep = []
-        for version, path in self._trash:
-            if version >= 0 and self.scheduler.has_version(version):
-                keep.append((version, path))
-            else:
-                self.store.remove_files(path)
-        self._trash = keep
+        self.adapters.collect_garbage()
 
     def model_ids(self, caller: Caller) -> list[tuple[str, float]]:
         return [(self.model_id, 0.0)] + [(a.name, a.created) for a in self.list_adapters(caller)]
@@ -295,7 +115,7 @@ class FrontendManager:
             return None
         if self.store.current_adapter(caller.tenant.id, model) is None:
             raise ApiError(404, "model_not_found", f"the model {model!r} does not exist", "model")
-        return _key(caller.tenant.id, model)
+        return adapter_key(caller.tenant.id, model)
 
     # -- generation ---------------------------------------------------------------------------
     def check_capacity(self, tenant: Tenant) -> None:
@@ -407,19 +227,6 @@ class FrontendManager:
             self.metrics.requests.labels(*labels, status).inc()
 
 
-async def _storage(work):
-    """Await `work`; a full disk becomes the API's 507."""
-    try:
-        return await work
-    except StorageFull as exc:
-        log.error("out of disk space: %s", exc)
-        raise ApiError(
-            507,
-            "insufficient_storage",
-            "the server is out of disk space; nothing was stored, retry later",
-        ) from None
-
-
 def refusal(exc: InvalidRequest) -> ApiError:
     """A runner's refusal as the API's 400 (context_length_exceeded, invalid_prompt, or
     invalid_value naming the field)."""
@@ -428,7 +235,3 @@ def refusal(exc: InvalidRequest) -> ApiError:
     else:
         code = "invalid_prompt" if exc.param in ("prompt", None) else "invalid_value"
     return bad_request(code, str(exc), exc.param)
-
-
-def _key(tenant_id: int, name: str) -> str:
-    return f"t{tenant_id}/{name}"
