@@ -18,8 +18,8 @@ from frontend.metrics import Metrics
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
-from punica_x.engine import ContextTooLong
 from punica_x.engine.async_engine import RunnerLost
+from punica_x.errors import ContextTooLong
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.models.loader import load_model
 from scheduler.cluster import NoRunner, RestartPolicy, Scheduler

@@ -221,7 +221,7 @@ def cluster(shared, sizes, distkv=True, policy="fcfs"):
 def test_the_scheduler_places_a_too_long_request_and_the_runners_lend(shared, reference):
     """Thread runners of 6 blocks each: a 190-token request (12 blocks) is placed on one,
     borrows on the others, and the admin view shows the loans while it runs."""
-    from punica_x.engine import ContextTooLong
+    from punica_x.errors import ContextTooLong
 
     async def main():
         sched = cluster(shared, [6, 6, 6])
@@ -254,7 +254,7 @@ def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared, ki
     """--no-distkv, or the mlfq policy (its KV swapping does not move borrowed blocks, so its
     runners are left out of DistKV, logged): a too-long prompt is refused as on one runner,
     and the cluster still starts."""
-    from punica_x.engine import ContextTooLong
+    from punica_x.errors import ContextTooLong
 
     async def main():
         if kind == "mlfq":
