@@ -46,8 +46,7 @@ class TenantAdapters:
 
     def __init__(self, store: Store, scheduler: Scheduler, model_id: str) -> None:
         self.store, self.scheduler, self.model_id = store, scheduler, model_id
-        self._trash: list[tuple[int, Path]] = []  # (runner version, files) to delete once unused
-        self._versions: dict[int, int] = {}  # store adapter id -> runner version
+        self._trash: list[tuple[int, Path]] = []  # (version: row id, files) to delete once unused
         self._locks: dict[str, asyncio.Lock] = {}  # adapter key -> its uploads/deletes
 
     async def restore(self) -> None:
@@ -57,8 +56,9 @@ class TenantAdapters:
         for record in self.store.adapters():
             key = adapter_key(record.tenant_id, record.name)
             try:
-                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
-                self._versions[record.id] = info.version
+                await self.scheduler.register_adapter(
+                    key, record.path, record.sha256, version=record.id
+                )
             except AdapterError as exc:
                 if exc.code in UNTRUSTED_FILES:
                     self.store.set_state(record, "broken")
@@ -107,8 +107,8 @@ class TenantAdapters:
             pending = await self._install(tenant, name, files)
             previous = self.store.current_adapter(tenant.id, name)
             try:
-                runner_info = await self.scheduler.register_adapter(
-                    key, pending.path, pending.sha256
+                await self.scheduler.register_adapter(
+                    key, pending.path, pending.sha256, version=pending.id
                 )
             except BaseException as exc:
                 await asyncio.to_thread(self._abort, pending)
@@ -125,7 +125,6 @@ class TenantAdapters:
                 await self._serve(key, previous)
                 await asyncio.to_thread(self._abort, pending)
                 raise
-        self._versions[record.id] = runner_info.version
         for old in replaced:
             self._retire(old)
         return record
@@ -182,8 +181,9 @@ class TenantAdapters:
             if record is None:
                 await self.scheduler.unregister_adapter(key)
             else:
-                info = await self.scheduler.register_adapter(key, record.path, record.sha256)
-                self._versions[record.id] = info.version
+                await self.scheduler.register_adapter(
+                    key, record.path, record.sha256, version=record.id
+                )
         except Exception:
             log.exception("could not restore the runners' version of %s", key)
 
@@ -211,14 +211,15 @@ class TenantAdapters:
 
     def _retire(self, record: AdapterRecord) -> None:
         """Delete the files once no request holds the version any more."""
-        version = self._versions.pop(record.id, None)
-        self._trash.append((version if version is not None else -1, record.path))
+        self._trash.append((record.id, record.path))
         self.collect_garbage()
 
     def collect_garbage(self) -> None:
+        """Delete the files of retired versions no runner holds any more (a version's id
+        is its store row's, on every runner)."""
         keep = []
         for version, path in self._trash:
-            if version >= 0 and self.scheduler.has_version(version):
+            if self.scheduler.has_version(version):
                 keep.append((version, path))
             else:
                 self.store.remove_files(path)

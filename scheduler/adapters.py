@@ -6,17 +6,18 @@ as a whole: the runners that took it go back to what they held before (the previ
 under that key, or nothing), so no runner serves an adapter the others do not. A runner that
 starts later gets every current adapter before it takes work (`install`).
 
-Versions: each registration gets one scheduler version (returned in the AdapterInfo);
-runners number their own versions independently, and `has_version` answers for the
-scheduler's (whether any live runner still holds it, current or in use by a request)."""
+Versions: one id per registration, the same on every runner: the caller's (the server
+passes the store's row id, so an upload has one id from the database to every pool), or,
+when the caller names none, the next of the registry's own. `has_version` asks the runners
+whether any still holds it (current, or in use by a request)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
@@ -24,50 +25,58 @@ from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Registered:
+    """What a key serves now: its files and their version id."""
+
+    path: Path
+    sha256: str | None
+    version: int
+
+
 class AdapterRegistry:
     def __init__(self) -> None:
-        self.files: dict[str, tuple[Path, str | None]] = {}  # key -> (directory, sha256)
-        self._ids = itertools.count(1)
-        self._current: dict[str, int] = {}  # key -> its current scheduler version
-        # scheduler version -> runner id -> that runner's own version of the same files
-        self._versions: dict[int, dict[str, int]] = {}
+        self.files: dict[str, Registered] = {}  # key -> what it serves
+        self._ids = itertools.count(1)  # for registrations that name no version
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
     async def register(
-        self, key: str, path: Path, sha256: str | None, runners: Iterable
+        self,
+        key: str,
+        path: Path,
+        sha256: str | None,
+        runners: Iterable,
+        version: int | None = None,
     ) -> AdapterInfo:
-        """Register on every runner in `runners` (handles) concurrently; the first refusal is
-        raised after the others are rolled back."""
+        """Register on every runner in `runners` (handles) concurrently as `version` (None:
+        the registry numbers it); the first refusal is raised after the others are rolled
+        back."""
         runners = list(runners)
+        version = next(self._ids) if version is None else version
         results = await asyncio.gather(
-            *(h.register_adapter(key, path, sha256) for h in runners), return_exceptions=True
+            *(h.register_adapter(key, path, sha256, version) for h in runners),
+            return_exceptions=True,
         )
         refused = [r for r in results if isinstance(r, BaseException)]
         if refused:
             took = [h for h, r in zip(runners, results) if not isinstance(r, BaseException)]
             await self._roll_back(key, took)
             raise refused[0]
-        self.files[key] = (path, sha256)
-        version = next(self._ids)
-        self._versions[version] = {h.runner_id: info.version for h, info in zip(runners, results)}
-        self._current[key] = version
-        return dataclasses.replace(results[0], version=version)
+        self.files[key] = Registered(path, sha256, version)
+        return results[0]
 
     async def _roll_back(self, key: str, took: list) -> None:
-        """The runners in `took` registered `key` anew: they go back to its previous files, or
-        drop it when there were none."""
+        """The runners in `took` registered `key` anew: they go back to its previous files
+        (under their version), or drop it when there were none."""
         previous = self.files.get(key)
-        version = self._current.get(key)
         for h in took:
             try:
                 if previous is None:
                     await h.unregister_adapter(key)
                 else:
-                    info = await h.register_adapter(key, *previous)
-                    if version in self._versions:
-                        self._versions[version][h.runner_id] = info.version
+                    await h.register_adapter(key, previous.path, previous.sha256, previous.version)
             except Exception:
                 log.exception("rolling back adapter %s on runner %s failed", key, h.runner_id)
 
@@ -75,7 +84,6 @@ class AdapterRegistry:
         """Drop `key` here and on every runner; UnknownAdapterError when a runner did not
         hold it (raised once every runner was asked)."""
         self.files.pop(key, None)
-        self._current.pop(key, None)
         missing = None
         for h in runners:
             try:
@@ -87,22 +95,10 @@ class AdapterRegistry:
 
     async def install(self, handle) -> None:
         """Every current adapter on a runner that is starting (one after another)."""
-        for key, (path, sha256) in list(self.files.items()):
-            info = await handle.register_adapter(key, path, sha256)
-            version = self._current.get(key)
-            if version in self._versions:
-                self._versions[version][handle.runner_id] = info.version
+        for key, reg in list(self.files.items()):
+            await handle.register_adapter(key, reg.path, reg.sha256, reg.version)
 
-    def has_version(self, version: int, runners: Iterable) -> bool:
-        """Whether any of the live `runners` still holds this scheduler version. A version no
-        runner holds is forgotten (it can never be held again)."""
-        per_runner = self._versions.get(version, {})
-        held = any(
-            h.has_version(per_runner[h.runner_id]) for h in runners if h.runner_id in per_runner
-        )
-        if not held and self._current.get(self._key_of(version)) != version:
-            self._versions.pop(version, None)
-        return held
-
-    def _key_of(self, version: int) -> str | None:
-        return next((k for k, v in self._current.items() if v == version), None)
+    @staticmethod
+    def has_version(version: int, runners: Iterable) -> bool:
+        """Whether any of the live `runners` still holds this version."""
+        return any(h.has_version(version) for h in runners)

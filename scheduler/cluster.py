@@ -305,11 +305,13 @@ class Scheduler:
 
     # -- adapters (adapters.py) ---------------------------------------------------------------
     async def register_adapter(
-        self, key: str, path: Path, sha256: str | None = None
+        self, key: str, path: Path, sha256: str | None = None, version: int | None = None
     ) -> AdapterInfo:
-        """Register on every live runner at once (a refusal rolls the others back); the
-        version returned is the scheduler's own, valid for has_version()."""
-        return await self.adapters.register(key, path, sha256, self.fleet.live_handles())
+        """Register on every live runner at once as `version` (a refusal rolls the others
+        back; None: the scheduler numbers it); the version returned is valid for
+        has_version()."""
+        handles = self.fleet.live_handles()
+        return await self.adapters.register(key, path, sha256, handles, version)
 
     async def unregister_adapter(self, key: str) -> None:
         await self.adapters.unregister(key, self.fleet.live_handles())

@@ -130,15 +130,16 @@ class RunnerHandle(Protocol):
         KV comes along."""
 
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None
+        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
     ) -> AdapterInfo:
         """Install `path` as the current version of `name`; with `sha256`, files with another
-        digest are refused (AdapterError "sha256_mismatch")."""
+        digest are refused (AdapterError "sha256_mismatch"). version: its id on every runner
+        (AdapterPool.register; None: the runner numbers it)."""
 
     async def unregister_adapter(self, name: str) -> None: ...
 
     def has_version(self, version: int) -> bool:
-        """Whether this runner still holds its own adapter version `version`."""
+        """Whether this runner still holds adapter version `version` (current, or in use)."""
 
     def resident_adapters(self) -> frozenset[str]: ...
 

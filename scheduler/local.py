@@ -154,11 +154,12 @@ class LocalRunner:
         return await self.async_engine.take(request_id, with_kv)
 
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None
+        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
     ) -> AdapterInfo:
         # Parsing and validating read the files: a worker thread does it, so neither the event
         # loop nor the engine's step loop waits (the pool is thread-safe).
-        return await asyncio.to_thread(self.engine.adapters.register, name, path, sha256)
+        pool = self.engine.adapters
+        return await asyncio.to_thread(pool.register, name, path, sha256, version)
 
     async def unregister_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)

@@ -48,6 +48,7 @@ class RunnerActor(KVActorMethods):
         # sent again, so no output is ever dropped
         self.events: list[Event] = []
         self.seq = 0
+        self.uploads = 0
         self.wakeup: asyncio.Event | None = None
 
     def info(self) -> RunnerInfo:
@@ -115,13 +116,14 @@ class RunnerActor(KVActorMethods):
         return Snapshot(engine_stats(self.engine), pool.resident(), pool.versions())
 
     def register_adapter(
-        self, name: str, files: dict[str, bytes], sha256: str | None, version: int
+        self, name: str, files: dict[str, bytes], sha256: str | None, version: int | None
     ) -> AdapterInfo:
-        folder = self.adapter_dir / f"{abs(hash(name))}-{version}"
+        self.uploads += 1  # (a folder per upload: a held version keeps its files)
+        folder = self.adapter_dir / f"{abs(hash(name))}-{self.uploads}"
         folder.mkdir(parents=True, exist_ok=True)
         for fname in ADAPTER_FILES:
             (folder / fname).write_bytes(files[fname])
-        return self.engine.adapters.register(name, folder, sha256)
+        return self.engine.adapters.register(name, folder, sha256, version)
 
     def unregister_adapter(self, name: str) -> None:
         self.engine.adapters.unregister(name)

@@ -108,7 +108,6 @@ class RayRunner:
         self._pump: asyncio.Task | None = None
         self._acked = 0  # highest event seq the pump has dispatched
         self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
-        self._versions = 0
         self.kv_capacity = 0  # blocks its peers could lend one request (DistKV; RayKVGroup)
 
     # -- requests -----------------------------------------------------------------------------
@@ -225,7 +224,7 @@ class RayRunner:
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None
+        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
     ) -> AdapterInfo:
         """The files at `path` go to the actor as bytes through the object store, put there
         once per version (runners started later get the same object, even if `path` is gone
@@ -241,9 +240,8 @@ class RayRunner:
             )
             files_ref = ray.put(files)
             RayRunner._shipped[name] = ((str(path), sha256), files_ref)
-        self._versions += 1
         info = await self._call(
-            self.actor.register_adapter.remote(name, files_ref, sha256, self._versions)
+            self.actor.register_adapter.remote(name, files_ref, sha256, version)
         )
         self._names.add(name)
         return info

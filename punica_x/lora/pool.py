@@ -116,12 +116,25 @@ class AdapterPool:
         self.stats = PoolStats()
 
     # -- registry -----------------------------------------------------------------------
-    def register(self, name: str, path: str | Path, sha256: str | None = None) -> AdapterInfo:
+    def register(
+        self,
+        name: str,
+        path: str | Path,
+        sha256: str | None = None,
+        version: int | None = None,
+    ) -> AdapterInfo:
         """Validate and install `path` as the new current version of `name`. With `sha256`,
         files whose digest differs (see load_peft_adapter) are refused ("sha256_mismatch")
-        and the current version stays."""
+        and the current version stays. version: its id, as the caller numbers them (the
+        server: the store's row id, the same on every runner); None: the next of this
+        process's own. A version this pool still holds (a request uses it) becomes current
+        again as it is (a rollback to it)."""
         if not name or len(name) > 256:
             raise AdapterError("bad_name", "adapter names must be 1..256 characters")
+        if version is not None:
+            held = self._reinstate(name, version)
+            if held is not None:
+                return held
         adapter = self._parse(Path(path))
         if sha256 is not None and adapter.sha256 != sha256:
             raise AdapterError(
@@ -136,7 +149,7 @@ class AdapterPool:
             )
         info = AdapterInfo(
             name,
-            next(_version_ids),
+            next(_version_ids) if version is None else version,
             adapter.rank,
             adapter.target_modules,
             adapter.sha256,
@@ -144,14 +157,33 @@ class AdapterPool:
         )
         version = _Version(info, Path(path), self._pin(adapter))
         with self._lock:
-            old = self._current.get(name)
-            self._current[name] = version
-            self._versions[info.version] = version
+            if info.version in self._versions:  # (registered meanwhile, by another thread)
+                raise AdapterError("version_taken", f"version {info.version} is held already")
             self._host_insert(version)
-            if old is not None:
-                old.current = False
-                self._maybe_drop(old)
+            self._make_current(name, version)
         return info
+
+    def _reinstate(self, name: str, version: int) -> AdapterInfo | None:
+        """Make the held `version` of `name` current again (None: not held)."""
+        with self._lock:
+            held = self._versions.get(version)
+            if held is None:
+                return None
+            if held.info.name != name:
+                raise AdapterError(
+                    "version_taken", f"version {version} is adapter {held.info.name!r}'s"
+                )
+            self._make_current(name, held)
+            return held.info
+
+    def _make_current(self, name: str, version: _Version) -> None:
+        old = self._current.get(name)
+        version.current = True
+        self._current[name] = version
+        self._versions[version.info.version] = version
+        if old is not None and old is not version:
+            old.current = False
+            self._maybe_drop(old)
 
     def unregister(self, name: str) -> None:
         """New acquires fail at once; running requests finish on the weights they hold."""

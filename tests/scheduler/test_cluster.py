@@ -306,3 +306,25 @@ def test_from_config_builds_the_scheduler_the_options_describe(shared):
         sched.shutdown()
     with pytest.raises(TypeError):
         Scheduler([runner], no_such_option=1)
+
+
+def test_one_version_id_on_every_runner(shared, tiny_adapters):
+    """A registration has one version id on every runner: the caller's (the server passes
+    the store's row id) or the scheduler's own; has_version asks the runners for it."""
+
+    async def main():
+        sched = make_cluster(shared, n=2)
+        try:
+            named = await sched.register_adapter("a", tiny_adapters["r8"], version=7)
+            auto = await sched.register_adapter("b", tiny_adapters["r4"])
+            pools = [s.handle.engine.adapters for s in sched.slots]
+            versions = [(p.info("a").version, p.info("b").version) for p in pools]
+            held = sched.has_version(7)
+            await sched.unregister_adapter("a")
+            return named, auto, versions, held, sched.has_version(7)
+        finally:
+            sched.shutdown()
+
+    named, auto, versions, held, held_after = asyncio.run(main())
+    assert named.version == 7 and versions == [(7, auto.version)] * 2
+    assert held and not held_after  # no request held it: gone with the registration

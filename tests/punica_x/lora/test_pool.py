@@ -169,3 +169,26 @@ def test_register_with_sha256_refuses_other_files(tiny_model_dir, tiny_adapters)
     assert info.value.code == "sha256_mismatch"
     assert pool.info("x").sha256 == first.sha256  # the current version stays
     assert run(llm, "hello world", "x") == expected
+
+
+def test_a_named_version_is_kept_and_a_held_one_can_come_back(tiny_model_dir, tiny_adapters):
+    """register(version=N) installs the files as version N; registering a version the pool
+    still holds (a request uses it: a rollback to it) makes it current again as it was; a
+    version id of another adapter is refused."""
+    llm = tiny_llm(tiny_model_dir)
+    engine, pool = llm.engine, llm.engine.adapters
+    long = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    first = pool.register("x", tiny_adapters["r4"], version=41)
+    assert (first.version, pool.info("x").version) == (41, 41)
+    old = engine.add_request("hello world", long, "x")  # holds version 41
+    engine.step()
+    second = pool.register("x", tiny_adapters["r16"], version=42)
+    assert pool.info("x") == second and pool.has_version(41)
+    back = pool.register("x", tiny_adapters["r16"], version=41)  # the held one, not these files
+    assert back == first and pool.info("x").rank == 4
+    assert not pool.has_version(42)  # current no more and unused: dropped
+    with pytest.raises(AdapterError, match="version 41"):
+        pool.register("y", tiny_adapters["r8"], version=41)
+    while engine.has_unfinished():
+        engine.step()
+    assert old.finished and pool.has_version(41)  # current again, so kept
