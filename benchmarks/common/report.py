@@ -1,17 +1,30 @@
 """What every benchmark reports: the machine it ran on, tables on stdout, and JSON and PNG
-files in benchmarks/results/<group>/ (one folder per kind of machine)."""
+files in benchmarks/results/<group>/ (one folder per kind of machine; $PUNICA_X_RESULTS
+moves the whole tree elsewhere).
+
+A run that writes JSON also regenerates its section of that folder's README.md when it
+exits: the tables it printed, the command that made them and the machine, between
+`<!-- generated: NAME -->` and `<!-- end: NAME -->` (NAME: the first JSON it wrote), in place
+of the previous run's; the hand-written text around the sections stays."""
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import json
 import os
 import platform
+import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+_HERE = Path(__file__).resolve().parents[1]
+RESULTS = Path(os.environ.get("PUNICA_X_RESULTS") or _HERE / "results")
+# this run's printed tables (title, columns, cells) and the JSON names it wrote, by group
+_RUN: dict = {"tables": [], "written": {}}
 
 
 def machine() -> dict:
@@ -51,6 +64,7 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    _RUN["tables"].append((title, list(columns), cells))
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     if title:
         print(f"\n{title}")
@@ -78,9 +92,48 @@ def isa_group() -> str:
 
 
 def write_json(name: str, payload: dict, group: str | None = None) -> Path:
-    path = results_dir(group) / f"{name}.json"
+    folder = results_dir(group)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    if not _RUN["written"]:
+        atexit.register(update_readmes)
+    _RUN["written"].setdefault(folder, []).append(name)
     return path
+
+
+def update_readmes() -> None:
+    """Put this run's tables in the README of every results folder it wrote JSON to."""
+    for folder, names in _RUN["written"].items():
+        readme = folder / "README.md"
+        text = readme.read_text(encoding="utf-8") if readme.exists() else ""
+        readme.write_text(replace_section(text, names[0], render_section(names)))
+
+
+def render_section(names: Sequence[str]) -> str:
+    """This run as markdown: the command, the machine and date, its tables, its files."""
+    command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    lines = [
+        f"### {names[0]} (generated)",
+        "",
+        f"`{command}` on {describe_machine()}, {datetime.date.today().isoformat()}; "
+        f"files: {', '.join(f'`{n}.json`' for n in names)}.",
+    ]
+    for title, columns, cells in _RUN["tables"]:
+        lines += ["", f"{title}:", ""] if title else [""]
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, name: str, section: str) -> str:
+    """`text` with the generated section NAME replaced by `section` (appended if absent)."""
+    start, end = f"<!-- generated: {name} -->", f"<!-- end: {name} -->"
+    block = f"{start}\n{section}{end}\n"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1].lstrip("\n")
+    return text.rstrip("\n") + ("\n\n" if text else "") + block
 
 
 def pyplot():
