@@ -84,11 +84,11 @@ def _totals(s):
         yield c
 
 
-def _per_runner(rows: list[dict]):
+def _per_runner(rows: list):
     for name, (doc, key) in PER_RUNNER.items():
         g = GaugeMetricFamily(f"punica_x_{name}", doc, labels=["runner"])
         for row in rows:
-            g.add_metric([row["id"]], row[key])
+            g.add_metric([row.id], getattr(row, key))
         yield g
     remote = SummaryMetricFamily(
         "punica_x_remote_attention_seconds",
@@ -98,16 +98,16 @@ def _per_runner(rows: list[dict]):
     )
     for row in rows:
         remote.add_metric(
-            [row["id"]],
-            count_value=row.get("remote_attention_calls", 0),
-            sum_value=row.get("remote_attention_seconds", 0.0),
+            [row.id],
+            count_value=row.remote_attention_calls,
+            sum_value=row.remote_attention_seconds,
         )
     yield remote
     up = GaugeMetricFamily(
         "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
     )
     for row in rows:
-        up.add_metric([row["id"], row["state"]], 1.0 if row["state"] == "active" else 0.0)
+        up.add_metric([row.id, row.state], 1.0 if row.state == "active" else 0.0)
     yield up
 
 

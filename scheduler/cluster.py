@@ -40,6 +40,7 @@ from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
 from scheduler.interface import ModelInfo, RunnerHandle, RunnerStats
 from scheduler.mover import Mover
 from scheduler.placement import Advice, advise, drain_choice
+from scheduler.rows import RunnerRow
 from scheduler.sharing import SlotSharing
 from scheduler.stream import ClusterStream
 from scheduler.waiting import TenantRow, WaitingQueue
@@ -259,8 +260,8 @@ class Scheduler:
         """Start `count` runners; each takes work once loaded and given every adapter."""
         return await self.fleet.add(count)
 
-    def runners(self) -> list[dict]:
-        """What GET /admin/runners lists, one dict per runner."""
+    def runners(self) -> list[RunnerRow]:
+        """What GET /admin/runners lists, one row per runner."""
         return self.fleet.rows()
 
     def accepting(self) -> bool:

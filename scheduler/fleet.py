@@ -25,6 +25,7 @@ from punica_x.heap import thaw
 from scheduler.errors import ClusterError
 from scheduler.interface import RequestLimits, RunnerHandle
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
+from scheduler.rows import RunnerRow, runner_row
 from scheduler.stream import ClusterStream
 
 log = logging.getLogger(__name__)
@@ -340,37 +341,10 @@ class Fleet:
             raise RuntimeError("the scheduler shut down while the runner started")
         return handle
 
-    def rows(self) -> list[dict]:
-        """What GET /admin/runners lists, one dict per runner."""
+    def rows(self) -> list[RunnerRow]:
+        """What GET /admin/runners lists, one row per runner."""
         self.check()
-        rows = []
-        for slot in self.slots:
-            h = slot.handle
-            stats = h.stats() if h is not None and slot.state != "dead" else None
-            node, pid, device = slot.where
-            rows.append(
-                {
-                    "id": slot.runner_id,
-                    "backend": slot.backend,
-                    "node": node,
-                    "pid": pid,
-                    "device": device,
-                    "state": slot.state,
-                    "running": stats.running if stats else 0,
-                    "waiting": stats.waiting if stats else 0,
-                    "kv_blocks_used": stats.kv_blocks_used if stats else 0,
-                    "kv_blocks_free": stats.kv_blocks_free if stats else 0,
-                    # DistKV: blocks lent to peers' requests / its requests hold on peers
-                    "kv_blocks_lent": stats.kv_blocks_lent if stats else 0,
-                    "kv_blocks_borrowed": stats.kv_blocks_borrowed if stats else 0,
-                    "remote_attention_calls": stats.remote_attention_calls if stats else 0,
-                    "remote_attention_seconds": stats.remote_attention_seconds if stats else 0.0,
-                    "resident_adapters": len(h.resident_adapters()) if stats else 0,
-                    "error": slot.error,
-                    "replaces": slot.replaces,  # the dead runner it was started in place of
-                }
-            )
-        return rows
+        return [runner_row(slot) for slot in self.slots]
 
     def shutdown(self) -> None:
         self.closed = True

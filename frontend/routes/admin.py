@@ -120,7 +120,7 @@ def runner_endpoints(state: ServerState) -> list[Endpoint]:
 def runners_body(scheduler: Scheduler) -> dict:
     advice = scheduler.advice()
     return {
-        "runners": scheduler.runners(),
+        "runners": [row.as_json() for row in scheduler.runners()],
         "advice": advice.action,
         "advice_reason": advice.reason,
         "advice_runner": advice.runner_id,
@@ -153,7 +153,7 @@ class _cluster_errors:
 
 
 def _check_fleet(scheduler: Scheduler, count: int, cap: int) -> None:
-    live = sum(1 for row in scheduler.runners() if row["state"] != "dead")
+    live = sum(1 for row in scheduler.runners() if row.state != "dead")
     if live + count > cap:
         raise ApiError(
             409,

@@ -87,7 +87,7 @@ def test_a_dead_runner_is_replaced(factory):
 
     last, rows, actions = asyncio.run(main())
     assert last.finish_reason is FinishReason.LENGTH
-    assert [(r["id"], r["state"]) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
+    assert [(r.id, r.state) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
     assert actions == ["add runner-2"]
 
 
@@ -117,7 +117,7 @@ def test_a_runner_the_scheduler_replaces_is_not_replaced_twice(factory):
 
     last, rows, actions, restarts = asyncio.run(main())
     assert last.finish_reason is FinishReason.LENGTH
-    assert [(r["id"], r["state"]) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
+    assert [(r.id, r.state) for r in rows] == [("runner-1", "active"), ("runner-2", "active")]
     assert actions == [] and restarts == 1
 
 

@@ -158,7 +158,7 @@ def test_drain_moves_every_request_and_refuses_the_last_runner(
         assert {s.slot.runner_id for s in streams} == {"runner-0", "runner-1"}
         moved = sum(s.slot.runner_id == "runner-0" for s in streams)
         assert await sched.drain("runner-0", mode=mode) == "runner-0"
-        assert [r["id"] for r in sched.runners()] == ["runner-1", "runner-2"]
+        assert [r.id for r in sched.runners()] == ["runner-1", "runner-2"]
         tails = await asyncio.gather(*(consume(s) for s in streams))
         await sched.drain()  # the least loaded of the two
         with pytest.raises(ClusterError) as refused:
@@ -203,7 +203,7 @@ def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, t
         return sps, results, rows
 
     sps, results, rows = asyncio.run(main())
-    assert rows[0]["state"] == "dead" and "injected kernel failure" in rows[0]["error"]
+    assert rows[0].state == "dead" and "injected kernel failure" in rows[0].error
     assert rows[-1]["replaces"] == "runner-0"  # a new runner started in its place
     for i, result in enumerate(results):
         check(result, ref[sps[i].seed, None][i])

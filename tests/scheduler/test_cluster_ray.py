@@ -96,8 +96,8 @@ async def consume(stream, until=None):
 def test_runners_are_processes_and_place_by_consolidation(cluster, reference):
     prompts, ref = reference
     rows = cluster.runners()
-    assert [r["backend"] for r in rows] == ["ray", "ray"]
-    assert len({r["pid"] for r in rows} | {os.getpid()}) == 3
+    assert [r.backend for r in rows] == ["ray", "ray"]
+    assert len({r.pid for r in rows} | {os.getpid()}) == 3
 
     async def main():
         streams = [await cluster.open(prompts[i], SP, "r8", f"p{i}") for i in range(4)]
@@ -133,7 +133,7 @@ def test_drain_moves_streams_between_processes(cluster, reference):
         return sps, heads, tails, source
 
     sps, heads, tails, source = asyncio.run(main())
-    assert source not in [r["id"] for r in cluster.runners()]
+    assert source not in [r.id for r in cluster.runners()]
     for i, (head, tail) in enumerate(zip(heads, tails)):
         assert tail[1].finish_reason is FinishReason.LENGTH, tail[1].error
         assert head[0] + tail[0] == tail[1].token_ids == ref[sps[i].seed, "r8"][i]

@@ -161,12 +161,12 @@ def test_a_poison_request_fails_alone_and_the_runner_comes_back(shared, referenc
     ), last.error
     assert last.error.endswith("it is not retried")
     assert faults.raised == 2 and sched.restarts == 2 and sched.quarantined == 1
-    assert [(r["id"], r["state"], r["replaces"]) for r in rows] == [
+    assert [(r.id, r.state, r.replaces) for r in rows] == [
         ("runner-0", "dead", None),
         ("runner-1", "dead", "runner-0"),
         ("runner-2", "active", "runner-1"),
     ]
-    assert FAULT in rows[0]["error"] and FAULT in rows[1]["error"]
+    assert FAULT in rows[0].error and FAULT in rows[1].error
     assert "punica_x_runner_restarts_total 2.0" in text
 
 

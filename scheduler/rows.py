@@ -1,0 +1,54 @@
+"""What the admin API (GET /admin/runners) and /metrics show of each runner: one typed row,
+built from the fleet's slot and the runner's last stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunnerRow:
+    id: str
+    backend: str
+    node: str | None
+    pid: int | None
+    device: str | None
+    state: str
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_lent: int = 0  # DistKV: blocks lent to peers' requests
+    kv_blocks_borrowed: int = 0  # DistKV: blocks its requests hold on peers
+    remote_attention_calls: int = 0
+    remote_attention_seconds: float = 0.0
+    resident_adapters: int = 0
+    error: str | None = None
+    replaces: str | None = None  # the dead runner it was started in place of
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def runner_row(slot) -> RunnerRow:
+    """The row of a fleet slot (a RunnerSlot); a starting or dead runner reports no load."""
+    h = slot.handle
+    node, pid, device = slot.where
+    fixed = dict(id=slot.runner_id, backend=slot.backend, node=node, pid=pid, device=device)
+    fixed.update(state=slot.state, error=slot.error, replaces=slot.replaces)
+    if h is None or slot.state == "dead":
+        return RunnerRow(**fixed)
+    s = h.stats()
+    return RunnerRow(
+        **fixed,
+        running=s.running,
+        waiting=s.waiting,
+        kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_free=s.kv_blocks_free,
+        kv_blocks_lent=s.kv_blocks_lent,
+        kv_blocks_borrowed=s.kv_blocks_borrowed,
+        remote_attention_calls=s.remote_attention_calls,
+        remote_attention_seconds=s.remote_attention_seconds,
+        resident_adapters=len(h.resident_adapters()),
+    )
