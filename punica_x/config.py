@@ -6,13 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from punica_x.dtypes import DTYPES, dtype_name  # noqa: F401  (dtype_name: re-exported)
+
 GiB = 1 << 30
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16": the names ModelConfig.dtype, the CLI and the API use."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -37,8 +33,8 @@ class ModelConfig:
     fused_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive("max_model_len", self.max_model_len)
 
     def torch_device(self) -> torch.device:
@@ -48,7 +44,7 @@ class ModelConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         if self.torch_device().type == "cpu":
             from punica_x.ops import isa
 

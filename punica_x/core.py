@@ -15,14 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from punica_x.ops.sgmv import SgmvWeights
+from punica_x.ops.sgmv_weights import SgmvWeights  # a leaf: it imports only torch
 
-if TYPE_CHECKING:
-    from punica_x.kv.rmanager import RemoteExtent
+if TYPE_CHECKING:  # (annotations only: the pool's handle of a request's adapter)
     from punica_x.lora.pool import AdapterRef
 
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RemoteExtent:
+    """Blocks of one request lent by runner `owner`: its physical ids there, in the order
+    of the request's logical blocks. An extent whose owner is the request's own runner holds
+    local blocks that came home (DGFM swaps) after the request had begun borrowing."""
+
+    owner: str
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from punica_x.config import EngineConfig, dtype_name
+from punica_x.config import EngineConfig
 from punica_x.core import Resume, SamplingParams
+from punica_x.dtypes import dtype_name
 from punica_x.engine import Engine
 from punica_x.engine.async_engine import AsyncEngine, RequestStream
 from punica_x.lora.pool import AdapterInfo

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from punica_x.attention.paged import SeqSpan
-from punica_x.kv.rmanager import KVBorrower, MicroPlan, RemoteExtent
+from punica_x.core import RemoteExtent
+from punica_x.kv.rmanager import KVBorrower, MicroPlan
 
 
 @dataclass(frozen=True)

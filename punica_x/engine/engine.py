@@ -7,7 +7,7 @@ import time
 
 from punica_x.attention.dist import DistContext
 from punica_x.batching.planner import BatchPlanner, ScheduledRequest
-from punica_x.config import EngineConfig, dtype_name
+from punica_x.config import EngineConfig
 from punica_x.core import (
     FinishReason,
     Request,
@@ -17,6 +17,7 @@ from punica_x.core import (
     SamplingParams,
     TokenLogprob,
 )
+from punica_x.dtypes import dtype_name
 from punica_x.engine.build import build_attention, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
 from punica_x.engine.moves import resume_into, resume_point

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from punica_x.attention.paged import SeqSpan
+from punica_x.core import RemoteExtent
 from punica_x.kv.blocks import KVCache
 
 
@@ -33,16 +34,6 @@ class PeerLost(RuntimeError):
     def __init__(self, owner: str, message: str = "") -> None:
         super().__init__(message or f"runner {owner} holding borrowed KV blocks is gone")
         self.owner = owner
-
-
-@dataclass(frozen=True)
-class RemoteExtent:
-    """Blocks of one request lent by runner `owner`: its physical ids there, in the order
-    of the request's logical blocks. An extent whose owner is the request's own runner holds
-    local blocks that came home (DGFM swaps) after the request had begun borrowing."""
-
-    owner: str
-    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

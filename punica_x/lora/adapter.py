@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from punica_x.config import dtype_name
+from punica_x.dtypes import dtype_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from punica_x.config import dtype_name
+from punica_x.dtypes import dtype_name
 from punica_x.env import EnvVar
 
 T = TypeVar("T")

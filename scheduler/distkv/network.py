@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from punica_x.core import Request
-from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
+from punica_x.core import RemoteExtent, Request
+from punica_x.kv.rmanager import LendCaps, PeerLost, RManager
 from scheduler.distkv.dgfm import Swap, plan_swaps
 from scheduler.distkv.ledger import DebtLedger, Heartbeat
 

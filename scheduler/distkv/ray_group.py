@@ -21,7 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from punica_x.kv.rmanager import MicroPlan, PeerLost, RemoteExtent
+from punica_x.core import RemoteExtent
+from punica_x.kv.rmanager import MicroPlan, PeerLost
 from scheduler.distkv.channel import ChannelAddress, KVChannel
 from scheduler.distkv.ledger import DebtLedger, Heartbeat
 

@@ -17,8 +17,9 @@ from punica_x.attention import get_attention_backend
 from punica_x.attention.cpu import CpuAttention
 from punica_x.attention.dist import DistContext, DistSeq, merge_into, plan_dist, segment_work
 from punica_x.attention.paged import SeqSpan
+from punica_x.core import RemoteExtent
 from punica_x.kv.blocks import KVCache, KVCacheSpec
-from punica_x.kv.rmanager import LendCaps, PeerLost, RemoteExtent, RManager
+from punica_x.kv.rmanager import LendCaps, PeerLost, RManager
 
 
 class Peers:
