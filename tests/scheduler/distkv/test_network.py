@@ -244,9 +244,9 @@ def test_the_scheduler_places_a_too_long_request_and_the_runners_lend(shared, re
     home = max(borrowed, key=borrowed.get)
     assert borrowed[home] == 6 and sum(lent.values()) == 6 and lent[home] == 0
     assert all(v.kv_blocks_lent == v.kv_blocks_borrowed == 0 for v in after)
-    calls = {v.id: v["remote_attention_calls"] for v in after}  # only the debtor sends
+    calls = {v.id: v.remote_attention_calls for v in after}  # only the debtor sends
     assert calls[home] > 0 and sum(calls.values()) == calls[home]
-    assert all((v["remote_attention_seconds"] > 0) == (v.id == home) for v in after)
+    assert all((v.remote_attention_seconds > 0) == (v.id == home) for v in after)
 
 
 @pytest.mark.parametrize("kind", ["no-distkv", "mlfq"])
