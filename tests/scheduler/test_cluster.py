@@ -204,7 +204,7 @@ def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, t
 
     sps, results, rows = asyncio.run(main())
     assert rows[0].state == "dead" and "injected kernel failure" in rows[0].error
-    assert rows[-1]["replaces"] == "runner-0"  # a new runner started in its place
+    assert rows[-1].replaces == "runner-0"  # a new runner started in its place
     for i, result in enumerate(results):
         check(result, ref[sps[i].seed, None][i])
 
