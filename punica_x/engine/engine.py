@@ -25,8 +25,10 @@ from punica_x.engine.outputs import OutputProcessor, emit
 from punica_x.engine.step_sampling import request_error, sample_step
 from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
+from punica_x.kv import swap_home
 from punica_x.kv.borrowing import KVBorrowing
 from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
+from punica_x.kv.swap_home import Pick
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
@@ -96,6 +98,16 @@ class Engine:
         self.batcher.borrowing = KVBorrowing(self.cache, borrower)
         self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
         return self.rmanager
+
+    def remote_picks(self, creditor: str, blocks: int) -> list[Pick]:
+        """DGFM, debtor side: up to `blocks` blocks this runner's requests hold on
+        `creditor` (punica_x/kv/swap_home.py). Call it while the engine is held."""
+        return swap_home.remote_picks(self.requests.values(), creditor, blocks)
+
+    def bring_home(self, runner_id: str, creditor: str, picks: list[Pick], data: list) -> None:
+        """DGFM, debtor side: the picks' KV copies into this runner's blocks, the requests'
+        extents rewritten (swap_home.bring_home). Call it while the engine is held."""
+        swap_home.bring_home(self.cache, self.requests, runner_id, creditor, picks, data)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(

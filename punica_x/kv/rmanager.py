@@ -185,6 +185,15 @@ class RManager:
                 self._loans.pop((debtor, request_id), None)
             self.cache.allocator.free(mine)
 
+    def take_home(self, debtor: str, picks) -> list[torch.Tensor]:
+        """DGFM, creditor side: a copy of the KV of each pick's blocks ([n, L, 2, N_kv, P, D],
+        on the cache's device), then the blocks taken back from `debtor`
+        (punica_x/kv/swap_home.py)."""
+        data = [self.cache.kv[list(ids)].clone() for _, ids in picks]
+        for rid, ids in picks:
+            self.reclaim(debtor, rid, ids)
+        return data
+
     def reclaim_debtor(self, debtor: str) -> int:
         """Take back everything lent to a runner that is gone; returns the blocks freed."""
         with self._lock:

@@ -90,16 +90,10 @@ class KVActorMethods:
             release()
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-        from scheduler.distkv.network import pick
-
-        return pick(self.engine, creditor, blocks)
+        return self.engine.remote_picks(creditor, blocks)
 
     def dgfm_take(self, debtor: str, picks: list) -> list:
-        from scheduler.distkv.network import take_home
-
-        return [kv.cpu() for kv in take_home(self.rm, debtor, picks)]  # to another process
+        return [kv.cpu() for kv in self.rm.take_home(debtor, picks)]  # to another process
 
     def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
-        from scheduler.distkv.network import bring_home
-
-        bring_home(self.engine, self.runner_id, creditor, picks, data)
+        self.engine.bring_home(self.runner_id, creditor, picks, data)

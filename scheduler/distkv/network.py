@@ -13,9 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from punica_x.core import RemoteExtent, Request
+from punica_x.core import RemoteExtent
 from punica_x.kv.rmanager import LendCaps, PeerLost, RManager
 from scheduler.distkv.dgfm import Swap, plan_swaps
 from scheduler.distkv.ledger import DebtLedger, Heartbeat
@@ -115,36 +113,18 @@ class KVNetwork:
         try:
             with self._lock:
                 edges = swap.edges()
-                picks = trim_picks([pick(engines[d], c, swap.blocks) for d, c in edges])
+                picks = trim_picks([engines[d].remote_picks(c, swap.blocks) for d, c in edges])
                 if not picks:
                     return 0
-                data = [take_home(rms[c], d, p) for (d, c), p in zip(edges, picks)]
+                data = [rms[c].take_home(d, p) for (d, c), p in zip(edges, picks)]
                 for (d, c), p in zip(edges, picks):
                     self.ledger.returned(d, c, sum(len(ids) for _, ids in p))
                 for (d, c), p, kv in zip(edges, picks, data):
-                    bring_home(engines[d], d, c, p, kv)
+                    engines[d].bring_home(d, c, p, kv)
                 return sum(len(ids) for _, ids in picks[0])
         finally:
             for rm in rms.values():
                 rm.frozen = False
-
-
-# The steps of a DGFM swap along one edge (debtor d holds blocks on creditor c), shared by the
-# in-process swap above and the Ray runners' actor methods (scheduler/ray_runner.py). A pick
-# is (request id, block ids on the creditor). Every runner on the cycle is held between steps.
-def pick(engine, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Debtor side: up to `blocks` blocks that requests of `engine` hold on `creditor` (from
-    the end of each request's extents there)."""
-    out, left = [], blocks
-    for r in list(engine.requests.values()):
-        ids = [i for e in r.remote if e.owner == creditor for i in e.block_ids]
-        take = ids[max(0, len(ids) - left) :]
-        if take:
-            out.append((r.request_id, tuple(take)))
-            left -= len(take)
-        if left == 0:
-            break
-    return out
 
 
 def trim_picks(picks: list[list]) -> list[list]:
@@ -163,45 +143,6 @@ def trim_picks(picks: list[list]) -> list[list]:
             left -= min(left, len(ids))
         out.append(cut)
     return out
-
-
-def take_home(rm, debtor: str, picks) -> list[torch.Tensor]:
-    """Creditor side: a copy of the KV of each pick's blocks ([n, L, 2, N_kv, P, D], on the
-    cache's device), then the blocks taken back from `debtor`."""
-    data = [rm.cache.kv[list(ids)].clone() for _, ids in picks]
-    for rid, ids in picks:
-        rm.reclaim(debtor, rid, ids)
-    return data
-
-
-def bring_home(engine, runner_id: str, creditor: str, picks, data) -> None:
-    """Debtor side: each pick's KV into new blocks of this runner (its own debtor's take
-    freed as many), which replace the creditor's ids in the request's extents."""
-    cache = engine.cache
-    for (rid, ids), kv in zip(picks, data):
-        new = cache.allocator.allocate(len(ids))
-        if new is None:  # cannot happen: its own debtor just freed as many here
-            raise RuntimeError(f"DGFM: no room on {runner_id} for {len(ids)} blocks")
-        cache.kv[new] = kv.to(cache.kv.device, cache.kv.dtype)
-        _relocate(engine.requests[rid], creditor, ids, runner_id, new)
-
-
-def _relocate(r: Request, owner: str, moved: tuple[int, ...], home: str, new: list[int]) -> None:
-    """In r's extents, blocks `moved` of `owner` are now blocks `new` of `home` (same
-    logical positions); runs of one owner stay one extent."""
-    where = dict(zip(moved, new))
-    flat = [
-        (home, where[i]) if e.owner == owner and i in where else (e.owner, i)
-        for e in r.remote
-        for i in e.block_ids
-    ]
-    extents: list[RemoteExtent] = []
-    for o, i in flat:
-        if extents and extents[-1].owner == o:
-            extents[-1] = RemoteExtent(o, extents[-1].block_ids + (i,))
-        else:
-            extents.append(RemoteExtent(o, (i,)))
-    r.remote = extents
 
 
 class Borrower:
