@@ -30,7 +30,7 @@ from pathlib import Path
 
 from punica_x.core import SamplingParams
 from punica_x.lora.adapter import LoraTarget
-from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from punica_x.lora.pool import AdapterInfo
 from scheduler.adapters import AdapterRegistry
 from scheduler.dispatch import Dispatcher
 from scheduler.distkv.dgfm import Swap
@@ -214,13 +214,7 @@ class Scheduler:
     def _validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
         """The refusals a runner would raise; with no runner active, against the last
         runner's limits and the adapters registered here."""
-        active = self.fleet.active()
-        if active:
-            active[0].handle.validate(prompt, sampling, adapter)
-            return
-        self.fleet.limits.check(prompt, sampling)
-        if adapter is not None and adapter not in self.adapters:
-            raise UnknownAdapterError(adapter)
+        self.fleet.validate(prompt, sampling, adapter, self.adapters)
 
     def admits(self, tenant: str, max_queue: int) -> bool:
         """Whether a request of `tenant` may wait here: the queue (max_queue) is shared
@@ -249,9 +243,6 @@ class Scheduler:
         return live_handles(self.slots)
 
     # -- runners ------------------------------------------------------------------------------
-    def snapshots(self):
-        return self.dispatch.snapshots()
-
     def check_runners(self) -> None:
         """Notice runners that died between requests, replace dead ones (Fleet.check)."""
         self.fleet.check()
@@ -277,7 +268,7 @@ class Scheduler:
     async def drain(self, runner_id: str | None = None, mode: str | None = None) -> str:
         """Stop placing on a runner (None: the least loaded), move its requests away (mode:
         see migrate), stop it. The last active runner is refused (409)."""
-        runner_id = runner_id or drain_choice(self.snapshots())
+        runner_id = runner_id or drain_choice(self.dispatch.snapshots())
         if runner_id is None:
             raise ClusterError(409, "last_runner", "the last active runner cannot be removed")
         slot = self.fleet.begin_drain(runner_id)
@@ -290,14 +281,11 @@ class Scheduler:
     def advice(self) -> Advice:
         now = time.monotonic()
         idle = {s.runner_id: now - s.idle_since for s in self.slots if not s.streams}
-        return advise(self.snapshots(), len(self._queue), idle, self.idle_after)
+        return advise(self.dispatch.snapshots(), len(self._queue), idle, self.idle_after)
 
     def stats(self) -> RunnerStats:
         """Sums over live runners; `waiting` includes requests waiting at the scheduler."""
-        per = [s.handle.stats() for s in self.slots if s.handle is not None and s.state != "dead"]
-        total = {f.name: sum(getattr(p, f.name) for p in per) for f in fields(RunnerStats)}
-        total["waiting"] += len(self._queue)
-        return RunnerStats(**total)
+        return self.fleet.stats(waiting=len(self._queue))
 
     def shutdown(self) -> None:
         self.fleet.shutdown()

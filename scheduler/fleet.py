@@ -18,12 +18,13 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from punica_x.heap import thaw
+from punica_x.lora.pool import UnknownAdapterError
 from scheduler.errors import ClusterError
-from scheduler.interface import RequestLimits, RunnerHandle
+from scheduler.interface import RequestLimits, RunnerHandle, RunnerStats
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
 from scheduler.rows import RunnerRow, runner_row
 from scheduler.stream import ClusterStream
@@ -161,6 +162,24 @@ class Fleet:
             if s.runner_id == runner_id:
                 return s
         raise ClusterError(404, "runner_not_found", f"no runner {runner_id!r}")
+
+    def validate(self, prompt, sampling, adapter: str | None, registered) -> None:
+        """The refusals a runner would raise; with no runner active, against the last
+        runner's limits and the adapters `registered` (the scheduler's registry)."""
+        active = self.active()
+        if active:
+            active[0].handle.validate(prompt, sampling, adapter)
+            return
+        self.limits.check(prompt, sampling)
+        if adapter is not None and adapter not in registered:
+            raise UnknownAdapterError(adapter)
+
+    def stats(self, waiting: int = 0) -> RunnerStats:
+        """Sums over live runners, `waiting` (requests waiting in front of them) added."""
+        per = [h.stats() for h in self.live_handles()]
+        total = {f.name: sum(getattr(p, f.name) for p in per) for f in fields(RunnerStats)}
+        total["waiting"] += waiting
+        return RunnerStats(**total)
 
     def live_handles(self) -> list:
         return [s.handle for s in self.slots if s.handle is not None and s.state != "dead"]
