@@ -34,7 +34,7 @@ from punica_x.lora.pool import AdapterInfo
 from scheduler.adapters import AdapterRegistry
 from scheduler.dispatch import Dispatcher
 from scheduler.distkv.dgfm import Swap
-from scheduler.distkv.service import DGFM_MIN_SWAP, DistKV, live_handles, make_distkv
+from scheduler.distkv.service import DGFM_MIN_SWAP, DistKV, holdable_runners, make_distkv
 from scheduler.errors import ClusterError, NoRunner
 from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
 from scheduler.interface import ModelInfo, RunnerHandle, RunnerStats
@@ -240,7 +240,7 @@ class Scheduler:
         return [] if self.distkv is None else await self.distkv.defragment(self._live(), min_swap)
 
     def _live(self) -> dict[str, object]:
-        return live_handles(self.slots)
+        return holdable_runners(self.slots)
 
     # -- runners ------------------------------------------------------------------------------
     def check_runners(self) -> None:

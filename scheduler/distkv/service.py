@@ -73,6 +73,6 @@ class DistKV:
         self.group.shutdown()
 
 
-def live_handles(slots: Iterable) -> dict[str, object]:
+def holdable_runners(slots: Iterable) -> dict[str, object]:
     """The runners DGFM may hold: active or draining (id -> handle)."""
     return {s.runner_id: s.handle for s in slots if s.state in ("active", "draining")}
