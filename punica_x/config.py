@@ -64,8 +64,14 @@ class CacheConfig:
     # recompute); pinned on a GPU; swap_blocks counts blocks instead of bytes
     swap_bytes: int = 1 * GiB
     swap_blocks: int | None = None
+    # automatic prefix caching (punica_x/kv/prefix.py): a request reuses the cached KV of
+    # the longest prefix of its tokens computed by the same model or adapter version (and
+    # salt); full blocks stay cached after their request ends, evicted LRU when needed
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
         _positive("block_size", self.block_size)
         if self.swap_bytes < 0 or (self.swap_blocks is not None and self.swap_blocks < 0):
             raise ValueError("swap_bytes and swap_blocks must be >= 0")

@@ -234,6 +234,11 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
     prompt_logprobs_sent: bool = False  # an output carried them (RequestOutput)
     matcher: object | None = None  # llguidance matcher when sampling.json_schema is set
+    # prefix caching (punica_x/kv/prefix.py): the parent name of its first block (what
+    # computes its KV, who may share it), None when it is not cached; the names of its full
+    # blocks computed so far
+    cache_key: bytes | None = None
+    block_names: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

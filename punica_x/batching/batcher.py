@@ -6,7 +6,9 @@ than the step's token budget is prefilled in chunks over several steps. When a r
 request needs a block and none is free, the NEWEST running request is preempted: its blocks
 are freed and it goes back to the head of the queue to be recomputed from its prompt and
 the tokens it already generated (migration by recomputation, locally). Requests whose
-adapter is still loading wait without holding anyone up.
+adapter is still loading wait without holding anyone up. With prefix caching, a request
+that holds no KV starts past the longest prefix of its tokens whose blocks are cached
+(a recomputed request finds its own), see punica_x/kv/prefix.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from punica_x.config import BatchConfig
 from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.borrowing import Borrow, KVBorrowing
+from punica_x.kv.prefix import PrefixCache
 
 
 class Batcher:
@@ -34,6 +37,8 @@ class Batcher:
         # peers (punica_x/kv/borrowing.py); None: such a request ends with LENGTH
         self.borrowing: KVBorrowing | None = None
         self.starved: list[Request] = []  # gave up borrowing (GIVE_UP): the engine ends them
+        # automatic prefix caching (punica_x/kv/prefix.py); None: off
+        self.prefix: PrefixCache | None = None
 
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request (at the head with front: a request moved here from another runner
@@ -66,11 +71,25 @@ class Batcher:
 
     def schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         """Returns (scheduled requests, requests that cannot fit even alone in the KV cache)."""
-        budget = self.config.max_batched_tokens
         scheduled: list[ScheduledRequest] = []
         overflow: list[Request] = []
-        i = 0
         now = time.monotonic()
+        if self.prefix is not None:
+            self.prefix.pending.clear()
+        budget = self._schedule_running(self.config.max_batched_tokens, now, scheduled, overflow)
+        self._schedule_waiting(budget, now, scheduled)
+        return scheduled, overflow
+
+    def _schedule_running(
+        self,
+        budget: int,
+        now: float,
+        scheduled: list[ScheduledRequest],
+        overflow: list[Request],
+    ) -> int:
+        """Running requests keep their place, oldest first (the newest are preempted when
+        blocks run out). Returns the token budget left."""
+        i = 0
         size = self.cache.block_size
         running = self.running
         while i < len(running) and budget > 0:
@@ -82,18 +101,20 @@ class Batcher:
             n = len(r.prompt_token_ids) + len(r.output_token_ids) - done
             if n > budget:
                 n = budget
-            if not r.remote and len(r.block_ids) * size >= done + n:
-                scheduled.append(ScheduledRequest(r, n))  # its blocks hold it already
-                budget -= n
-                i += 1
-                continue
-            got = self._grow(r, r.num_computed_tokens + n, overflow)
-            if got is Borrow.WAIT:
-                i += 1
-            elif got is Borrow.GOT:
-                scheduled.append(ScheduledRequest(r, n))
-                budget -= n
-                i += 1
+            if r.remote or len(r.block_ids) * size < done + n:  # it needs more blocks
+                got = self._grow(r, r.num_computed_tokens + n, overflow)
+                if got is Borrow.WAIT:
+                    i += 1
+                if got is not Borrow.GOT:
+                    continue
+            scheduled.append(ScheduledRequest(r, n))
+            budget -= n
+            i += 1
+            self._computing(r, n)
+        return budget
+
+    def _schedule_waiting(self, budget: int, now: float, scheduled: list[ScheduledRequest]) -> None:
+        """Waiting requests join in arrival order while batch room, budget and blocks last."""
         for r in list(self.waiting):
             if len(self.running) >= self.config.max_batch_size or budget <= 0:
                 break
@@ -101,25 +122,56 @@ class Batcher:
                 continue
             if r.borrow_after > now:
                 break
+            fresh = self._fresh(r)
+            if fresh and not self.prefix.reuse(r):
+                continue  # its next block is computed this step: it reuses it next step
             n = min(r.num_tokens - r.num_computed_tokens, budget)
-            need = r.num_computed_tokens + n
-            if not self._ensure(r, need):
-                got = self._borrow(r, need)
-                if got is Borrow.GIVE_UP:  # the engine ends it (and frees what it holds)
-                    self.starved.append(r)
-                    continue
-                if got is Borrow.YIELD:  # it waits without blocks; later ones may use them
-                    self.cache.release(r.block_ids)
-                    self._give_back(r)
-                    continue
-                if got is not Borrow.GOT:
+            got = self._admit(r, r.num_computed_tokens + n)
+            if got is not Borrow.GOT:
+                if fresh and got is not Borrow.WAIT:
+                    self.prefix.undo(r)
+                if got in (Borrow.NO, Borrow.WAIT):
                     break
+                continue
             self.waiting.remove(r)
             r.status = RequestStatus.RUNNING
             self.running.append(r)
             scheduled.append(ScheduledRequest(r, n))
             budget -= n
-        return scheduled, overflow
+            if fresh:
+                self.prefix.admitted(r)
+            self._computing(r, n)
+
+    def _fresh(self, r: Request) -> bool:
+        """Whether r holds no KV and may look for a cached prefix (prefix caching is on)."""
+        return (
+            self.prefix is not None
+            and r.num_computed_tokens == 0
+            and not r.block_ids
+            and not r.host_block_ids
+            and not r.remote
+        )
+
+    def _computing(self, r: Request, n: int) -> None:
+        """r computes n tokens this step: the blocks they fill are pending (prefix caching)."""
+        if self.prefix is not None and n > 1:
+            self.prefix.computing(r, n)
+
+    def _admit(self, r: Request, need: int) -> Borrow:
+        """Blocks for the first `need` tokens of a waiting request: GOT; NO when they are not
+        free (it waits, and so do the ones after it); when it borrows and its peers refuse,
+        WAIT (likewise, keeping its blocks) or YIELD (it waits without them, the ones after
+        it may go); GIVE_UP when it ends (starved)."""
+        if self._ensure(r, need):
+            return Borrow.GOT
+        got = self._borrow(r, need)
+        if got is Borrow.GIVE_UP:  # the engine ends it (and frees what it holds)
+            self.starved.append(r)
+        elif got is Borrow.YIELD:  # it waits without blocks; later ones may use them
+            self.cache.release(r.block_ids)
+            self._give_back(r)
+            r.num_computed_tokens = 0
+        return got
 
     def after_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step that ran `scheduled` took `seconds` (FCFS does not use it; see MLFQ)."""

@@ -116,16 +116,27 @@ class MLFQBatcher(Batcher):
         budget, batch_size = self.config.max_batched_tokens, self.config.max_batch_size
         scheduled: list[ScheduledRequest] = []
         overflow: list[Request] = []
+        if self.prefix is not None:
+            self.prefix.pending.clear()
         for i, r in enumerate(order):
             if len(scheduled) >= batch_size or budget <= 0:
                 break
             if r.adapter is not None and not r.adapter.ready:
                 continue
+            fresh = self._fresh(r)
+            if fresh and not self.prefix.reuse(r):
+                continue  # its next block is computed this step: it reuses it next step
             n = min(r.num_tokens - r.num_computed_tokens, budget)
             if self._make_room(r, r.num_computed_tokens + n, order[i + 1 :], strict):
                 scheduled.append(ScheduledRequest(r, n))
                 budget -= n
-            elif not scheduled and not self._holders(order[i + 1 :]):
+                if fresh:
+                    self.prefix.admitted(r)
+                self._computing(r, n)
+                continue
+            if fresh:
+                self.prefix.undo(r)
+            if not scheduled and not self._holders(order[i + 1 :]):
                 overflow.append(r)  # it cannot fit even alone
         return scheduled, overflow
 

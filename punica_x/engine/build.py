@@ -11,6 +11,7 @@ from punica_x.batching.batcher import Batcher
 from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig, ModelConfig
 from punica_x.kv.blocks import KVCache, KVCacheSpec
+from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 
 
@@ -18,7 +19,8 @@ def build_kv(
     config: EngineConfig, dims, device: torch.device, dtype: torch.dtype
 ) -> tuple[KVCache, SwapPool | None, Batcher]:
     """The paged KV cache (cache.num_blocks, or as many as cache.kv_cache_bytes hold), and
-    under the mlfq policy its host swap pool with an MLFQBatcher; else no pool and FCFS."""
+    under the mlfq policy its host swap pool with an MLFQBatcher; else no pool and FCFS.
+    With cache.prefix_caching the batcher reuses cached prefixes (kv/prefix.py)."""
     cache_config = config.cache
     spec = KVCacheSpec(
         dims.num_layers, dims.num_kv_heads, dims.head_dim, cache_config.block_size, dtype
@@ -27,13 +29,18 @@ def build_kv(
         1, cache_config.kv_cache_bytes // spec.bytes_per_block
     )
     cache = KVCache(spec, num_blocks, device)
+    swap = None
     if config.batch.policy != "mlfq":
-        return cache, None, Batcher(cache, config.batch)
-    swap_blocks = cache_config.swap_blocks
-    if swap_blocks is None:
-        swap_blocks = cache_config.swap_bytes // spec.bytes_per_block
-    swap = SwapPool(spec, swap_blocks, device)
-    return cache, swap, MLFQBatcher(cache, config.batch, swap)
+        batcher = Batcher(cache, config.batch)
+    else:
+        swap_blocks = cache_config.swap_blocks
+        if swap_blocks is None:
+            swap_blocks = cache_config.swap_bytes // spec.bytes_per_block
+        swap = SwapPool(spec, swap_blocks, device)
+        batcher = MLFQBatcher(cache, config.batch, swap)
+    if cache_config.prefix_caching:
+        batcher.prefix = PrefixCache(cache.allocator, cache_config.block_size)
+    return cache, swap, batcher
 
 
 def build_attention(config: EngineConfig, dims, device: torch.device, dtype: torch.dtype):

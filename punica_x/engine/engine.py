@@ -27,6 +27,7 @@ from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
 from punica_x.kv import swap_home
 from punica_x.kv.borrowing import KVBorrowing
+from punica_x.kv.prefix import cache_key
 from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
 from punica_x.kv.swap_home import Pick
 from punica_x.lora.adapter import LoraTarget
@@ -119,15 +120,21 @@ class Engine:
         on_output=None,
         resume: Resume | None = None,
         on_preempt=None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError.
 
         resume: continue a request that ran elsewhere (see Resume): its generated tokens are
         recomputed with the prompt and generation goes on from there; outputs carry the
-        totals (token_ids, text, logprobs) of the whole request, and new_* only what is new."""
+        totals (token_ids, text, logprobs) of the whole request, and new_* only what is new.
+        cache_salt: with prefix caching on, the request reuses only KV cached by requests
+        with the same salt (and model or adapter version); None or "" shares with others
+        that give none (the server always gives one: the tenant's, see frontend)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampling = sampling or SamplingParams()
         self.check_prompt(ids, sampling)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequest(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
         ref = self.adapters.acquire(adapter) if adapter is not None else None
         req = Request(
             prompt_token_ids=ids,
@@ -138,6 +145,8 @@ class Engine:
         )
         if request_id is not None:
             req.request_id = request_id
+        if self.batcher.prefix is not None:
+            req.cache_key = cache_key(ref.cache_id if ref is not None else None, cache_salt)
         if req.request_id in self.requests:
             if ref is not None:
                 self.adapters.release(ref)
@@ -272,8 +281,11 @@ class Engine:
         outputs = []
         sampled = iter(zip(tokens, new_logprobs))
         now = time.monotonic()
+        prefix = self.batcher.prefix
         for s in ordered:
             r, samples = s.request, s.samples  # before num_computed_tokens moves
+            if prefix is not None:  # the blocks this step completed are cached
+                prefix.computed(r, r.num_computed_tokens, s.num_new_tokens)
             r.num_computed_tokens += s.num_new_tokens
             token, logprob = next(sampled) if samples else (None, None)
             if not samples and r not in failed:

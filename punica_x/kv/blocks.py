@@ -2,54 +2,139 @@
 
 Layout (Punica sec. 5.4): ``kv[num_blocks, L, 2, N_kv, P, D]``; a request owns a list of
 block ids (its block table) and token ``i`` of it lives in block ``table[i // P]`` at offset
-``i % P``. Blocks return to the free list the moment their request finishes or is cancelled.
+``i % P``. Blocks return to the pool the moment their request finishes or is cancelled;
+with prefix caching a full block keeps its content, named by a hash, until it is needed
+for something else (BlockAllocator, kv/prefix.py).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 
 class BlockAllocator:
-    """Free list of block ids. allocate() is all-or-nothing. Thread-safe: a runner's own
-    step and its rManager lending blocks to peers (DistKV) take blocks from one list."""
+    """Block ids with reference counts. A block is free (no reference, no content anyone
+    asks for), held (referenced by the requests whose block tables list it), or cached: no
+    reference, but named by the hash of the KV it holds (prefix caching, kv/prefix.py), so
+    a later request with the same prefix can take it back with `lookup`. Cached blocks are
+    evicted in LRU order, and only when no free block is left: `num_free` counts both.
+
+    allocate() is all-or-nothing. Thread-safe: a runner's own step and its rManager lending
+    blocks to peers (DistKV) take blocks from one pool."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used = [False] * num_blocks
+        self._refs = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks  # the content's name, if cached
+        self._cached: dict[bytes, int] = {}  # hash -> block
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached, oldest first
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks allocate() can hand out: free ones and unreferenced cached ones."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some request holds."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for their content (evicted first-in-LRU when needed)."""
+        return len(self._lru)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n block ids, or None (and nothing taken) when fewer than n are free."""
+        """n block ids (each with one reference), or None (and nothing taken) when fewer
+        than n are free. Free blocks go first; then the least recently used cached ones,
+        whose names are forgotten."""
         with self._lock:
-            if n > len(self._free):
+            if n > len(self._free) + len(self._lru):
                 return None
-            ids = [self._free.pop() for _ in range(n)]
-            for i in ids:
-                self._used[i] = True
+            ids = []
+            for _ in range(n):
+                if self._free:
+                    i = self._free.pop()
+                else:
+                    i, _ = self._lru.popitem(last=False)
+                    del self._cached[self._hash[i]]
+                    self._hash[i] = None
+                self._refs[i] = 1
+                ids.append(i)
             return ids
 
     def free(self, ids: list[int]) -> None:
+        """Drop one reference to each block. A block left unreferenced is free again, or
+        cached when it is named; a block table's tail is taken first (ids are released last
+        to first), as a prefix is the likelier part to be asked for again (vLLM's order)."""
         with self._lock:
-            for i in ids:
-                if not self._used[i]:
+            for i in reversed(ids):
+                if self._refs[i] <= 0:
                     raise RuntimeError(f"block {i} freed twice")
-                self._used[i] = False
+                self._refs[i] -= 1
+                if self._refs[i] == 0:
+                    if self._hash[i] is None:
+                        self._free.append(i)
+                    else:
+                        self._lru[i] = None
+
+    def name(self, block: int, digest: bytes) -> bool:
+        """Name a held block by the hash of its (complete) content, so lookup() finds it.
+        False, and nothing changes, when the block is named already or another block has
+        that name (the content is cached once)."""
+        with self._lock:
+            if self._refs[block] <= 0:
+                raise RuntimeError(f"block {block} is not held: it cannot be named")
+            if self._hash[block] is not None or digest in self._cached:
+                return False
+            self._hash[block] = digest
+            self._cached[digest] = block
+            return True
+
+    def lookup(self, digests: list[bytes]) -> list[int]:
+        """The blocks named by the longest prefix of `digests` that is cached, each with a
+        new reference taken (they are no longer evictable until freed)."""
+        with self._lock:
+            ids = []
+            for digest in digests:
+                i = self._cached.get(digest)
+                if i is None:
+                    break
+                if self._refs[i] == 0:
+                    del self._lru[i]
+                self._refs[i] += 1
+                ids.append(i)
+            return ids
+
+    def count_cached(self, digests: list[bytes]) -> int:
+        """How many of `digests`, from the first, name cached blocks (nothing is taken)."""
+        with self._lock:
+            n = 0
+            for digest in digests:
+                if digest not in self._cached:
+                    break
+                n += 1
+            return n
+
+    def forget(self) -> int:
+        """Evict every unreferenced cached block (they become free); held blocks keep their
+        names. Returns how many were evicted."""
+        with self._lock:
+            n = len(self._lru)
+            while self._lru:
+                i, _ = self._lru.popitem(last=False)
+                del self._cached[self._hash[i]]
+                self._hash[i] = None
                 self._free.append(i)
+            return n
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -29,6 +29,7 @@ from punica_x.config import LoraConfig
 from punica_x.lora.adapter import AdapterError, LoraAdapter, LoraTarget, load_peft_adapter
 
 _version_ids = itertools.count(1)
+_cache_ids = itertools.count(1)  # one per version installed in this process (prefix caching)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class _Version:
     current: bool = True
     error: str | None = None
     last_used: float = field(default_factory=time.monotonic)
+    cache_id: int = field(default_factory=lambda: next(_cache_ids))
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +69,14 @@ class AdapterRef:
     @property
     def version(self) -> int:
         return self._version.info.version
+
+    @property
+    def cache_id(self) -> str:
+        """Names these weights in the KV prefix cache (punica_x/kv/prefix.py): unique among
+        every version ever installed in this process, so a re-upload under a reused version
+        id, or another adapter's, never finds blocks computed with other weights; a rollback
+        to a version still held keeps its id (the same weights)."""
+        return f"{self._version.cache_id}:{self._version.info.sha256}"
 
     @property
     def ready(self) -> bool:
