@@ -121,6 +121,8 @@ def engine_config(args):
     engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
     if args.kv_cache_bytes is not None:
         engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
+    if args.no_prefix_caching:
+        engine = replace(engine, cache=replace(engine.cache, prefix_caching=False))
     return engine
 
 
@@ -168,6 +170,12 @@ def _serve_parser(sub) -> None:
         default=None,
         help="each runner's paged KV cache in bytes (default 2 GiB; vLLM CPU's "
         "VLLM_CPU_KVCACHE_SPACE, its GPU memory share on a GPU)",
+    )
+    s.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole (by default a prompt's prefix whose KV a runner "
+        "computed for the same model or adapter version and tenant is reused: docs/prefix.md)",
     )
     s.add_argument(
         "--policy",

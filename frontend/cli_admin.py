@@ -27,12 +27,18 @@ def admin(args) -> int:
         return _status(base, token)
     if args.object == "scale":
         return _scale(args, base, token)
+    return _tenant(args, base, token)
+
+
+def _tenant(args, base: str, token: str) -> int:
+    """`admin tenant create | list | weight | share | revoke`."""
     if args.action == "create":
         body = {
             "name": args.name,
             "max_concurrent": args.max_concurrent,
             "tokens_per_minute": args.tokens_per_minute,
             "weight": args.weight,
+            "share_prefix_cache": args.share_prefix_cache,
         }
         status, data = _call("POST", f"{base}/admin/tenants", token, body)
         if status == 201:
@@ -46,13 +52,20 @@ def admin(args) -> int:
         if status == 200:
             for t in data["data"]:
                 state = "revoked" if t["revoked"] else "active"
-                print(f"{t['name']}\t{state}\tweight {t['weight']:g}")
+                shares = "shares prefix cache" if t["share_prefix_cache"] else "own prefix cache"
+                print(f"{t['name']}\t{state}\tweight {t['weight']:g}\t{shares}")
             return 0
     elif args.action == "weight":
         url = f"{base}/admin/tenants/{args.name}"
         status, data = _call("PATCH", url, token, {"weight": args.weight})
         if status == 200:
             print(f"tenant {args.name}: weight {data['weight']:g}")
+            return 0
+    elif args.action == "share":
+        url = f"{base}/admin/tenants/{args.name}"
+        status, data = _call("PATCH", url, token, {"share_prefix_cache": args.state == "on"})
+        if status == 200:
+            print(f"tenant {args.name}: share_prefix_cache {data['share_prefix_cache']}")
             return 0
     else:
         status, data = _call("DELETE", f"{base}/admin/tenants/{args.name}", token)
@@ -82,6 +95,7 @@ def _runner_table(data: dict) -> str:
         "WAITING",
         "KV USED/FREE",
         "LENT/BORROWED",
+        "PREFIX HITS",
         "ADAPTERS",
     )
     rows = [head]
@@ -96,6 +110,7 @@ def _runner_table(data: dict) -> str:
                 str(r["waiting"]),
                 f"{r['kv_blocks_used']}/{r['kv_blocks_free']}",
                 f"{r.get('kv_blocks_lent', 0)}/{r.get('kv_blocks_borrowed', 0)}",
+                _hit_rate(r.get("prefix_cache_hits", 0), r.get("prefix_cache_queries", 0)),
                 str(r["resident_adapters"]),
             )
         )
@@ -104,7 +119,17 @@ def _runner_table(data: dict) -> str:
     advice = data["advice"]
     detail = f" ({data['advice_reason']})" if data.get("advice_reason") else ""
     lines.append(f"queued at the scheduler: {data['queued']}; advice: {advice}{detail}")
+    hits = sum(r.get("prefix_cache_hits", 0) for r in data["runners"])
+    queries = sum(r.get("prefix_cache_queries", 0) for r in data["runners"])
+    lines.append(
+        f"prefix cache: {_hit_rate(hits, queries)} of {queries} prompt tokens looked up were cached"
+    )
     return "\n".join(lines)
+
+
+def _hit_rate(hits: int, queries: int) -> str:
+    """Prefix cache hits as a share of the tokens looked up ("-" before any lookup)."""
+    return f"{100 * hits / queries:.1f}%" if queries else "-"
 
 
 def _scale(args, base: str, token: str) -> int:
@@ -172,6 +197,19 @@ def admin_parser(sub, default_data_dir: str) -> None:
     )
     weight.add_argument("name")
     weight.add_argument("weight", type=float)
+    create.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="its base-model requests share prefix-cached KV with other tenants that allow it",
+    )
+    share = actions.add_parser(
+        "share",
+        parents=[common],
+        help="let a tenant's base-model requests share prefix-cached KV with other tenants "
+        "that allow it (on), or keep them to its own (off, the default)",
+    )
+    share.add_argument("name")
+    share.add_argument("state", choices=["on", "off"])
     actions.add_parser("list", parents=[common], help="list tenants")
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
     revoke.add_argument("name")

@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from frontend.auth import hash_key, new_api_key
+from frontend.cache_scope import cache_salt
 from frontend.config import ServerConfig
 from frontend.errors import ApiError, bad_request, not_found
 from frontend.limits import Admission
 from frontend.metrics import Metrics
 from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBuilder
-from frontend.protocol import TenantCreate
+from frontend.protocol import TenantCreate, TenantUpdate
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.tenant_adapters import TenantAdapters, adapter_key
 from punica_x.core import RequestOutput, SamplingParams
@@ -71,14 +72,19 @@ class FrontendManager:
             body.max_concurrent,
             body.tokens_per_minute,
             body.weight,
+            body.share_prefix_cache,
         )
         return tenant, key
 
-    def set_tenant_weight(self, name: str, weight: float) -> Tenant:
+    def update_tenant(self, name: str, body: TenantUpdate) -> Tenant:
+        """Set what the body gives: the fair-share weight, the prefix-cache sharing."""
         tenant = self.store.tenant_by_name(name)
         if tenant is None:
             raise not_found("tenant_not_found", f"tenant {name!r} does not exist")
-        self.store.set_tenant_weight(tenant.id, weight)
+        if body.weight is not None:
+            self.store.set_tenant_weight(tenant.id, body.weight)
+        if body.share_prefix_cache is not None:
+            self.store.set_tenant_sharing(tenant.id, body.share_prefix_cache)
         return self.store.tenant_by_name(name)
 
     def revoke_tenant(self, name: str) -> Tenant:
@@ -151,8 +157,11 @@ class FrontendManager:
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for choice in gen.choices:
+                salt = cache_salt(caller.tenant, gen.adapter, gen.cache_salt)
                 streams.append(
-                    await self.open(caller, gen.model, gen.adapter, choice.prompt, choice.sampling)
+                    await self.open(
+                        caller, gen.model, gen.adapter, choice.prompt, choice.sampling, salt
+                    )
                 )
         except BaseException:
             for s in streams:
@@ -171,10 +180,14 @@ class FrontendManager:
         adapter: str | None,
         prompt: list[int],
         sampling: SamplingParams,
+        salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Start one generation (refusals raise ApiError here) and return its outputs, with
         metrics and token accounting. The caller has admitted the request; closing the
-        iterator aborts the generation."""
+        iterator aborts the generation. salt: whose prefix-cached KV it may reuse
+        (frontend/cache_scope.py; None: the tenant's own)."""
+        if salt is None:
+            salt = cache_salt(caller.tenant, adapter, None)
         try:
             stream = await self.scheduler.open(
                 prompt,
@@ -183,6 +196,7 @@ class FrontendManager:
                 f"req-{uuid.uuid4().hex}",
                 tenant=caller.tenant.name,
                 weight=caller.tenant.weight,
+                cache_salt=salt,
             )
         except UnknownAdapterError:
             raise ApiError(

@@ -16,6 +16,10 @@ PER_RUNNER = {
     "runner_waiting": ("requests waiting in a runner's batcher", "waiting"),
     "runner_kv_blocks_used": ("KV blocks in use on a runner", "kv_blocks_used"),
     "runner_kv_blocks_free": ("free KV blocks on a runner", "kv_blocks_free"),
+    "runner_kv_blocks_cached": (
+        "KV blocks a runner keeps only for their content (prefix caching; evictable)",
+        "kv_blocks_cached",
+    ),
     "kv_blocks_lent": ("KV blocks a runner lends to peers (DistKV)", "kv_blocks_lent"),
     "kv_blocks_borrowed": (
         "KV blocks a runner's requests hold on peers (DistKV)",
@@ -71,6 +75,11 @@ def _totals(s):
         "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
         "mlfq_pauses": ("running requests paused for higher-priority ones (MLFQ)", s.pauses),
         "engine_aborts": ("requests aborted in a runner (a client left, a cancel)", s.aborts),
+        "prefix_cache_queries": (
+            "prompt tokens looked up in the prefix cache",
+            s.prefix_cache_queries,
+        ),
+        "prefix_cache_hits": ("prompt tokens found in the prefix cache", s.prefix_cache_hits),
     }
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)
@@ -103,12 +112,27 @@ def _per_runner(rows: list):
             sum_value=row.remote_attention_seconds,
         )
     yield remote
+    yield from _prefix_cache(rows)
     up = GaugeMetricFamily(
         "punica_x_runner_active", "1 if the runner takes work", labels=["runner", "state"]
     )
     for row in rows:
         up.add_metric([row.id, row.state], 1.0 if row.state == "active" else 0.0)
     yield up
+
+
+def _prefix_cache(rows: list):
+    """Prefix caching per runner and adapter (the runners' adapter key, "" for the base
+    model): prompt tokens of admitted requests looked up, and found cached."""
+    for name, doc, i in (
+        ("prefix_cache_queries_tokens", "tokens looked up in the prefix cache", 1),
+        ("prefix_cache_hits_tokens", "tokens found in the prefix cache (not prefilled)", 2),
+    ):
+        c = CounterMetricFamily(f"punica_x_{name}", doc, labels=["runner", "adapter"])
+        for row in rows:
+            for entry in row.prefix_cache:
+                c.add_metric([row.id, entry[0]], entry[i])
+        yield c
 
 
 class TenantCollector:

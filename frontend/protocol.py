@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from frontend.openai.protocol import Strict
+from frontend.openai.protocol import Strict, refuse
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 of [A-Za-z0-9._-]")]
@@ -17,18 +17,29 @@ Weight = Annotated[float, Field(gt=0, le=1000)]
 class TenantCreate(Strict):
     """POST /admin/tenants. max_concurrent, tokens_per_minute: the tenant's own caps (None:
     the server's). weight: its share of the runners while tenants wait, relative to the
-    others' (scheduler/fairness.py; default 1)."""
+    others' (scheduler/fairness.py; default 1). share_prefix_cache: its base-model requests
+    share prefix-cached KV with the other tenants that allow it (frontend/cache_scope.py;
+    default false: a tenant only reuses what its own requests computed)."""
 
     name: Name
     max_concurrent: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     tokens_per_minute: Annotated[int, Field(ge=1, le=10**12)] | None = None
     weight: Weight = 1.0
+    share_prefix_cache: bool = False
 
 
 class TenantUpdate(Strict):
-    """PATCH /admin/tenants/{name}: the tenant's fair-share weight."""
+    """PATCH /admin/tenants/{name}: the tenant's fair-share weight, whether its base-model
+    requests share prefix-cached KV with other tenants, or both (at least one)."""
 
-    weight: Weight
+    weight: Weight | None = None
+    share_prefix_cache: bool | None = None
+
+    @model_validator(mode="after")
+    def _something(self):
+        if self.weight is None and self.share_prefix_cache is None:
+            raise refuse("weight", "give weight, share_prefix_cache or both")
+        return self
 
 
 class RunnersAdd(Strict):

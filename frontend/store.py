@@ -35,7 +35,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER,
-    weight REAL NOT NULL DEFAULT 1.0);
+    weight REAL NOT NULL DEFAULT 1.0, share_prefix_cache INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS api_keys (
     id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id),
     key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, created REAL NOT NULL,
@@ -46,7 +46,9 @@ CREATE TABLE IF NOT EXISTS adapters (
     sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, UNIQUE (tenant_id, name, version));
 """
-TENANT_COLUMNS = "id, name, created, revoked, max_concurrent, tokens_per_minute, weight"
+TENANT_COLUMNS = (
+    "id, name, created, revoked, max_concurrent, tokens_per_minute, weight, share_prefix_cache"
+)
 ADAPTER_COLUMNS = (
     "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
     "state, stored_dtype"
@@ -67,6 +69,9 @@ class Tenant:
     max_concurrent: int | None
     tokens_per_minute: int | None
     weight: float = 1.0  # its share of the runners while tenants wait (scheduler/fairness.py)
+    # its base-model requests share prefix-cached KV with other tenants that allow it
+    # (frontend/cache_scope.py); adapter requests never do
+    share_prefix_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,14 @@ class Store:
         """Databases from before adapter states had a `deleted` flag instead; those from
         before stored_dtype get the column, NULL in their rows (the API reports null: the
         dtype is recorded when the upload is parsed, and old rows are not re-read); tenants
-        from before fair share get weight 1."""
+        from before fair share get weight 1, from before prefix caching no sharing."""
         tenant_columns = {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}
         if "weight" not in tenant_columns:
             self._db.execute("ALTER TABLE tenants ADD COLUMN weight REAL NOT NULL DEFAULT 1.0")
+        if "share_prefix_cache" not in tenant_columns:
+            self._db.execute(
+                "ALTER TABLE tenants ADD COLUMN share_prefix_cache INTEGER NOT NULL DEFAULT 0"
+            )
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(adapters)")}
         if "state" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN state TEXT NOT NULL DEFAULT 'live'")
@@ -176,14 +185,15 @@ class Store:
         max_concurrent: int | None,
         tokens_per_minute: int | None,
         weight: float = 1.0,
+        share_prefix_cache: bool = False,
     ) -> Tenant:
         now = time.time()
 
         def insert(db):
             cur = db.execute(
-                "INSERT INTO tenants (name, created, max_concurrent, tokens_per_minute, weight) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (name, now, max_concurrent, tokens_per_minute, weight),
+                "INSERT INTO tenants (name, created, max_concurrent, tokens_per_minute, weight, "
+                "share_prefix_cache) VALUES (?, ?, ?, ?, ?, ?)",
+                (name, now, max_concurrent, tokens_per_minute, weight, int(share_prefix_cache)),
             )
             db.execute(
                 "INSERT INTO api_keys (tenant_id, key_hash, prefix, created) VALUES (?, ?, ?, ?)",
@@ -203,6 +213,14 @@ class Store:
     def set_tenant_weight(self, tenant_id: int, weight: float) -> None:
         self._transaction(
             lambda db: db.execute("UPDATE tenants SET weight = ? WHERE id = ?", (weight, tenant_id))
+        )
+
+    def set_tenant_sharing(self, tenant_id: int, share_prefix_cache: bool) -> None:
+        self._transaction(
+            lambda db: db.execute(
+                "UPDATE tenants SET share_prefix_cache = ? WHERE id = ?",
+                (int(share_prefix_cache), tenant_id),
+            )
         )
 
     def revoke_tenant(self, tenant_id: int) -> None:
@@ -375,7 +393,7 @@ class Store:
 
 
 def _tenant(row) -> Tenant:
-    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6])
+    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], bool(row[7]))
 
 
 def _adapter(row) -> AdapterRecord:

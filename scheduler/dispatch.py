@@ -85,6 +85,7 @@ class Dispatcher:
                 stream.request_id,
                 stream.resume,
                 on_preempt=lambda: self.on_preempt(stream),
+                cache_salt=stream.cache_salt,
             )
         except RunnerLost as exc:
             self._unplace(stream, slot)

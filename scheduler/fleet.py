@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from punica_x.heap import thaw
@@ -176,10 +176,7 @@ class Fleet:
 
     def stats(self, waiting: int = 0) -> RunnerStats:
         """Sums over live runners, `waiting` (requests waiting in front of them) added."""
-        per = [h.stats() for h in self.live_handles()]
-        total = {f.name: sum(getattr(p, f.name) for p in per) for f in fields(RunnerStats)}
-        total["waiting"] += waiting
-        return RunnerStats(**total)
+        return RunnerStats.total([h.stats() for h in self.live_handles()], waiting)
 
     def live_handles(self) -> list:
         return [s.handle for s in self.slots if s.handle is not None and s.state != "dead"]

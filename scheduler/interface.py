@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +38,35 @@ class RunnerStats:
     # round trips in seconds (punica_x.attention.dist.RemoteStats)
     remote_attention_calls: int = 0
     remote_attention_seconds: float = 0.0
+    # prefix caching (punica_x/kv/prefix.py): blocks kept only for their content, and per
+    # adapter ("" for the base model) the tokens admitted requests looked up and found,
+    # as (adapter, queried tokens, hit tokens), adapters in name order
+    kv_blocks_cached: int = 0
+    prefix_cache: tuple[tuple[str, int, int], ...] = ()
+
+    @classmethod
+    def total(cls, per: list[RunnerStats], waiting: int = 0) -> RunnerStats:
+        """Sums over runners (prefix_cache summed per adapter), `waiting` added."""
+        total = {
+            f.name: sum(getattr(p, f.name) for p in per)
+            for f in fields(cls)
+            if f.name != "prefix_cache"
+        }
+        total["waiting"] += waiting
+        merged: dict[str, tuple[int, int]] = {}
+        for adapter, queries, hits in (row for p in per for row in p.prefix_cache):
+            q, h = merged.get(adapter, (0, 0))
+            merged[adapter] = (q + queries, h + hits)
+        total["prefix_cache"] = tuple((a, q, h) for a, (q, h) in sorted(merged.items()))
+        return cls(**total)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(q for _, q, _ in self.prefix_cache)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(h for _, _, h in self.prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -120,10 +149,12 @@ class RunnerHandle(Protocol):
         request_id: str,
         resume: Resume | None = None,
         on_preempt: Callable[[], None] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Add a request (refusals raise here) and return its output stream; closing the
         stream aborts the request. resume: continue a request moved here from its tokens (or
-        its KV); on_preempt: called when the runner preempts it."""
+        its KV); on_preempt: called when the runner preempts it; cache_salt: it reuses only
+        prefix-cached KV of requests with the same salt (Engine.add_request)."""
 
     async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         """Take a request out to move it (its stream ends with StreamMoved); with_kv: its

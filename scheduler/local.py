@@ -39,6 +39,18 @@ def engine_stats(e: Engine) -> RunnerStats:
         pauses=e.batcher.num_pauses,
         **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
         **_distkv_gauges(e),
+        **_prefix_counters(e),
+    )
+
+
+def _prefix_counters(e: Engine) -> dict:
+    prefix = e.batcher.prefix
+    if prefix is None:
+        return {}
+    queries, hits = dict(prefix.stats.queries), dict(prefix.stats.hits)  # (another thread's)
+    return dict(
+        kv_blocks_cached=e.cache.allocator.num_cached,
+        prefix_cache=tuple((a, queries[a], hits.get(a, 0)) for a in sorted(queries)),
     )
 
 
@@ -146,9 +158,10 @@ class LocalRunner:
         request_id: str,
         resume: Resume | None = None,
         on_preempt: Callable[[], None] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         return await self.async_engine.open(
-            prompt, sampling, adapter, request_id, resume, on_preempt
+            prompt, sampling, adapter, request_id, resume, on_preempt, cache_salt
         )
 
     async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:

@@ -72,6 +72,7 @@ class RunnerActor(KVActorMethods):
         adapter: str | None,
         request_id: str,
         resume: Resume | None,
+        cache_salt: str | None = None,
     ) -> str:
         def deliver(out):
             if isinstance(out, RunnerLost):
@@ -83,7 +84,7 @@ class RunnerActor(KVActorMethods):
             self._push(PreemptEvent, request_id)
 
         return await self.async_engine.add(
-            prompt, sampling, adapter, request_id, resume, deliver, preempted
+            prompt, sampling, adapter, request_id, resume, deliver, preempted, cache_salt
         )
 
     async def take(

@@ -134,6 +134,7 @@ class RayRunner:
         request_id: str,
         resume: Resume | None = None,
         on_preempt: Callable[[], None] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         self._ensure_pump()
         if self.error is not None:
@@ -141,7 +142,10 @@ class RayRunner:
         outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
         self._streams[request_id] = (outputs.put_nowait, on_preempt)
         try:
-            await self._call(self.actor.open.remote(prompt, sampling, adapter, request_id, resume))
+            opened = self.actor.open.remote(
+                prompt, sampling, adapter, request_id, resume, cache_salt
+            )
+            await self._call(opened)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

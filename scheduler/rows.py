@@ -23,6 +23,12 @@ class RunnerRow:
     kv_blocks_borrowed: int = 0  # DistKV: blocks its requests hold on peers
     remote_attention_calls: int = 0
     remote_attention_seconds: float = 0.0
+    kv_blocks_cached: int = 0  # prefix caching: kept for their content, evictable
+    # prefix caching: tokens admitted requests looked up and found, in all and per adapter
+    # ("" for the base model) as (adapter, queried, hit)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache: tuple[tuple[str, int, int], ...] = ()
     resident_adapters: int = 0
     error: str | None = None
     replaces: str | None = None  # the dead runner it was started in place of
@@ -50,5 +56,9 @@ def runner_row(slot) -> RunnerRow:
         kv_blocks_borrowed=s.kv_blocks_borrowed,
         remote_attention_calls=s.remote_attention_calls,
         remote_attention_seconds=s.remote_attention_seconds,
+        kv_blocks_cached=s.kv_blocks_cached,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        prefix_cache=s.prefix_cache,
         resident_adapters=len(h.resident_adapters()),
     )

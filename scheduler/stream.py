@@ -46,11 +46,13 @@ class ClusterStream:
         adapter: str | None,
         request_id: str,
         tenant: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         self.owner = owner
         self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
         self.request_id = request_id
         self.tenant = tenant  # whose request (fair share)
+        self.cache_salt = cache_salt  # whose prefix-cached KV it may reuse (on every runner)
         self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
         self.created = time.monotonic()
         self.queue_wait: float | None = None  # seconds until it was first placed

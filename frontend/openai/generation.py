@@ -50,6 +50,7 @@ class GenerationRequest:
     chat: bool = False
     echo: bool = False
     score_only: bool = False
+    cache_salt: str | None = None  # the body's (frontend/cache_scope.py adds the tenant's)
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,6 +103,7 @@ class RequestBuilder:
             include_usage=_include_usage(body),
             echo=echo,
             score_only=score_only,
+            cache_salt=body.cache_salt,
         )
 
     async def chat(
@@ -110,7 +112,8 @@ class RequestBuilder:
         ids = await self._run(self._encode_chat, [(m.role, m.text) for m in body.messages])
         if isinstance(body, WsChatFrame):
             sp = self.sampling(body, len(ids))
-            return GenerationRequest(body.model, adapter, (Choice(0, ids, sp, None),), True)
+            choices = (Choice(0, ids, sp, None),)
+            return GenerationRequest(body.model, adapter, choices, True, cache_salt=body.cache_salt)
         wanted = bool(body.logprobs)
         sp = self.sampling(body, len(ids), logprobs=(body.top_logprobs or 0) if wanted else None)
         return GenerationRequest(
@@ -120,6 +123,7 @@ class RequestBuilder:
             stream=body.stream,
             include_usage=_include_usage(body),
             chat=True,
+            cache_salt=body.cache_salt,
         )
 
     def _n(self, ids, sp: SamplingParams, text, n: int, start: int) -> list[Choice]:

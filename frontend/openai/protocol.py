@@ -98,7 +98,9 @@ class SamplingFields(Strict):
     """Sampling fields shared by completions, chat and the websocket chat. Semantics:
     punica_x.core.SamplingParams. top_k: 0 or -1 disable it. seed: any 64-bit integer
     (signed or unsigned). min_tokens: eos and stop_token_ids are not sampled, nor do stop
-    strings end the output, before this many tokens."""
+    strings end the output, before this many tokens. cache_salt (vLLM's): the request
+    reuses only prefix-cached KV of its tenant's requests with the same salt
+    (frontend/cache_scope.py)."""
 
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -131,6 +133,7 @@ class SamplingFields(Strict):
     ) = None
     response_format: ResponseFormat | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -3,7 +3,8 @@
 
     GET    /admin/tenants                 -> every tenant
     POST   /admin/tenants {"name", ...}   -> 201, the tenant and its API key (shown once)
-    PATCH  /admin/tenants/{name} {"weight"} -> its fair-share weight
+    PATCH  /admin/tenants/{name} {"weight", "share_prefix_cache"} -> its fair-share weight,
+                                      whether its base-model requests share prefix-cached KV
     DELETE /admin/tenants/{name}          -> revoke the tenant and its keys
     GET    /admin/runners                 -> {"runners": [...], "advice": ..., "queued": N}
     POST   /admin/runners {"count": K}    -> 201, the K new runners once they take work
@@ -47,7 +48,7 @@ def tenant_endpoints(state: ServerState) -> list[Endpoint]:
         manager, name = state.admin(request), request.path_params["name"]
         if request.method == "PATCH":
             body = validate(TenantUpdate, await read_json(request, ADMIN_BODY_BYTES))
-            return JSONResponse(tenant_json(manager.set_tenant_weight(name, body.weight)))
+            return JSONResponse(tenant_json(manager.update_tenant(name, body)))
         return JSONResponse(tenant_json(manager.revoke_tenant(name)))
 
     return [
@@ -65,7 +66,7 @@ def tenant_endpoints(state: ServerState) -> list[Endpoint]:
             "/admin/tenants/{name}",
             ("PATCH",),
             tenant,
-            "Set a tenant's fair-share weight",
+            "Set a tenant's fair-share weight or prefix-cache sharing",
             body=TenantUpdate,
             auth="admin",
         ),
@@ -137,6 +138,7 @@ def tenant_json(t: Tenant) -> dict:
         "max_concurrent": t.max_concurrent,
         "tokens_per_minute": t.tokens_per_minute,
         "weight": t.weight,
+        "share_prefix_cache": t.share_prefix_cache,
     }
 
 

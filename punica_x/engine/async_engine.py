@@ -83,13 +83,22 @@ class AsyncEngine:
         request_id: str | None = None,
         resume: Resume | None = None,
         on_preempt: Callable[[], None] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Add a request (raising ValueError / UnknownAdapterError at once if it is refused)
-        and return the stream of its outputs. resume: see Engine.add_request. on_preempt is
-        called on this event loop after a step that preempted the request for KV memory."""
+        and return the stream of its outputs. resume, cache_salt: see Engine.add_request.
+        on_preempt is called on this event loop after a step that preempted the request for
+        KV memory."""
         outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
         rid = await self.add(
-            prompt, sampling, adapter, request_id, resume, outputs.put_nowait, on_preempt
+            prompt,
+            sampling,
+            adapter,
+            request_id,
+            resume,
+            outputs.put_nowait,
+            on_preempt,
+            cache_salt,
         )
         return RequestStream(rid, outputs, functools.partial(_abort, weakref.ref(self), rid))
 
@@ -102,6 +111,7 @@ class AsyncEngine:
         resume: Resume | None,
         deliver: Callable[[RequestOutput | RunnerLost], None],
         on_preempt: Callable[[], None] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """open() without a stream object: deliver(output) is called on this event loop for
         each output (all of one step's outputs in one wake-up of the loop), and
@@ -119,7 +129,7 @@ class AsyncEngine:
 
         def add():
             req = self.engine.add_request(
-                prompt, sampling, adapter, request_id, on_output, resume, preempted
+                prompt, sampling, adapter, request_id, on_output, resume, preempted, cache_salt
             )
             self._open[req.request_id] = (loop, deliver)
             return req

@@ -58,7 +58,9 @@ def test_status_lists_both_runners_and_needs_the_admin_token(cluster, client):
     lines = shown.stdout.splitlines()
     assert lines[0].split()[:4] == ["ID", "BACKEND", "NODE", "STATE"]
     assert [line.split()[0] for line in lines[1:3]] == ["runner-0", "runner-1"]
-    assert lines[-1].startswith("queued at the scheduler: 0; advice:")
+    assert lines[-2].startswith("queued at the scheduler: 0; advice:")
+    assert lines[-1].startswith("prefix cache: ")
+    assert lines[0].split()[-3:] == ["PREFIX", "HITS", "ADAPTERS"]
 
 
 def test_drain_under_live_streams_then_scale_up_then_the_last_is_refused(cluster, client):

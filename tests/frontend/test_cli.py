@@ -24,3 +24,8 @@ def test_serve_refuses_an_unknown_dtype(capsys):
         build_parser().parse_args(["serve", "--dtype", "int8"])
     assert exit_.value.code == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_serve_turns_prefix_caching_off():
+    assert _engine().cache.prefix_caching is True
+    assert _engine("--no-prefix-caching").cache.prefix_caching is False
