@@ -111,7 +111,12 @@ class Scheduler:
                 backends, config.lend_fraction, config.distkv_overlap, config.distkv_transport
             )
         self.dispatch = Dispatcher(
-            self.fleet, self._queue, self.distkv is not None, self._preempted, self._full
+            self.fleet,
+            self._queue,
+            self.distkv is not None,
+            self._preempted,
+            self._full,
+            self._adapter_version,
         )
         self.mover = Mover(self.fleet, self.dispatch)
         self.sharing = SlotSharing(self.dispatch, self.mover)
@@ -174,6 +179,10 @@ class Scheduler:
 
     def kick(self) -> None:
         self.dispatch.kick()
+
+    def _adapter_version(self, key: str) -> int | None:
+        registered = self.adapters.files.get(key)
+        return registered.version if registered is not None else None
 
     def _preempted(self, stream: ClusterStream) -> None:
         self.mover.preempted(stream)

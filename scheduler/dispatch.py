@@ -18,6 +18,7 @@ from collections.abc import Callable
 from punica_x.engine.async_engine import RunnerLost
 from scheduler.fleet import Fleet, RunnerSlot
 from scheduler.placement import ACTIVE, RunnerSnapshot, fits_alone, place, place_distributed
+from scheduler.prefix_index import PrefixTracker
 from scheduler.stream import ClusterStream
 from scheduler.waiting import WaitingQueue
 
@@ -34,9 +35,11 @@ class Dispatcher:
         distributed: bool,
         on_preempt: Callable[[ClusterStream], None],
         on_full: Callable[[], None],
+        version_of: Callable[[str], int | None] = lambda adapter: None,
     ) -> None:
         self.fleet, self.queue, self.distributed = fleet, queue, distributed
         self.on_preempt, self.on_full = on_preempt, on_full
+        self.prefix = PrefixTracker(version_of)  # cache-aware placement
         self._tasks: set[asyncio.Task] = set()
 
     def spawn(self, coro) -> None:
@@ -55,7 +58,9 @@ class Dispatcher:
         a failed step) goes only to a runner holding no other suspect."""
         if isolate and stream.suspect:
             exclude = exclude | self._holding_suspects(stream)
-        snaps, demand = self.snapshots(), stream.demand()
+        snaps = self.snapshots()
+        cached = self.prefix.cached(stream, self.fleet.slots)
+        demand = dataclasses.replace(stream.demand(), cached=cached)
         rid = place(snaps, demand, exclude)
         if rid is None and self.distributed:
             active = [s for s in snaps if s.state == ACTIVE and s.runner_id not in exclude]
@@ -118,6 +123,7 @@ class Dispatcher:
 
     def _opened(self, stream: ClusterStream, inner) -> None:
         stream.inner = inner
+        self.prefix.placed(stream, stream.slot)
         if stream.queue_wait is None:  # its first placement: the prompt is served now
             stream.queue_wait = time.monotonic() - stream.created
             self.queue.served(stream, prompt_tokens=len(stream.prompt))
@@ -179,6 +185,7 @@ class Dispatcher:
         """`stream` left its runner (it ended or moved): its place there is free."""
         slot = stream.slot
         if slot is not None:
+            self.prefix.left(stream, slot)
             slot.streams.pop(stream.request_id, None)
             if not slot.streams:
                 slot.idle_since = time.monotonic()

@@ -26,6 +26,7 @@ from punica_x.lora.pool import UnknownAdapterError
 from scheduler.errors import ClusterError
 from scheduler.interface import RequestLimits, RunnerHandle, RunnerStats
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
+from scheduler.prefix_index import PrefixIndex
 from scheduler.rows import RunnerRow, runner_row
 from scheduler.stream import ClusterStream
 
@@ -78,6 +79,7 @@ class RunnerSlot:
     start_failures: int = 0  # failed starts of this replacement
     replace_due: bool = False  # dead, and to be replaced once an event loop runs
     where: tuple = (None, None, None)  # node, pid, device (kept after the handle is let go)
+    prefix: PrefixIndex | None = None  # what it holds in its prefix cache, as we believe
 
     def snapshot(self) -> RunnerSnapshot:
         h = self.handle

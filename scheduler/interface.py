@@ -125,6 +125,7 @@ class RunnerInfo:
     kv_blocks_total: int
     kv_bytes_per_token: int
     kv_blocks_swap: int  # the MLFQ host pool (0 under FCFS)
+    prefix_caching: bool = False  # it reuses cached prefixes (punica_x/kv/prefix.py)
 
 
 class RunnerHandle(Protocol):

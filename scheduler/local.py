@@ -109,6 +109,7 @@ def describe_runner(engine: Engine, config: EngineConfig) -> RunnerInfo:
         kv_blocks_total=engine.cache.allocator.num_blocks,
         kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
         kv_blocks_swap=engine.swap.num_blocks if engine.swap is not None else 0,
+        prefix_caching=engine.batcher.prefix is not None,
     )
 
 

@@ -7,15 +7,18 @@ holds) that still has batch room (room in its working set: its batch under FCFS,
 an MLFQ runner picks batches from) and KV room for it; only when none has room does it wait
 at the scheduler, first come first served. Packing work onto few runners keeps the others
 idle, so they can be scaled down, and large batches are what the shared backbone is cheap
-for. Among runners that already hold work, one where the request's adapter is resident
-wins (no load, as Ray Serve's multiplexed routing does); an idle runner is only picked when
-no busy one has room, even if it holds the adapter."""
+for. Among runners that already hold work, the one believed to hold the longest cached
+prefix of the request's tokens (for its adapter version and cache salt: prefix caching,
+scheduler/prefix_index.py) wins: every cached token is a token not prefilled; then one where
+the request's adapter is resident (no load, as Ray Serve's multiplexed routing does); then
+the largest working set. An idle runner is only picked when no busy one has room, even if it
+holds the adapter or the prefix: consolidation comes first, so idle runners can go."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 ACTIVE = "active"
 STATES = ("starting", "active", "draining", "dead")
@@ -52,10 +55,12 @@ class RunnerSnapshot:
 @dataclass(frozen=True)
 class Demand:
     """A request to place: its adapter (None: the base model) and the tokens it holds (prompt
-    plus, for a migrated request, those generated so far)."""
+    plus, for a migrated request, those generated so far). cached: per runner id, how many of
+    its tokens that runner is believed to hold in its prefix cache (absent: none)."""
 
     adapter: str | None
     num_tokens: int
+    cached: Mapping[str, int] = field(default_factory=dict)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -101,7 +106,8 @@ def place(
 
     def key(r: RunnerSnapshot):
         resident = demand.adapter is None or demand.adapter in r.resident_adapters
-        return (r.working_set > 0, resident, r.working_set, -r.index)
+        cached = demand.cached.get(r.runner_id, 0)
+        return (r.working_set > 0, cached, resident, r.working_set, -r.index)
 
     return max(fits, key=key).runner_id
 

@@ -53,6 +53,7 @@ class ClusterStream:
         self.request_id = request_id
         self.tenant = tenant  # whose request (fair share)
         self.cache_salt = cache_salt  # whose prefix-cached KV it may reuse (on every runner)
+        self.prefix_names: tuple[int, list[bytes]] | None = None  # (block size, its prompt's)
         self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
         self.created = time.monotonic()
         self.queue_wait: float | None = None  # seconds until it was first placed

@@ -328,3 +328,41 @@ def test_one_version_id_on_every_runner(shared, tiny_adapters):
     named, auto, versions, held, held_after = asyncio.run(main())
     assert named.version == 7 and versions == [(7, auto.version)] * 2
     assert held and not held_after  # no request held it: gone with the registration
+
+
+def test_a_conversation_goes_back_to_the_runner_holding_its_prefix(shared, reference):
+    """Cache-aware placement: turn 2 of a conversation goes to the runner that served turn
+    1 (its prompt and answer are cached there) although another runner has the larger
+    working set, and reuses the blocks there."""
+    prompts, _ = reference
+    system = prompts[0] * 4  # 4 copies of a prompt: several full blocks
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main():
+        sched = make_cluster(shared, n=2, batch=3)
+        turn1 = await sched.open(system, GREEDY, None, "turn1", cache_salt="me")
+        tokens, _, _ = await consume(turn1)
+        longs = [await sched.open(prompts[i + 1], long, None, f"long{i}") for i in range(5)]
+        placed = [s.slot.runner_id for s in longs]
+        for s in longs[:2]:
+            await s.aclose()  # runner-0 holds 1 request, runner-1 holds 2
+        engines = [slot.handle.async_engine for slot in sched.slots]
+        releases = [e.hold() for e in engines]
+        turn2_prompt = system + tokens + prompts[6]
+        task = asyncio.create_task(sched.open(turn2_prompt, GREEDY, None, "turn2", cache_salt="me"))
+        await asyncio.sleep(0.05)  # placed, waiting for the held engine to take it
+        chosen = sched.slots[0].streams.get("turn2") is not None
+        for release in releases:
+            release()
+        turn2 = await task
+        await consume(turn2)
+        for s in longs[2:]:
+            await s.aclose()
+        hits = engines[0].engine.batcher.prefix.stats.hits[""]
+        sched.shutdown()
+        return placed, chosen, hits, len(system + tokens)
+
+    placed, chosen, hits, cached = asyncio.run(main())
+    assert placed == ["runner-0"] * 3 + ["runner-1"] * 2
+    assert chosen
+    assert hits >= (cached - 1) // 16 * 16 - 16 and hits > 0

@@ -125,3 +125,17 @@ def test_an_mlfq_runner_with_its_kv_committed_still_takes_requests_its_host_pool
     assert place([replace(full, kv_blocks_swap=50)], SMALL) == "r0"
     big = Demand(None, 100 * 16)  # more than its device pool: the host pool cannot run it
     assert place([replace(full, kv_blocks_committed=0, kv_blocks_swap=500)], big) is None
+
+
+def test_the_longest_cached_prefix_wins_among_busy_runners():
+    """Prefix caching: among runners with work and room, the one believed to hold the
+    most of the request's prefix takes it, before adapter residency and working set; an
+    idle runner is still picked only when no busy one has room (consolidation first)."""
+    runners = [snap("r0", 3, adapters=("a",)), snap("r1", 1), snap("r2", 0)]
+    assert place(runners, Demand("a", 100)) == "r0"  # nothing cached: residency
+    assert place(runners, Demand("a", 100, cached={"r1": 32})) == "r1"
+    assert place(runners, Demand("a", 100, cached={"r1": 32, "r0": 48})) == "r0"
+    assert place(runners, Demand("a", 100, cached={"r2": 96})) == "r0"  # r2 is idle
+    full = [snap("r0", 4), snap("r1", 4), snap("r2", 0), snap("r3", 0)]
+    assert place(full, Demand(None, 100)) == "r2"  # all busy are full: the oldest idle
+    assert place(full, Demand(None, 100, cached={"r3": 16})) == "r3"  # ... or the cached one
