@@ -50,10 +50,12 @@ from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
 from punica_x.core import Request, SamplingParams
 from punica_x.kv.blocks import KVCache, KVCacheSpec
+from punica_x.kv.prefix import PrefixCache, cache_key
 from punica_x.kv.swap import SwapPool
 from punica_x.workloads import output_lengths, poisson_arrivals, zipf_sampler
 from scheduler import placement
 from scheduler.fairness import FairQueue
+from scheduler.prefix_index import PrefixIndex, block_names
 
 # A block holds no data here: 1 layer, 1 head, 1 dim (the batcher only counts blocks).
 EMPTY_SPEC = KVCacheSpec(1, 1, 1, 16, torch.float32)
@@ -129,6 +131,7 @@ class Job:
     runner: str | None = None  # the last runner that took it
     tenant: str = ""
     first_token: float | None = None  # when its first token came (the fairness experiment)
+    names: list[bytes] | None = None  # its prompt's block names (prefix experiment)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
@@ -154,6 +157,11 @@ class SimRunner:
         else:
             self.batcher = Batcher(cache, config)
             self.swap_blocks = 0
+        # prefix caching (the prefix experiment): the runner's own cache, and what the
+        # scheduler believes it holds (scheduler/prefix_index.py)
+        self.prefix_index = PrefixIndex(cost.kv_blocks)
+        if sim.prefix_caching:
+            self.batcher.prefix = PrefixCache(cache.allocator, EMPTY_SPEC.block_size)
         self.jobs: dict[str, Job] = {}
         # kept as requests come, grow and go (a snapshot per placement must be cheap)
         self.blocks: dict[str, int] = {}  # request id -> blocks_for(its tokens)
@@ -247,10 +255,13 @@ class SimRunner:
         jobs, block = self.jobs, EMPTY_SPEC.block_size
         sampled = 0
         on_token = self.sim.on_token
+        prefix = self.batcher.prefix
         for r, new in scheduled:
             job = jobs.get(r.request_id)
             if job is None:
                 continue  # moved away while the step ran
+            if prefix is not None:
+                prefix.computed(r, r.num_computed_tokens, new)
             computed = r.num_computed_tokens = r.num_computed_tokens + new
             out = r.output_token_ids
             length = job.prompt_len + len(out)
@@ -270,6 +281,8 @@ class SimRunner:
 
     def _finish(self, job: Job) -> None:
         job.finish = self.sim.t
+        if self.sim.prefix_caching:  # its prompt and output stay cached here
+            self.prefix_index.record(job_names(job, job.request.all_token_ids))
         self._track(job, False)
         self.batcher.remove(job.request)
         del self.jobs[job.request.request_id]
@@ -297,6 +310,8 @@ class Sim:
     on_token: object = None  # called with the job of every sampled token (None: no call)
     ticks: int = 0
     tick_violations: int = 0  # autoscaler ticks after which more runners hold work than bound()
+    prefix_caching: bool = False  # runners reuse cached prefixes (jobs carry real token ids)
+    prefix_placement: bool = False  # placement weighs the cached prefix (else affinity only)
 
     def __post_init__(self) -> None:
         for _ in range(self.runners):
@@ -320,11 +335,20 @@ class Sim:
             self.queue.append(job)  # first come, first served at the scheduler
 
     def _place(self, job: Job, exclude: frozenset[str] = frozenset()) -> bool:
-        demand = placement.Demand(str(job.adapter), job.request.num_tokens)
+        cached = {}
+        if self.prefix_placement:
+            if job.names is None:
+                job.names = job_names(job, job.request.prompt_token_ids)
+            size = EMPTY_SPEC.block_size
+            cached = {r.runner_id: r.prefix_index.match(job.names) * size for r in self.pool}
+        demand = placement.Demand(str(job.adapter), job.request.num_tokens, cached)
         rid = placement.place([r.snapshot() for r in self.pool], demand, exclude)
         if rid is None:
             return False
-        next(r for r in self.pool if r.runner_id == rid).add(job)
+        runner = next(r for r in self.pool if r.runner_id == rid)
+        if self.prefix_caching:
+            runner.prefix_index.record(job.names or job_names(job, job.request.prompt_token_ids))
+        runner.add(job)
         return True
 
     def finished(self, runner: SimRunner, job: Job) -> None:
@@ -400,6 +424,11 @@ class Sim:
 
 # -- workloads ------------------------------------------------------------------------------
 _ids = itertools.count()
+
+
+def job_names(job: Job, tokens: list[int]) -> list[bytes]:
+    """The scheduler's names of a job's full blocks (scheduler/prefix_index.py)."""
+    return block_names(tokens, EMPTY_SPEC.block_size, str(job.adapter), job.tenant)
 
 
 def make_job(t: float, prompt_len: int, out_len: int, adapter: int, tenant: str = "") -> Job:
@@ -499,6 +528,97 @@ def fairness(args, cost: StepCost) -> list[dict]:
             }
         )
     return rows
+
+
+# -- prefix caching: multi-turn chat, cache-aware placement vs adapter affinity ---------------
+def chat_job(t: float, prompt: list[int], out_len: int, adapter: int, tenant: str) -> Job:
+    """A chat turn with real token ids, cached under its adapter and tenant."""
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    r = Request(prompt_token_ids=prompt, sampling=sp, request_id=f"j{next(_ids)}")
+    r.cache_key = cache_key(str(adapter), tenant)
+    return Job(r, adapter, t, tenant=tenant)
+
+
+@dataclass
+class ChatSim(Sim):
+    """Multi-turn chat: when a turn ends, its conversation's next turn arrives think_s later,
+    its prompt the previous prompt, the reply and a new question (followups: per request id,
+    the conversation's remaining turns as (question tokens, output length))."""
+
+    think_s: float = 1.0
+    followups: dict = field(default_factory=dict)
+    turns: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.on_token = self._token
+
+    def _token(self, job: Job) -> None:
+        if job.first_token is None:
+            job.first_token = self.t
+
+    def finished(self, runner: SimRunner, job: Job) -> None:
+        super().finished(runner, job)
+        rest = self.followups.pop(job.request.request_id, None)
+        if not rest:
+            return
+        (question, out_len), *later = rest
+        prompt = job.request.all_token_ids + question
+        nxt = chat_job(self.t + self.think_s, prompt, out_len, job.adapter, job.tenant)
+        if later:
+            self.followups[nxt.request.request_id] = later
+        self.turns.append(nxt)
+        self.at(nxt.arrival, lambda: self.arrive(nxt))
+
+
+def prefix(args, cost: StepCost) -> list[dict]:
+    """Multi-turn chat at 4 and 16 runners, placement by adapter affinity and consolidation
+    only, and with the cached prefix weighed first: the prefix cache hit rate each buys."""
+    rows = []
+    for runners in (4, 16):
+        for mode in ("affinity", "prefix"):
+            row = chat_run(args, cost, runners, mode)
+            rows.append(row)
+            print(f"  {row}", flush=True)
+    return rows
+
+
+def chat_run(args, cost: StepCost, runners: int, mode: str) -> dict:
+    """args.chat_conversations conversations per runner of args.chat_turns turns, each on one
+    of 2 adapters per runner (its tenant's, with its own system prompt of
+    args.system_tokens), Poisson starts at args.chat_rate per runner per second."""
+    rng = random.Random(args.seed)
+    adapters = 2 * runners
+    systems = [
+        [rng.randrange(3, 50_000) for _ in range(args.system_tokens)] for _ in range(adapters)
+    ]
+    sim = ChatSim(cost, "fcfs", runners=runners, prefix_caching=True, think_s=args.think_s)
+    sim.prefix_placement = mode == "prefix"
+    n = args.chat_conversations * runners
+    for t in poisson_arrivals(n, args.chat_rate * runners, rng):
+        a = rng.randrange(adapters)
+        outs = output_lengths(args.chat_turns, rng, cost.output_median)
+        turns = [([rng.randrange(3, 50_000) for _ in range(25)], m) for m in outs]
+        first = chat_job(t, systems[a] + turns[0][0], turns[0][1], a, f"t{a}")
+        sim.followups[first.request.request_id] = turns[1:]
+        sim.turns.append(first)
+        sim.at(t, lambda job=first: sim.arrive(job))
+    sim.run_until(1e9)
+    stats = [r.batcher.prefix.stats for r in sim.pool]
+    queries = sum(sum(s.queries.values()) for s in stats)
+    hits = sum(sum(s.hits.values()) for s in stats)
+    ttft = sorted(j.first_token - j.arrival for j in sim.turns)
+    return {
+        "runners": runners,
+        "placement": mode,
+        "turns": len(sim.turns),
+        "finished": len(sim.done),
+        "hit_rate": hits / queries,
+        "prefill_tokens": queries - hits,
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
+        "jct_mean_s": statistics.fmean(j.finish - j.arrival for j in sim.turns),
+    }
 
 
 def rising_then_falling(t: float, duration: float, peak: float) -> float:
@@ -622,7 +742,9 @@ def fastserve(args, cost: StepCost) -> list[dict]:
 def parse_args():
     ap = parser(__doc__)
     ap.add_argument(
-        "--experiment", default="all", choices=["punica", "fastserve", "fairness", "all"]
+        "--experiment",
+        default="all",
+        choices=["punica", "fastserve", "fairness", "prefix", "all"],
     )
     ap.add_argument("--profile", default="a100", choices=sorted(PROFILES))
     ap.add_argument("--runners", type=int, default=16)
@@ -640,7 +762,21 @@ def parse_args():
     ap.add_argument("--kv-blocks", type=int, default=None, help="a runner's KV pool (blocks)")
     add_output_lengths(ap, "fastserve: log-normal sigma of outputs", "fastserve: longest output")
     add_tenant_load(ap, "fairness: tenant A's requests", "fairness: tenant B's requests")
-    return ap.parse_args()
+    ap.add_argument(
+        "--chat-rate", type=float, default=None, help="prefix: conversations/s per runner"
+    )
+    ap.add_argument("--chat-conversations", type=int, default=40, help="prefix: per runner")
+    ap.add_argument("--chat-turns", type=int, default=4, help="prefix: turns a conversation")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: a system prompt")
+    ap.add_argument("--think-s", type=float, default=2.0, help="prefix: pause between turns")
+    args = ap.parse_args()
+    if args.chat_rate is None:  # runners busy enough that conversations spill over several
+        args.chat_rate = CHAT_RATES[args.profile]
+    return args
+
+
+# prefix: conversations started per second per runner, by profile
+CHAT_RATES = {"a100": 1.5, "cpu": 0.2}
 
 
 def main() -> None:
@@ -664,13 +800,21 @@ def main() -> None:
         rows = fairness(args, cost)
         out["fairness"] = rows
         print_table(rows, list(rows[0]), f"B's first token in A's flood, one runner, {cost.name}")
+    if args.experiment in ("prefix", "all"):
+        rows = prefix(args, cost)
+        out["prefix"] = rows
+        title = f"multi-turn chat, prefix-aware vs affinity-only placement, {cost.name}"
+        print_table(rows, list(rows[0]), title)
+        plot_prefix(rows, cost, f"cluster_sim_prefix_{args.profile}{variant(args)}")
     if args.experiment in ("punica", "all"):
         res = pending.result() if pending else punica(args, cost)
         out["punica"] = res
         report_punica(args, res, time.perf_counter() - t0)
         plot_punica(res, cost)
     out["wall_s"] = time.perf_counter() - t0
-    name = f"cluster_sim_{args.profile}{variant(args)}"
+    # one experiment alone has its own file (the default, all of them, keeps the old name)
+    alone = "" if args.experiment == "all" else f"_{args.experiment}"
+    name = f"cluster_sim{alone}_{args.profile}{variant(args)}"
     path = write_json(name, out, group="sim")
     print(f"wrote {path} ({out['wall_s']:.0f} s wall)")
 
@@ -715,6 +859,23 @@ def variant(args) -> str:
     if (args.output_sigma, args.output_max) != (1.2, 512):
         name += f"_sigma{args.output_sigma:g}_max{args.output_max}"
     return name
+
+
+def plot_prefix(rows: list[dict], cost: StepCost, name: str) -> None:
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, dx in (("affinity", -0.2), ("prefix", 0.2)):
+        mine = [r for r in rows if r["placement"] == mode]
+        x = [i + dx for i in range(len(mine))]
+        a.bar(x, [r["hit_rate"] for r in mine], 0.4, label=mode)
+        b.bar(x, [r["ttft_mean_s"] for r in mine], 0.4, label=mode)
+    labels = [f"{r['runners']} runners" for r in rows if r["placement"] == "prefix"]
+    for ax, label in ((a, "prefix cache hit rate (tokens)"), (b, "mean TTFT (s)")):
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"multi-turn chat, cache-aware placement, simulated ({cost.name})")
+    save_plot(name, fig, group="sim")
 
 
 def plot_fastserve(rows: list[dict], cost: StepCost, name: str) -> None:

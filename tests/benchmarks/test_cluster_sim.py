@@ -121,3 +121,31 @@ def test_one_tick_consolidates_a_fall_of_several_runners(monkeypatch):
         lambda *a, **k: dataclasses.replace(real(*a, **k), consolidate=False),
     )
     assert run().tick_violations > 0
+
+
+def test_the_prefix_experiment_runs_the_live_cache_and_placement(monkeypatch):
+    """Multi-turn chat over 4 runners: the runners' own prefix caches (punica_x/kv/prefix.py)
+    find the conversations' prefixes, cache-aware placement finds more of them, and with the
+    placement patched to ignore what is cached the run is the affinity-only one."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        seed=0, chat_conversations=8, chat_turns=3, system_tokens=160, think_s=1.0, chat_rate=4.0
+    )
+
+    def run(mode: str) -> dict:
+        return cluster_sim.chat_run(args, COST, 4, mode)
+
+    affinity, aware = run("affinity"), run("prefix")
+    for row in (affinity, aware):
+        assert row["finished"] == row["turns"] == 4 * 8 * 3
+        assert 0 < row["hit_rate"] < 1
+    assert aware["hit_rate"] > affinity["hit_rate"]
+    assert aware["prefill_tokens"] < affinity["prefill_tokens"]
+    real = cluster_sim.placement.place
+
+    def blind(runners, demand, exclude=frozenset()):
+        return real(runners, dataclasses.replace(demand, cached={}), exclude)
+
+    monkeypatch.setattr(cluster_sim.placement, "place", blind)
+    assert {**run("prefix"), "placement": "affinity"} == affinity

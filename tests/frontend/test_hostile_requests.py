@@ -127,6 +127,12 @@ BAD_FIELDS = [
     ("ignore_eos", 1),
     ("skip_special_tokens", 0),
     ("include_stop_str_in_output", "no"),
+    ("cache_salt", 1),
+    ("cache_salt", ""),
+    ("cache_salt", "x" * 257),
+    ("cache_salt", ["x"]),
+    ("cache_salt", {"salt": "x"}),
+    ("cache_salt", True),
 ]
 
 BAD_CHAT_FIELDS = [
@@ -180,6 +186,7 @@ EDGE_VALID = [
     {"best_of": 1, "n": 1, "user": "someone", "suffix": None, "tools": None},
     {"stream": True, "stream_options": {"include_usage": True}},
     {"skip_special_tokens": False, "include_stop_str_in_output": True, "stop": ["zzzz"]},
+    {"cache_salt": "x" * 256},
 ]
 
 
@@ -317,6 +324,9 @@ def test_malformed_websocket_frames(server, tenant):
         {"name": "ok-name", "weight": "2"},
         {"name": "ok-name", "weight": True},
         {"name": "ok-name", "weight": 1e9},
+        {"name": "ok-name", "share_prefix_cache": "yes"},
+        {"name": "ok-name", "share_prefix_cache": 1},
+        {"name": "ok-name", "share_prefix_cache": None},
         [],
         "x",
     ],

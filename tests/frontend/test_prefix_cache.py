@@ -85,6 +85,23 @@ def test_hostile_cache_salts_are_refused(server, salt):
     assert r.json()["error"]["param"] == "cache_salt"
 
 
+def test_salts_as_json_escapes(server):
+    """A NUL is a string like any other; a lone surrogate is not text: a clear 400 (pydantic's
+    strict string), and the server goes on."""
+    import json
+
+    key = server.create_tenant("odd-salt")
+    body = {"model": server.model_id, "prompt": "hello", "max_tokens": 2}
+    headers = {"content-type": "application/json"}
+    for salt, status in (("\u0000 NUL", 200), ("t\u0000salt:x", 200), ("\ud800 lone", 400)):
+        raw = json.dumps({**body, "cache_salt": salt})  # ASCII: the escapes travel as text
+        with server.http(key) as c:
+            r = c.post("/v1/completions", content=raw, headers=headers)
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json()["error"]["param"] == "cache_salt"
+
+
 @pytest.mark.parametrize(
     "body",
     [{}, {"share_prefix_cache": "yes"}, {"share_prefix_cache": 1}, {"share_prefix_cache": None}],
