@@ -114,28 +114,6 @@ class BlockAllocator:
                 ids.append(i)
             return ids
 
-    def count_cached(self, digests: list[bytes]) -> int:
-        """How many of `digests`, from the first, name cached blocks (nothing is taken)."""
-        with self._lock:
-            n = 0
-            for digest in digests:
-                if digest not in self._cached:
-                    break
-                n += 1
-            return n
-
-    def forget(self) -> int:
-        """Evict every unreferenced cached block (they become free); held blocks keep their
-        names. Returns how many were evicted."""
-        with self._lock:
-            n = len(self._lru)
-            while self._lru:
-                i, _ = self._lru.popitem(last=False)
-                del self._cached[self._hash[i]]
-                self._hash[i] = None
-                self._free.append(i)
-            return n
-
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
