@@ -99,6 +99,8 @@ def _runner_table(data: dict) -> str:
         "ADAPTERS",
     )
     rows = [head]
+    model = data.get("model") or {}
+    title = f"model: {model.get('name')} (family {model.get('family')}, {model.get('dtype')})"
     for r in data["runners"]:
         rows.append(
             (
@@ -115,7 +117,8 @@ def _runner_table(data: dict) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines = [title]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     advice = data["advice"]
     detail = f" ({data['advice_reason']})" if data.get("advice_reason") else ""
     lines.append(f"queued at the scheduler: {data['queued']}; advice: {advice}{detail}")

@@ -44,6 +44,7 @@ class FrontendManager:
         self.model_id = scheduler.info.model.name
         self.max_model_len = scheduler.info.model.max_model_len
         self.serving_dtype = scheduler.info.model.dtype  # adapters are cast to it at load
+        self.family = scheduler.info.model.family  # the base model's family (/v1/models)
         self.admission = Admission(config.limits)
         facts = ModelFacts(self.model_id, self.max_model_len, self.tokenizer, config.limits)
         self.requests = RequestBuilder(facts)  # validated bodies -> GenerationRequests

@@ -75,6 +75,7 @@ class ModelInfo:
     max_model_len: int
     model_dir: Path
     dtype: str  # the serving dtype, as ModelConfig.dtype names it ("float32", "bfloat16")
+    family: str = "llama"  # the model family (punica_x/models/registry.py)
 
 
 @dataclass(frozen=True)

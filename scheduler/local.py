@@ -98,7 +98,11 @@ def describe_runner(engine: Engine, config: EngineConfig) -> RunnerInfo:
         pid=os.getpid(),
         device=str(engine.device),
         model=ModelInfo(
-            loaded.name, loaded.max_model_len, loaded.model_dir, dtype_name(engine.dtype)
+            loaded.name,
+            loaded.max_model_len,
+            loaded.model_dir,
+            dtype_name(engine.dtype),
+            engine.model.dims.family,
         ),
         lora_target=engine.adapters.target,
         max_lora_rank=config.lora.max_lora_rank,

@@ -82,6 +82,44 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def make_tiny_family(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random model of another family (transformers' own config and model classes: qwen2,
+    qwen3), the tiny Llama's sizes and tokenizer, saved as safetensors."""
+    import transformers
+
+    classes = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }
+    config_cls, model_cls = (getattr(transformers, n) for n in classes[family])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.25,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**cfg))
+    with torch.no_grad():  # biases and norms start at 0 / 1: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def make_peft_adapter(
     base,
     folder: Path,

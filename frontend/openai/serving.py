@@ -25,12 +25,15 @@ _DONE = object()
 
 
 def list_models(manager: FrontendManager, caller: Caller) -> JSONResponse:
+    """OpenAI's model list; each entry also names the base model's family (an adapter's is
+    its base model's), as `family`."""
     data = [
         {
             "id": mid,
             "object": "model",
             "created": int(created),
             "owned_by": "punica-x" if mid == manager.model_id else caller.tenant.name,
+            "family": manager.family,
         }
         for mid, created in manager.model_ids(caller)
     ]

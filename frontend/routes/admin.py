@@ -120,7 +120,9 @@ def runner_endpoints(state: ServerState) -> list[Endpoint]:
 
 def runners_body(scheduler: Scheduler) -> dict:
     advice = scheduler.advice()
+    model = scheduler.info.model
     return {
+        "model": {"name": model.name, "family": model.family, "dtype": model.dtype},
         "runners": [row.as_json() for row in scheduler.runners()],
         "advice": advice.action,
         "advice_reason": advice.reason,

@@ -1,4 +1,6 @@
-"""Batched Llama-family decoder (Llama, SmolLM, Mistral-style configs) over a paged KV cache.
+"""Batched Llama-family decoder over a paged KV cache: Llama, SmolLM and Mistral as they are,
+and every family of the registry (punica_x/models/registry.py: Qwen2, Qwen3) with what its
+Family declares (biases, per-head q/k norms).
 
 All rows of a step (prefill chunks and decodes of many requests, grouped by adapter) go
 through ONE invocation: dense projections see one [T, hidden] matrix, LoRA add-ons use the
@@ -16,10 +18,10 @@ from punica_x.core import Batch
 from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
 from punica_x.layers.rope import RotaryEmbedding
+from punica_x.models.registry import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
 from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend
 from punica_x.ops.sgmv import SgmvBackend
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
 DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
 
@@ -35,28 +37,26 @@ class LlamaDims:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on q, k and v
     mlp_bias: bool
     max_positions: int
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    family: str = "llama"
 
     @classmethod
     def from_hf_config(cls, config) -> LlamaDims:
-        archs = tuple(getattr(config, "architectures", None) or ())
-        model_type = getattr(config, "model_type", "")
-        if not (set(archs) & set(SUPPORTED_ARCHITECTURES) or model_type in ("llama", "mistral")):
-            raise ValueError(
-                f"unsupported model: architectures={list(archs)} model_type={model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = family_of(config)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (Llama-family models use silu)")
+            raise ValueError(f"unsupported hidden_act {act!r} ({family.name} models use silu)")
         heads = config.num_attention_heads
         max_pos = config.max_position_embeddings
-        window = getattr(config, "sliding_window", None)
+        window = family.sliding_window(config)
         if window:
             # Within the window sliding-window attention equals full attention; cap the context.
             max_pos = min(max_pos, window)
+        qkv_bias, o_bias = family.biases(config)
         return cls(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -67,9 +67,12 @@ class LlamaDims:
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
+            attention_bias=qkv_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_positions=max_pos,
+            o_bias=o_bias,
+            qk_norm=family.qk_norm,
+            family=family.name,
         )
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
@@ -99,8 +102,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = LoraLinear(
             d.hidden_size, (q, kv, kv), "qkv", d.attention_bias, dtype, device
         )
-        self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.attention_bias, dtype, device)
+        self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.o_bias, dtype, device)
         self.scale = d.head_dim**-0.5
+        self.q_norm = self.k_norm = None
+        if d.qk_norm:  # over each head's head_dim values
+            self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -115,6 +122,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x, batch.lora, layer, backend)  # [T, (H_q + 2 N_kv) D]
         q, k, v = qkv.split(self.qkv_proj.out_slices, dim=-1)
+        if self.q_norm is not None:  # [T * heads, D] rows, normed; then [T, heads * D]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
         rope.rotate_(q, self.num_heads, batch.positions, fused)
         rope.rotate_(k, self.num_kv_heads, batch.positions, fused)
         q = q.view(t, self.num_heads, self.head_dim)

@@ -113,6 +113,19 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def _safetensor_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those model.safetensors.index.json lists when there is one (a
+    download may hold other *.safetensors beside the shards, e.g. Mistral's
+    consolidated.safetensors), else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        names = sorted(set(weight_map.values()))
+        if not names or any(Path(n).name != n for n in names):
+            raise ValueError(f"{index.name}: its weight_map must name files of {model_dir}")
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} lists files that are not there: {missing}")
+        return [model_dir / n for n in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         return files
@@ -137,6 +150,10 @@ _SLICES = {
 }
 
 
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
 def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bool:
     """Copy one checkpoint tensor into the model; False for names we do not know."""
     if name == "model.embed_tokens.weight":
@@ -155,7 +172,7 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
         if module in _SLICES:
             fused, index = _SLICES[module]
             return layer.get_submodule(fused).load_slice(index, kind, tensor)
-        elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        elif rest in _NORMS or (model.dims.qk_norm and rest in _QK_NORMS):
             layer.get_parameter(rest).copy_(tensor)
         else:
             return False
@@ -236,12 +253,17 @@ def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
     need = {"model.embed_tokens.weight", "model.norm.weight"}
     if not dims.tie_word_embeddings:
         need.add("lm_head.weight")
+    per_layer = [f"{m}.weight" for m in _SLICES] + list(_NORMS)
+    if dims.qk_norm:
+        per_layer += _QK_NORMS
+    if dims.attention_bias:
+        per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+    if dims.o_bias:
+        per_layer.append("self_attn.o_proj.bias")
+    if dims.mlp_bias:
+        per_layer += [f"mlp.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
     for i in range(dims.num_layers):
-        need |= {f"model.layers.{i}.{m}.weight" for m in _SLICES}
-        need |= {
-            f"model.layers.{i}.input_layernorm.weight",
-            f"model.layers.{i}.post_attention_layernorm.weight",
-        }
+        need |= {f"model.layers.{i}.{name}" for name in per_layer}
     missing = sorted(need - seen)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -50,12 +50,15 @@ def test_status_lists_both_runners_and_needs_the_admin_token(cluster, client):
         ("runner-1", "active", "thread"),
     ]
     assert body["advice"] in ("none", "scale_down") and body["queued"] == 0
+    assert body["model"] == {"name": cluster.model_id, "family": "llama", "dtype": "float32"}
     fields = {"node", "pid", "device", "running", "waiting", "kv_blocks_used", "kv_blocks_free"}
     assert fields <= set(body["runners"][0])
     assert httpx.get(cluster.url + "/admin/runners").status_code == 401
     shown = admin(cluster, "status")
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"model: {cluster.model_id} (family llama, float32)")
+    lines = lines[1:]
     assert lines[0].split()[:4] == ["ID", "BACKEND", "NODE", "STATE"]
     assert [line.split()[0] for line in lines[1:3]] == ["runner-0", "runner-1"]
     assert lines[-2].startswith("queued at the scheduler: 0; advice:")

@@ -146,3 +146,45 @@ def test_pickle_checkpoints_refused(tmp_path, tiny_model_dir):
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="model not found"):
         load_model(ModelConfig(model=str(tmp_path / "nope")))
+
+
+def test_the_index_names_the_checkpoint_files(tmp_path, tiny_model_dir):
+    """model.safetensors.index.json decides which files are read: a sharded checkpoint loads,
+    and a stray *.safetensors beside the shards (a Mistral download's consolidated copy) is
+    left alone; an index naming missing or outside files is a clear error."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    state = {}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    names = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file))
+    save_file({"not.a.model.tensor": torch.zeros(1)}, str(folder / "consolidated.safetensors"))
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"))
+    ids = list(range(5, 40))
+    torch.testing.assert_close(
+        our_logits(loaded, ids, 20), hf_logits(folder, ids), rtol=1e-4, atol=1e-4
+    )
+    for bad, match in (
+        ({"a": "missing.safetensors"}, "not there"),
+        ({"a": "../model.safetensors"}, "must name files"),
+        ({}, "must name files"),
+    ):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises((ValueError, FileNotFoundError), match=match):
+            load_model(ModelConfig(model=str(folder), dtype="float32"))

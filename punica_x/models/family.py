@@ -1,0 +1,36 @@
+"""What one model family changes in the shared Llama decoder (punica_x/models/llama.py): a
+family states only how it differs; the registry (registry.py) finds it from a HF config.
+Adding a family is one small module declaring its Family, plus its test against HF."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """name: what /v1/models and the admin status call it. architectures / model_types: the
+    HF config values that select it. qkv_bias / o_bias: biases on the q/k/v and o
+    projections (None: the config's attention_bias, as Llama reads it). qk_norm: an RMSNorm
+    over each head of q and k before RoPE (Qwen3). window_flag: the config field that turns
+    `sliding_window` on (None: a set window is in use, as Mistral's)."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool = False
+    window_flag: str | None = None
+
+    def biases(self, config) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias) of this family's attention for `config`."""
+        default = bool(getattr(config, "attention_bias", False))
+        qkv = default if self.qkv_bias is None else self.qkv_bias
+        return qkv, default if self.o_bias is None else self.o_bias
+
+    def sliding_window(self, config) -> int | None:
+        """The attention window in tokens, None when every layer attends to all tokens."""
+        if self.window_flag is not None and not getattr(config, self.window_flag, False):
+            return None
+        return getattr(config, "sliding_window", None) or None

@@ -1,0 +1,124 @@
+"""Every model family of the registry (punica_x/models/registry.py) against HF transformers +
+PEFT on a tiny random model of its own config class: greedy tokens equal in float32 for a
+mixed batch of adapters and the base model, and prompt logprobs within bfloat16's tolerance
+in bfloat16; the registry's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_peft_adapter, make_tiny_family, tiny_llm
+from transformers import AutoConfig
+
+from punica_x import SamplingParams
+from punica_x.models.llama import LlamaDims
+from punica_x.models.registry import family_of
+
+PROMPTS = ["the quick brown fox", "hello world", "paged attention keeps", "a multi tenant lora"]
+ADAPTERS = [None, "all", "attn", "all"]
+TARGETS = {
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "attn": ["q_proj", "v_proj", "o_proj"],
+}
+CASES = {
+    "qwen2": {},  # q/k/v biases, no o bias
+    "qwen2-tied": {"tie_word_embeddings": True},  # Qwen2.5-0.5B's
+    "qwen3": {"head_dim": 32},  # q/k norms; head_dim other than hidden / heads
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    family = request.param.split("-")[0]
+    folder = make_tiny_family(
+        tmp_path_factory.mktemp(request.param), family, **CASES[request.param]
+    )
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapters = {
+        name: make_peft_adapter(base, folder.parent / f"{name}-lora", 8, t, seed=3 + i)
+        for i, (name, t) in enumerate(TARGETS.items())
+    }
+    return family, folder, adapters
+
+
+def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int, dtype=torch.float32):
+    """HF (+ PEFT) greedy tokens and the prompt's log-softmax [len, V] in `dtype`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return out[0, ids.shape[1] :].tolist(), logp
+
+
+def test_the_registry_finds_the_family(family_model):
+    family, folder, _ = family_model
+    config = AutoConfig.from_pretrained(folder)
+    dims = LlamaDims.from_hf_config(config)
+    assert family_of(config).name == dims.family == family
+    assert dims.attention_bias == (family == "qwen2") and not dims.o_bias
+    assert dims.qk_norm == (family == "qwen3")
+
+
+def test_greedy_tokens_equal_hf_peft_in_float32(family_model):
+    family, folder, adapters = family_model
+    llm = tiny_llm(folder)
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, ADAPTERS, sp)
+    for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
+        path = adapters[adapter] if adapter else None
+        tokens, _ = hf_reference(folder, path, llm.tokenizer, prompt, 12)
+        assert out.token_ids == tokens, (family, adapter, prompt)
+
+
+def test_prompt_logprobs_within_bf16_tolerance(family_model):
+    """bf16 is not token-exact: the prompt's logprobs (teacher-forced) against HF + PEFT in
+    float32, within what bf16 rounding moves them (HF bf16 against HF float32, measured
+    here, times 1.5 plus 0.05)."""
+    family, folder, adapters = family_model
+    llm = tiny_llm(folder, dtype="bfloat16")
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    outs = llm.generate(PROMPTS, ADAPTERS, sp)
+    for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
+        path = adapters[adapter] if adapter else None
+        ids = out.prompt_token_ids
+        _, ref32 = hf_reference(folder, path, llm.tokenizer, prompt, 1)
+        _, ref16 = hf_reference(folder, path, llm.tokenizer, prompt, 1, torch.bfloat16)
+        ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        want = torch.tensor([ref32[i - 1, ids[i]].item() for i in range(1, len(ids))])
+        hf16 = torch.tensor([ref16[i - 1, ids[i]].item() for i in range(1, len(ids))])
+        budget = 1.5 * (hf16 - want).abs().max().item() + 0.05
+        assert (ours - want).abs().max().item() <= budget, (family, adapter, prompt)
+
+
+def test_unsupported_families_are_refused_by_name():
+    config = AutoConfig.for_model("gpt2")
+    with pytest.raises(ValueError, match="unsupported model.*Qwen2ForCausalLM"):
+        LlamaDims.from_hf_config(config)
+
+
+def test_a_qwen_window_counts_only_when_the_config_turns_it_on(tmp_path):
+    from transformers import Qwen2Config
+
+    off = Qwen2Config(sliding_window=64, use_sliding_window=False, max_position_embeddings=512)
+    on = Qwen2Config(sliding_window=64, use_sliding_window=True, max_position_embeddings=512)
+    assert LlamaDims.from_hf_config(off).max_positions == 512
+    assert LlamaDims.from_hf_config(on).max_positions == 64  # capped, as Mistral's
