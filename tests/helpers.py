@@ -84,12 +84,13 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
 
 def make_tiny_family(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A random model of another family (transformers' own config and model classes: qwen2,
-    qwen3), the tiny Llama's sizes and tokenizer, saved as safetensors."""
+    qwen3, phi3), the tiny Llama's sizes and tokenizer, saved as safetensors."""
     import transformers
 
     classes = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }
     config_cls, model_cls = (getattr(transformers, n) for n in classes[family])
     folder.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ class Engine:
         self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
         self.max_model_len = self.loaded.max_model_len
         log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
-        target = LoraTarget(d.num_layers, d.lora_shapes())
+        target = LoraTarget(d.num_layers, d.lora_shapes(), d.fused_modules(), d.family)
         self.adapters = AdapterPool(target, config.lora, device, dtype)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
         self.planner = BatchPlanner(

@@ -49,11 +49,12 @@ class Dense(nn.Module):
         """x: [T, in_features] -> [T, out_features]."""
         return self.backend.forward(x, self.weight, self.out_features, self.bias)
 
-    def load_slice(self, index: int, kind: str, tensor: torch.Tensor) -> bool:
+    def load_slice(self, index: int | None, kind: str, tensor: torch.Tensor) -> bool:
         """Copy slice `index` of a checkpoint's weight ([out, in]) or bias ([out]) into the
-        fused parameters; False if this layer has no such parameter."""
-        lo = sum(self.out_slices[:index])
-        hi = lo + self.out_slices[index]
+        fused parameters (index None: all slices at once, a checkpoint that fuses them too);
+        False if this layer has no such parameter."""
+        lo = 0 if index is None else sum(self.out_slices[:index])
+        hi = self.out_features if index is None else lo + self.out_slices[index]
         target = self.bias if kind == "bias" else self.weight
         if target is None:
             return False

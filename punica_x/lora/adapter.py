@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,8 @@ _PARENT = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    "qkv_proj": "self_attn",  # fused modules of some families (LoraTarget.fused)
+    "gate_up_proj": "mlp",
 }
 # Projections that read one input and share one SGMV launch, in the base model's fused order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -67,10 +69,29 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoraTarget:
-    """What the base model offers an adapter: layer count and (in, out) of each projection."""
+    """What the base model offers an adapter: layer count and (in, out) of each projection;
+    fused: the modules its family fuses, as the projections they hold in order (Phi-3:
+    qkv_proj = q_proj|k_proj|v_proj): adapters name those instead of the projections, and an
+    adapter on a fused module becomes one SGMV slice per projection (the same A, B's rows of
+    that projection), exactly what PEFT computes on the fused module. family: its name."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    family: str = "llama"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The module names an adapter of this base model may target."""
+        inside = {m for parts in self.fused.values() for m in parts}
+        return tuple(m for m in TARGET_MODULES if m not in inside) + tuple(self.fused)
+
+    def shape(self, module: str) -> tuple[int, int]:
+        """(in, out) of a module adapters target (a fused one's out: its projections')."""
+        parts = self.fused.get(module)
+        if parts is None:
+            return self.shapes[module]
+        return self.shapes[parts[0]][0], sum(self.shapes[p][1] for p in parts)
 
 
 @dataclass(frozen=True)
@@ -125,11 +146,13 @@ def load_peft_adapter(
         raise AdapterError("missing_file", f"{WEIGHTS_FILE} not found in {folder}")
     weights_bytes = weights_path.read_bytes()
     tensors = _read_weights(weights_path, config, target, rank)
+    declared = tuple(m for m in target.modules if any(k[1] == m for k in tensors))
+    tensors = _split_fused(tensors, target)
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
     ranks, groups = _to_sgmv_layout(tensors, modules, target, rank, scaling, dtype)
     sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
     stored = ",".join(sorted({dtype_name(t.dtype) for t in tensors.values()}))
-    return LoraAdapter(rank, alpha, scaling, modules, ranks, groups, sha, stored)
+    return LoraAdapter(rank, alpha, scaling, declared, ranks, groups, sha, stored)
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:
@@ -174,21 +197,23 @@ def _check_config(config: dict, max_rank: int) -> tuple[int, float, float]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError("bad_config", f"lora_alpha must be a finite number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    _check_target_modules(config.get("target_modules"))
     return rank, float(alpha), float(scaling)
 
 
-def _check_target_modules(targets) -> None:
+def _check_target_modules(targets, target: LoraTarget) -> None:
     if targets is None or isinstance(targets, str):
         return  # "all-linear" or a regex: the weights file decides what is targeted
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise AdapterError("bad_config", f"target_modules must be a list of names, got {targets!r}")
-    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    unknown = sorted(set(targets) - set(target.modules))
     if unknown:
-        raise AdapterError(
-            "unknown_module",
-            f"unknown target modules {unknown}; supported: {', '.join(TARGET_MODULES)}",
-        )
+        raise AdapterError("unknown_module", f"unknown target modules {unknown}; {_offer(target)}")
+
+
+def _offer(target: LoraTarget) -> str:
+    """What an adapter of this base model may target, for refusals (names the family: an
+    adapter made for another family targets other module names)."""
+    return f"this {target.family} base model's modules are {', '.join(target.modules)}"
 
 
 def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> dict:
@@ -199,6 +224,7 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
         raise AdapterError(
             "bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}"
         ) from None
+    _check_target_modules(config.get("target_modules"), target)
     with handle as f:
         keys = list(f.keys())
         parsed = {_parse_key(k, target): k for k in keys}
@@ -206,7 +232,7 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
         tensors = {}
         for (layer, module, ab), key in parsed.items():
             t = f.get_tensor(key)
-            h_in, h_out = target.shapes[module]
+            h_in, h_out = target.shape(module)
             want = (rank, h_in) if ab == "A" else (h_out, rank)
             if tuple(t.shape) != want:
                 raise AdapterError(
@@ -228,16 +254,11 @@ def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
     m = _KEY.match(key)
     if not m:
         raise AdapterError(
-            "unknown_module",
-            f"unexpected tensor {key!r}: only LoRA A/B weights of "
-            f"{', '.join(TARGET_MODULES)} are supported",
+            "unknown_module", f"unexpected tensor {key!r}: only LoRA A/B weights; {_offer(target)}"
         )
     layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-    if module not in TARGET_MODULES or _PARENT[module] != parent:
-        raise AdapterError(
-            "unknown_module",
-            f"unexpected module in {key!r}; supported: {', '.join(TARGET_MODULES)}",
-        )
+    if module not in target.modules or _PARENT[module] != parent:
+        raise AdapterError("unknown_module", f"unexpected module in {key!r}; {_offer(target)}")
     if layer >= target.num_layers:
         raise AdapterError(
             "shape_mismatch",
@@ -267,6 +288,23 @@ def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
                     raise AdapterError(
                         "bad_weights", f"missing lora_{ab} of {module} in layer {layer}"
                     )
+
+
+def _split_fused(tensors: dict, target: LoraTarget) -> dict:
+    """A fused module's A and B as each of its projections': the same A ([r, h_in]), and
+    the rows of B ([h_out, r]) that compute that projection."""
+    out = {}
+    for (layer, module, ab), t in tensors.items():
+        parts = target.fused.get(module)
+        if parts is None:
+            out[(layer, module, ab)] = t
+            continue
+        row = 0
+        for part in parts:
+            n = target.shapes[part][1]
+            out[(layer, part, ab)] = t if ab == "A" else t[row : row + n]
+            row += n
+    return out
 
 
 def _to_sgmv_layout(

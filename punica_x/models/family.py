@@ -13,7 +13,8 @@ class Family:
     HF config values that select it. qkv_bias / o_bias: biases on the q/k/v and o
     projections (None: the config's attention_bias, as Llama reads it). qk_norm: an RMSNorm
     over each head of q and k before RoPE (Qwen3). window_flag: the config field that turns
-    `sliding_window` on (None: a set window is in use, as Mistral's)."""
+    `sliding_window` on (None: a set window is in use, as Mistral's). fused_projections: the
+    checkpoint and its adapters name q|k|v `qkv_proj` and gate|up `gate_up_proj` (Phi-3)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -22,6 +23,7 @@ class Family:
     o_bias: bool | None = None
     qk_norm: bool = False
     window_flag: str | None = None
+    fused_projections: bool = False
 
     def biases(self, config) -> tuple[bool, bool]:
         """(q/k/v bias, o bias) of this family's attention for `config`."""

@@ -43,6 +43,7 @@ class LlamaDims:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     family: str = "llama"
+    fused_projections: bool = False  # checkpoint and adapters name qkv_proj, gate_up_proj
 
     @classmethod
     def from_hf_config(cls, config) -> LlamaDims:
@@ -50,6 +51,11 @@ class LlamaDims:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} ({family.name} models use silu)")
+        partial = _partial_rotary(config)
+        if partial != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported"
+            )
         heads = config.num_attention_heads
         max_pos = config.max_position_embeddings
         window = family.sliding_window(config)
@@ -73,6 +79,7 @@ class LlamaDims:
             o_bias=o_bias,
             qk_norm=family.qk_norm,
             family=family.name,
+            fused_projections=family.fused_projections,
         )
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
@@ -92,6 +99,26 @@ class LlamaDims:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+
+    def fused_modules(self) -> dict[str, tuple[str, ...]]:
+        """The modules a checkpoint (and its adapters) of this family fuses, as the
+        projections of lora_shapes() they hold in order: {} unless fused_projections."""
+        if not self.fused_projections:
+            return {}
+        return {
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "gate_up_proj": ("gate_proj", "up_proj"),
+        }
+
+
+def _partial_rotary(config) -> float:
+    """The share of each head RoPE rotates (Phi-4-mini: 0.75), from the config or its
+    rope_parameters; 1 when neither says."""
+    params = getattr(config, "rope_parameters", None)
+    value = getattr(config, "partial_rotary_factor", None)
+    if value is None and isinstance(params, dict):
+        value = params.get("partial_rotary_factor")
+    return 1.0 if value is None else float(value)
 
 
 class LlamaAttention(nn.Module):

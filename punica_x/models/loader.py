@@ -150,6 +150,8 @@ _SLICES = {
 }
 
 
+# checkpoints that fuse q|k|v and gate|up as our layers do (Phi-3: dims.fused_projections)
+_FUSED = {"self_attn.qkv_proj": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
@@ -169,9 +171,12 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
         if rest.endswith("rotary_emb.inv_freq"):
             return True
         module, _, kind = rest.rpartition(".")
-        if module in _SLICES:
-            fused, index = _SLICES[module]
-            return layer.get_submodule(fused).load_slice(index, kind, tensor)
+        fused = model.dims.fused_projections
+        if module in _SLICES and not (fused and _SLICES[module][0] in _FUSED):
+            target, index = _SLICES[module]
+            return layer.get_submodule(target).load_slice(index, kind, tensor)
+        elif fused and module in _FUSED:
+            return layer.get_submodule(_FUSED[module]).load_slice(None, kind, tensor)
         elif rest in _NORMS or (model.dims.qk_norm and rest in _QK_NORMS):
             layer.get_parameter(rest).copy_(tensor)
         else:
@@ -253,7 +258,10 @@ def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
     need = {"model.embed_tokens.weight", "model.norm.weight"}
     if not dims.tie_word_embeddings:
         need.add("lm_head.weight")
-    per_layer = [f"{m}.weight" for m in _SLICES] + list(_NORMS)
+    modules = list(_SLICES)
+    if dims.fused_projections:
+        modules = [m for m in modules if _SLICES[m][0] not in _FUSED] + list(_FUSED)
+    per_layer = [f"{m}.weight" for m in modules] + list(_NORMS)
     if dims.qk_norm:
         per_layer += _QK_NORMS
     if dims.attention_bias:

@@ -20,10 +20,15 @@ TARGETS = {
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "attn": ["q_proj", "v_proj", "o_proj"],
 }
+FUSED_TARGETS = {  # Phi-3's adapters name its fused modules
+    "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "attn": ["qkv_proj", "o_proj"],
+}
 CASES = {
     "qwen2": {},  # q/k/v biases, no o bias
     "qwen2-tied": {"tie_word_embeddings": True},  # Qwen2.5-0.5B's
     "qwen3": {"head_dim": 32},  # q/k norms; head_dim other than hidden / heads
+    "phi3": {"sliding_window": None},  # fused qkv_proj / gate_up_proj, in adapters too
 }
 
 
@@ -36,9 +41,10 @@ def family_model(request, tmp_path_factory):
         tmp_path_factory.mktemp(request.param), family, **CASES[request.param]
     )
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    targets = FUSED_TARGETS if family == "phi3" else TARGETS
     adapters = {
         name: make_peft_adapter(base, folder.parent / f"{name}-lora", 8, t, seed=3 + i)
-        for i, (name, t) in enumerate(TARGETS.items())
+        for i, (name, t) in enumerate(targets.items())
     }
     return family, folder, adapters
 
@@ -72,6 +78,7 @@ def test_the_registry_finds_the_family(family_model):
     assert family_of(config).name == dims.family == family
     assert dims.attention_bias == (family == "qwen2") and not dims.o_bias
     assert dims.qk_norm == (family == "qwen3")
+    assert dims.fused_projections == (family == "phi3")
 
 
 def test_greedy_tokens_equal_hf_peft_in_float32(family_model):
@@ -122,3 +129,40 @@ def test_a_qwen_window_counts_only_when_the_config_turns_it_on(tmp_path):
     on = Qwen2Config(sliding_window=64, use_sliding_window=True, max_position_embeddings=512)
     assert LlamaDims.from_hf_config(off).max_positions == 512
     assert LlamaDims.from_hf_config(on).max_positions == 64  # capped, as Mistral's
+
+
+def test_an_adapter_made_for_another_family_is_refused_naming_the_mismatch(
+    family_model, tiny_adapters
+):
+    """A Llama-layout adapter (q_proj, ...) on a Phi-3 base and a Phi-3 adapter (qkv_proj)
+    on any other: AdapterError unknown_module, naming the base model's family and modules."""
+    from punica_x.lora.adapter import AdapterError
+
+    family, folder, adapters = family_model
+    llm = tiny_llm(folder)
+    foreign = tiny_adapters["r16"] if family == "phi3" else None
+    if foreign is None:  # a Phi-3 adapter's module names on this family's base
+        from helpers import rewrite_config
+
+        foreign = rewrite_config(
+            adapters["attn"], folder.parent / "foreign", target_modules=["qkv_proj"]
+        )
+        import safetensors.torch as st
+
+        renamed = {
+            k.replace("q_proj", "qkv_proj"): v
+            for k, v in st.load_file(adapters["attn"] / "adapter_model.safetensors").items()
+            if "q_proj" in k
+        }
+        st.save_file(renamed, str(foreign / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=f"this {family} base model's modules are") as err:
+        llm.load_adapter("foreign", str(foreign))
+    assert err.value.code == "unknown_module"
+
+
+def test_partial_rotary_is_refused():
+    from transformers import Phi3Config
+
+    config = Phi3Config(partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        LlamaDims.from_hf_config(config)
