@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from punica_x.dtypes import dtype_name
+from punica_x.lora.peft_options import OptionError, PeftOptions, read_options
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -49,9 +50,6 @@ _KEY = re.compile(
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Options that change what the adapter computes in ways this runner does not implement.
 _UNSUPPORTED = {
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "alpha_pattern": "per-module alphas (alpha_pattern)",
-    "layers_to_transform": "a subset of layers (layers_to_transform)",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
     "target_parameters": "target_parameters",
@@ -141,18 +139,33 @@ def load_peft_adapter(
         )
     config, config_bytes = _read_config(folder / CONFIG_FILE)
     rank, alpha, scaling = _check_config(config, max_rank)
+    options = _options(config, rank, alpha, target, max_rank)
     weights_path = folder / WEIGHTS_FILE
     if not weights_path.is_file():
         raise AdapterError("missing_file", f"{WEIGHTS_FILE} not found in {folder}")
     weights_bytes = weights_path.read_bytes()
-    tensors = _read_weights(weights_path, config, target, rank)
-    declared = tuple(m for m in target.modules if any(k[1] == m for k in tensors))
-    tensors = _split_fused(tensors, target)
-    modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
-    ranks, groups = _to_sgmv_layout(tensors, modules, target, rank, scaling, dtype)
-    sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+    tensors = _read_weights(weights_path, config, target, options)
     stored = ",".join(sorted({dtype_name(t.dtype) for t in tensors.values()}))
-    return LoraAdapter(rank, alpha, scaling, declared, ranks, groups, sha, stored)
+    declared = tuple(m for m in target.modules if any(k[1] == m for k in tensors))
+    tensors = _split_fused(_scaled(tensors, options), target)
+    modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
+    ranks, groups = _to_sgmv_layout(tensors, modules, target, dtype)
+    sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+    top = max(t.shape[0] for (_, _, ab), t in tensors.items() if ab == "A")
+    return LoraAdapter(top, alpha, scaling, declared, ranks, groups, sha, stored)
+
+
+def _options(config: dict, rank: int, alpha: float, target: LoraTarget, max_rank: int):
+    """rank_pattern, alpha_pattern, layers_to_transform (punica_x/lora/peft_options.py)."""
+    try:
+        options = read_options(config, rank, alpha, target.num_layers)
+    except OptionError as exc:
+        raise AdapterError("bad_config", str(exc)) from None
+    if options.max_rank > max_rank:
+        raise AdapterError(
+            "rank_too_large", f"rank {options.max_rank} exceeds max_lora_rank {max_rank}"
+        )
+    return options
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:
@@ -216,7 +229,7 @@ def _offer(target: LoraTarget) -> str:
     return f"this {target.family} base model's modules are {', '.join(target.modules)}"
 
 
-def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> dict:
+def _read_weights(path: Path, config: dict, target: LoraTarget, options: PeftOptions) -> dict:
     """{(layer, module, 'A'|'B'): tensor} with names, shapes and values checked."""
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
@@ -228,11 +241,12 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, rank: int) -> di
     with handle as f:
         keys = list(f.keys())
         parsed = {_parse_key(k, target): k for k in keys}
-        _check_coverage(parsed, config, target)
+        _check_coverage(parsed, config, target, options.layers)
         tensors = {}
         for (layer, module, ab), key in parsed.items():
             t = f.get_tensor(key)
             h_in, h_out = target.shape(module)
+            rank = options.rank(layer, module)
             want = (rank, h_in) if ab == "A" else (h_out, rank)
             if tuple(t.shape) != want:
                 raise AdapterError(
@@ -267,7 +281,11 @@ def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
     return layer, module, ab
 
 
-def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
+def _check_coverage(
+    parsed: dict, config: dict, target: LoraTarget, layers: frozenset[int] | None
+) -> None:
+    """Every targeted module has A and B in every layer (in layers_to_transform's, when
+    set, and in no other)."""
     modules = {m for _, m, _ in parsed}
     if not modules:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
@@ -281,13 +299,20 @@ def _check_coverage(parsed: dict, config: dict, target: LoraTarget) -> None:
         missing = sorted(set(declared) - modules)
         if missing:
             raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
+    wanted = range(target.num_layers) if layers is None else sorted(layers)
     for module in modules:
-        for layer in range(target.num_layers):
+        for layer in wanted:
             for ab in "AB":
                 if (layer, module, ab) not in parsed:
                     raise AdapterError(
                         "bad_weights", f"missing lora_{ab} of {module} in layer {layer}"
                     )
+    if layers is not None:
+        outside = sorted({layer for layer, _, _ in parsed} - layers)
+        if outside:
+            raise AdapterError(
+                "bad_weights", f"weights for layers {outside} outside layers_to_transform"
+            )
 
 
 def _split_fused(tensors: dict, target: LoraTarget) -> dict:
@@ -307,24 +332,58 @@ def _split_fused(tensors: dict, target: LoraTarget) -> dict:
     return out
 
 
-def _to_sgmv_layout(
-    tensors, modules, target: LoraTarget, rank: int, scaling: float, dtype: torch.dtype
-):
+def _scaled(tensors: dict, options: PeftOptions) -> dict:
+    """float32 tensors, each B scaled by its module's alpha over its rank (per layer and
+    module: alpha_pattern, rank_pattern)."""
+    return {
+        (layer, module, ab): t.float() * (options.scaling(layer, module) if ab == "B" else 1.0)
+        for (layer, module, ab), t in tensors.items()
+    }
+
+
+def _padded(t: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
+    """t [r, cols] zero-padded to [rows, cols] (a layer without this module: all zeros):
+    zero rows of A and B add nothing, so a slice's rank is its largest over the layers."""
+    out = torch.zeros(rows, cols)
+    if t is not None:
+        out[: t.shape[0]] = t
+    return out
+
+
+def _to_sgmv_layout(tensors, modules, target: LoraTarget, dtype: torch.dtype):
+    """Scaled float32 tensors (_scaled) in the SGMV layout of LoraAdapter.groups."""
     ranks: dict[str, tuple[int, ...]] = {}
     groups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    layers = range(target.num_layers)
     for group, slices in GROUPS.items():
         present = [m for m in slices if m in modules]
         if not present:
             continue
-        ranks[group] = tuple(rank if m in modules else 0 for m in slices)
+        top = {
+            m: max(t.shape[0] for (_, mod, ab), t in tensors.items() if mod == m and ab == "A")
+            for m in present
+        }
+        ranks[group] = tuple(top.get(m, 0) for m in slices)
         a_layers, b_layers = [], []
-        for layer in range(target.num_layers):
+        for layer in layers:
             # A^T of every targeted slice stacked: [R_g, h_in]
-            a_layers.append(torch.cat([tensors[(layer, m, "A")].float() for m in present]))
-            # each slice's B as [r, h_out] (PEFT stores [h_out, r]), scaled, flattened
+            a_layers.append(
+                torch.cat(
+                    [
+                        _padded(tensors.get((layer, m, "A")), top[m], target.shapes[m][0])
+                        for m in present
+                    ]
+                )
+            )
+            # each slice's B as [r, h_out] (PEFT stores [h_out, r]), flattened
             b_layers.append(
                 torch.cat(
-                    [(tensors[(layer, m, "B")].float().t() * scaling).reshape(-1) for m in present]
+                    [
+                        _padded(
+                            _t(tensors.get((layer, m, "B"))), top[m], target.shapes[m][1]
+                        ).reshape(-1)
+                        for m in present
+                    ]
                 )
             )
         groups[group] = (
@@ -332,3 +391,7 @@ def _to_sgmv_layout(
             torch.stack(b_layers).to(dtype).contiguous(),
         )
     return ranks, groups
+
+
+def _t(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.t()

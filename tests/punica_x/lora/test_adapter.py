@@ -132,7 +132,7 @@ def test_missing_files_and_bad_config_refused(llm, tiny_adapters, tmp_path):
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "rank", r="sixteen")
     refused(llm, path, "bad_config", "r must be a positive integer")
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "pattern", rank_pattern={"q_proj": 2})
-    refused(llm, path, "unsupported_option", "rank_pattern")
+    refused(llm, path, "shape_mismatch", r"expected \(2, 64\) for rank 2")  # the file's is 4
 
 
 def test_missing_layer_refused(llm, tiny_adapters, tmp_path):
