@@ -263,3 +263,36 @@ def test_other_tenants_keep_streaming_during_refusals(server, adapter_dirs):
     t.join(60)
     assert chunks[-1]["usage"]["completion_tokens"] == 300
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_an_adapter_made_for_another_family_is_refused_naming_it(server, key, adapter_dirs):
+    """A Phi-3 adapter (its fused qkv_proj) uploaded for this Llama base: 400 naming the base
+    model's family and the modules it has."""
+    files = files_of(adapter_dirs["a"])
+    weights = {
+        name.replace("q_proj", "qkv_proj"): t
+        for name, t in load_bytes(files[WEIGHTS]).items()
+        if "q_proj" in name
+    }
+    config = json.loads(files[CONFIG])
+    config["target_modules"] = ["qkv_proj"]
+    r = post(
+        server,
+        key,
+        "phi3-adapter",
+        {CONFIG: json.dumps(config).encode(), WEIGHTS: dump_bytes(weights)},
+    )
+    refused(r, 400, "unknown_module")
+    assert "this llama base model's modules are q_proj" in r.json()["error"]["message"]
+
+
+def load_bytes(data: bytes) -> dict:
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def dump_bytes(tensors: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)

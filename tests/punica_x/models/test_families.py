@@ -81,17 +81,22 @@ def test_the_registry_finds_the_family(family_model):
     assert dims.fused_projections == (family == "phi3")
 
 
-def test_greedy_tokens_equal_hf_peft_in_float32(family_model):
+def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(family_model):
+    """Greedy tokens equal; every prompt token's logprob within 1e-4 of HF + PEFT's."""
     family, folder, adapters = family_model
     llm = tiny_llm(folder)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
     outs = llm.generate(PROMPTS, ADAPTERS, sp)
     for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
         path = adapters[adapter] if adapter else None
-        tokens, _ = hf_reference(folder, path, llm.tokenizer, prompt, 12)
+        tokens, logp = hf_reference(folder, path, llm.tokenizer, prompt, 12)
         assert out.token_ids == tokens, (family, adapter, prompt)
+        ids = out.prompt_token_ids
+        for i in range(1, len(ids)):
+            want = logp[i - 1, ids[i]].item()
+            assert out.prompt_logprobs[i].logprob == pytest.approx(want, abs=1e-4)
 
 
 def test_prompt_logprobs_within_bf16_tolerance(family_model):
