@@ -54,14 +54,10 @@ def make_tokenizer(folder: Path):
     return fast
 
 
-def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A random Llama with peaked output distributions (large init) saved as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(folder)
+def tiny_config(vocab_size: int, **overrides) -> dict:
+    """The tiny models' config fields (any Llama-like family's config class takes them)."""
     cfg = dict(
-        vocab_size=len(tok),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -76,8 +72,17 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
         initializer_range=0.25,
     )
     cfg.update(overrides)
+    return cfg
+
+
+def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random Llama with peaked output distributions (large init) saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config(len(tok), **overrides)))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -95,30 +100,28 @@ def make_tiny_family(folder: Path, family: str, seed: int = 0, **overrides) -> P
     config_cls, model_cls = (getattr(transformers, n) for n in classes[family])
     folder.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(folder)
-    cfg = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.25,
-    )
-    cfg.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**cfg))
+    model = model_cls(config_cls(**tiny_config(len(tok), **overrides)))
     with torch.no_grad():  # biases and norms start at 0 / 1: make them count
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
+    """n greedy tokens of a HF model (or PeftModel) after `prompt`."""
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def make_peft_adapter(

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import tiny_llm
+from helpers import hf_greedy, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.core import FinishReason
@@ -22,19 +22,6 @@ PROMPTS = [
     "one backbone",
     "kv cache in blocks",
 ]
-
-
-def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    return out[0, ids.shape[1] :].tolist()
 
 
 def peft_greedy(model_dir, adapter_dir, tokenizer, prompts, n):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter, rewrite_config, tiny_llm
+from helpers import hf_greedy, make_peft_adapter, rewrite_config, tiny_llm
 from safetensors.torch import load_file, save_file
 
 from punica_x import AdapterError, SamplingParams
@@ -40,17 +40,7 @@ def peft_greedy(model_dir, adapter_dir, tokenizer, prompt: str, n: int) -> list[
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    return out[0, ids.shape[1] :].tolist()
+    return hf_greedy(PeftModel.from_pretrained(base, adapter_dir).eval(), tokenizer, prompt, n)
 
 
 def test_options_compute_what_peft_computes(tiny_model_dir, tiny_adapters, option_adapters):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter, make_tiny_family, tiny_llm
+from helpers import hf_greedy, make_peft_adapter, make_tiny_family, tiny_llm
 from transformers import AutoConfig
 
 from punica_x import SamplingParams
@@ -60,15 +60,8 @@ def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int, dtype=torc
     model.eval()
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
         logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    return out[0, ids.shape[1] :].tolist(), logp
+    return hf_greedy(model, tokenizer, prompt, n), logp
 
 
 def test_the_registry_finds_the_family(family_model):
