@@ -55,13 +55,14 @@ def run_two_waves(llm, prompts, sampling=SP):
     return first + llm.generate(prompts, ADAPTERS, sampling)
 
 
-def assert_same(outs_off, outs_on) -> None:
-    """Same tokens; logprobs equal up to float32 rounding (a cached prefix's rows were
-    computed in another batch, whose GEMMs have other row counts)."""
+def assert_same(outs_off, outs_on, tol: float = 1e-5) -> None:
+    """Same tokens; logprobs equal up to rounding (a cached prefix's rows were computed in
+    another batch, whose GEMMs have other row counts): 1e-5 in float32; in bfloat16 (the
+    default on CPUs with AVX512-BF16 / AMX) 2e-2, though Zen 4 measured no difference."""
     for off, on in zip(outs_off, outs_on):
         assert on.token_ids == off.token_ids
         for a, b in zip(off.logprobs, on.logprobs):
-            assert a.token_id == b.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-5)
+            assert a.token_id == b.token_id and b.logprob == pytest.approx(a.logprob, abs=tol)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
@@ -80,13 +81,14 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_outputs_equal_the_cache_off(tiny_model_dir, tiny_adapters, name):
+def test_outputs_equal_the_cache_off(tiny_model_dir, tiny_adapters, name, dtype):
     kwargs = CONFIGS[name]
     prompts = workload()
     outs = {}
     for on in (False, True):
-        llm = make(tiny_model_dir, tiny_adapters, prefix_caching=on, **kwargs)
+        llm = make(tiny_model_dir, tiny_adapters, prefix_caching=on, dtype=dtype, **kwargs)
         if kwargs.get("policy") == "mlfq":
             charge_one_second(llm)
         outs[on] = run_two_waves(llm, prompts)
@@ -101,7 +103,7 @@ def test_outputs_equal_the_cache_off(tiny_model_dir, tiny_adapters, name):
         if name == "mlfq-swapped":
             assert e.swap.stats.swaps_out > 0
         assert e.cache.allocator.num_used == 0
-    assert_same(outs[False], outs[True])
+    assert_same(outs[False], outs[True], 1e-5 if dtype == "float32" else 2e-2)
 
 
 def test_a_recomputed_request_finds_its_own_prefix(tiny_model_dir, tiny_adapters):
