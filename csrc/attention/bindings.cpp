@@ -1,6 +1,9 @@
 // Torch bindings for CPU paged attention; every input is checked, errors name the tensor.
 #include <torch/extension.h>
 
+#include <cmath>
+#include <cstdint>
+
 #include "../common/simd.h"
 #include "paged_attention.h"
 
@@ -30,7 +33,8 @@ punica_x::KvLayout layout(const torch::Tensor& kv, int64_t layer) {
 // out, lse = attention of q's rows (see paged_attention.h); seqs = [row_start, num_rows,
 // kv_len] as int32 [3, S]; table_start int32 [S + 1]; block_table int32.
 void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torch::Tensor kv, int64_t layer,
-                     torch::Tensor seqs, torch::Tensor table_start, torch::Tensor block_table, double scale) {
+                     torch::Tensor seqs, torch::Tensor table_start, torch::Tensor block_table, double scale,
+                     int64_t window, double softcap) {
   const punica_x::KvLayout kvl = layout(kv, layer);
   check_cpu(q, "q", kv.scalar_type());
   check_cpu(out, "out", kv.scalar_type());
@@ -39,6 +43,8 @@ void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torc
   CHECK_ARG(q.size(1) % kvl.num_kv_heads == 0 && q.size(1) / kvl.num_kv_heads <= 16,
             "H_q=", q.size(1), " must be a multiple of N_kv=", kvl.num_kv_heads, " (at most 16x)");
   CHECK_ARG(kvl.head_dim <= 256, "head_dim ", kvl.head_dim, " > 256");
+  CHECK_ARG(window >= 0 && window <= INT32_MAX, "window must be >= 0 (0: none), got ", window);
+  CHECK_ARG(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none), got ", softcap);
   CHECK_ARG(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
   CHECK_ARG(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse must be [T, H_q], got ",
             lse.sizes());
@@ -64,13 +70,13 @@ void paged_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor q, torc
   const punica_x::PagedSeqs ps{row, rows, len, ts, bt, static_cast<int>(s)};
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   const int hq = static_cast<int>(q.size(1));
+  const punica_x::AttnParams ap{static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
   if (kv.scalar_type() == at::kFloat)
     punica_x::paged_attention_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), q.data_ptr<float>(),
-                                  hq, kvl, ps, static_cast<float>(scale));
+                                  hq, kvl, ps, ap);
   else
     punica_x::paged_attention_cpu(static_cast<bf16*>(out.data_ptr()), lse.data_ptr<float>(),
-                                  static_cast<const bf16*>(q.data_ptr()), hq, kvl, ps,
-                                  static_cast<float>(scale));
+                                  static_cast<const bf16*>(q.data_ptr()), hq, kvl, ps, ap);
 }
 
 void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,

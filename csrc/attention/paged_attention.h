@@ -2,7 +2,8 @@
 //
 // Sequence s owns query rows [row_start[s], row_start[s] + num_rows[s]); they are the last
 // num_rows[s] of its kv_len[s] tokens and attend causally: row i (position
-// kv_len - num_rows + i) sees keys 0..position. Its blocks are
+// kv_len - num_rows + i) sees keys 0..position, or with a sliding window W > 0 only the W
+// keys position - W + 1..position (HF's sliding_window: Mistral, Gemma's local layers). Its blocks are
 // block_table[table_start[s] .. table_start[s + 1]). Query head h reads KV head h / G,
 // G = H_q / N_kv. Outputs: out[T, H_q, D] and lse[T, H_q] (natural-log log-sum-exp of the
 // scaled scores), so partial results over disjoint key sets merge exactly.
@@ -28,11 +29,19 @@ struct KvLayout {
   int64_t block_stride() const { return int64_t(num_layers) * 2 * num_kv_heads * block_size * head_dim; }
 };
 
+// scale: multiplies q.k; window: W above (0: none); softcap: scores become
+// softcap * tanh(score / softcap) after scaling (Gemma 2's attention soft-capping; 0: none).
+struct AttnParams {
+  float scale;
+  int window;
+  float softcap;
+};
+
 // T: float or simd::bf16 for q, out and the cache (scores, softmax and sums in float32, lse
-// float32); instantiated for both.
+// float32 over the capped scores); instantiated for both.
 template <typename T>
 void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
-                         const PagedSeqs& seqs, float scale);
+                         const PagedSeqs& seqs, const AttnParams& params);
 
 // kv[block[t], layer, 0/1, :, offset[t], :] = k[t] / v[t] for every row t (k, v: [T, N_kv, D]).
 template <typename T>

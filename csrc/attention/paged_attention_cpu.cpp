@@ -83,10 +83,12 @@ struct Item {
 
 // Attention of `rows` consecutive query rows x G heads against the keys they may see, one
 // KV block at a time: scores of the block for every (row, head), then a block-wise online
-// softmax update (one rescale per block instead of one per key).
+// softmax update (one rescale per block instead of one per key). Blocks wholly before the
+// tile's first row's window are not read.
 template <typename T>
 void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, const PagedSeqs& seqs,
-                 const Item& it, float scale) {
+                 const Item& it, const AttnParams& ap) {
+  const float scale = ap.scale, cap = ap.softcap;
   const int d = kv.head_dim, p = kv.block_size;
   const int g = hq / kv.num_kv_heads;
   const int s = it.seq;
@@ -108,9 +110,11 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
     l[i] = 0.f;
   }
   const int num_keys = first_pos + it.row0 + it.rows;  // the tile's last row sees keys < this
+  // the lowest key row r of the tile sees (position first_pos + row0 + r)
+  auto lowest = [&](int r) { return ap.window > 0 ? std::max(0, first_pos + it.row0 + r - ap.window + 1) : 0; };
   const int64_t head_off = (int64_t(kv.layer) * 2 * kv.num_kv_heads + it.head) * p * d;
   const int64_t v_off = int64_t(kv.num_kv_heads) * p * d;
-  for (int b = 0; b * p < num_keys; ++b) {
+  for (int b = lowest(0) / p; b * p < num_keys; ++b) {
     const T* cache = static_cast<const T*>(kv.kv);
     const T* kb = cache + table[b] * kv.block_stride() + head_off;  // [P, D]
     const T* vb = kb + v_off;
@@ -125,29 +129,33 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
     // kb_, vb_: the block's K and V rows, as stored or widened to float32
     auto attend_block = [&](const auto* kb_, const auto* vb_) {
       for (int i = 0; i < n; ++i) {
-        const int visible = std::min(keys, first_pos + it.row0 + i / g + 1 - b * p);
+        const int r = i / g;
+        const int k0 = std::max(0, lowest(r) - b * p);  // keys [k0, visible) of the block
+        const int visible = std::min(keys, first_pos + it.row0 + r + 1 - b * p);
+        if (visible <= k0) continue;
         const float* qi = qt + i * d;
-        float* sc = scores + i * p;
+        float* sc = scores + i * p + k0;
+        const int nk = visible - k0;
         float block_max = -std::numeric_limits<float>::infinity();
-        for (int k = 0; k < visible; ++k) {
-          sc[k] = dot(qi, kb_ + k * d, d);
+        for (int k = 0; k < nk; ++k) {
+          sc[k] = dot(qi, kb_ + (k0 + k) * d, d);
+          if (cap > 0.f) sc[k] = cap * std::tanh(sc[k] / cap);  // logit soft-capping (Gemma 2)
           block_max = std::max(block_max, sc[k]);
         }
-        if (visible <= 0) continue;
         const float new_m = std::max(m[i], block_max);
         const float c = std::exp(m[i] - new_m);
         float sum = 0.f;
         int k = 0;
-        for (; k + kLanes <= visible; k += kLanes) {
+        for (; k + kLanes <= nk; k += kLanes) {
           const vf e = simd::exp(load(sc + k) - splat(new_m));
           store(sc + k, e);
           sum += hsum(e);
         }
-        for (; k < visible; ++k) {
+        for (; k < nk; ++k) {
           sc[k] = std::exp(sc[k] - new_m);
           sum += sc[k];
         }
-        weighted_rows(acc + i * d, c, sc, vb_, visible, d);
+        weighted_rows(acc + i * d, c, sc, vb_ + int64_t(k0) * d, nk, d);
         l[i] = l[i] * c + sum;
         m[i] = new_m;
       }
@@ -187,14 +195,14 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
 
 template <typename T>
 void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
-                         const PagedSeqs& seqs, float scale) {
+                         const PagedSeqs& seqs, const AttnParams& params) {
   std::vector<Item> items;
   for (int s = 0; s < seqs.num_seqs; ++s)
     for (int h = 0; h < kv.num_kv_heads; ++h)
       for (int r0 = 0; r0 < seqs.num_rows[s]; r0 += kRowBlock)
         items.push_back({s, h, r0, std::min(kRowBlock, seqs.num_rows[s] - r0)});
   parallel_items(int64_t(items.size()), [&](int64_t i) {
-    attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], scale);
+    attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], params);
   });
 }
 
@@ -239,9 +247,9 @@ template void merge_rows_cpu<float>(float*, float*, const float*, const float*, 
 template void merge_rows_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, const float*, int,
                                           int, const int64_t*, const int64_t*, int);
 template void paged_attention_cpu<float>(float*, float*, const float*, int, const KvLayout&,
-                                          const PagedSeqs&, float);
+                                          const PagedSeqs&, const AttnParams&);
 template void paged_attention_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, int,
-                                               const KvLayout&, const PagedSeqs&, float);
+                                               const KvLayout&, const PagedSeqs&, const AttnParams&);
 template void write_kv_cpu<float>(float*, const KvLayout&, const float*, const float*, int,
                                    const int64_t*, const int64_t*);
 template void write_kv_cpu<simd::bf16>(simd::bf16*, const KvLayout&, const simd::bf16*,

@@ -8,7 +8,12 @@ medians of 5 interleaved runs, kernel / flash (the reference's batched matmuls, 
 over 64 rows used before, in brackets): 128 rows x 128 keys 0.39 / 0.39 (1.22) ms; 128 x 1024
 5.2 / 4.6 (8.8, flash ranging 3.2-6.4); 512 x 512 6.4 / 7.0; 1024 x 1024 23.8 / 20.5;
 2048 x 2048 84 / 46 (323) ms. Between them they are within noise, so the kernel keeps what
-it does as fast, flash takes the large chunks."""
+it does as fast, flash takes the large chunks.
+
+A layer with a sliding window or logit soft-capping (Mistral, Qwen2's and Gemma's local
+layers; Gemma 2) runs every sequence through the kernel: it skips the blocks before a tile's
+window (cost ~ rows x window, where flash with a mask would pay rows x kv_len), and flash has
+no soft-capping."""
 
 from __future__ import annotations
 
@@ -25,19 +30,43 @@ FLASH_MIN_WORK = 1024 * 768  # rows x keys of a chunk above which flash attentio
 
 
 @dataclass(frozen=True)
-class CpuAttentionPlan:
-    """seqs: int32 [3, S] (row_start, num_rows, kv_len) of kernel-handled sequences,
-    table_start: int32 [S + 1], block_table: int32 [sum of their blocks];
-    long_prefills: sequences for flash attention, long_masks: each one's additive causal
-    mask [rows, kv_len] float32 (None for a first chunk: is_causal), built once per step;
-    slot_blocks / slot_offsets: [T] int64."""
+class KernelSeqs:
+    """The kernel's view of some sequences: seqs int32 [3, S] (row_start, num_rows, kv_len),
+    table_start int32 [S + 1], block_table int32 [sum of their blocks]."""
 
-    ext: ModuleType
     seqs: torch.Tensor
     table_start: torch.Tensor
     block_table: torch.Tensor
+
+    @classmethod
+    def of(cls, spans: list[SeqSpan], block_size: int) -> KernelSeqs:
+        starts, table = [0], []
+        for sp in spans:
+            table.extend(sp.block_ids[: -(-sp.kv_len // block_size)])
+            starts.append(len(table))
+        cols = [[sp.row_start for sp in spans], [sp.num_rows for sp in spans]]
+        cols.append([sp.kv_len for sp in spans])
+        i32 = torch.int32
+        return cls(
+            seqs=torch.tensor(cols, dtype=i32).view(3, len(spans)),
+            table_start=torch.tensor(starts, dtype=i32),
+            block_table=torch.tensor(table, dtype=i32),
+        )
+
+
+@dataclass(frozen=True)
+class CpuAttentionPlan:
+    """short: the kernel's sequences; long_prefills: sequences for flash attention,
+    long_masks: each one's additive causal mask [rows, kv_len] float32 (None for a first
+    chunk: is_causal), built once per step; every: all sequences for the kernel (layers with
+    a window or soft-capping), or None when there are no long prefills (short has them all);
+    slot_blocks / slot_offsets: [T] int64."""
+
+    ext: ModuleType
+    short: KernelSeqs
     long_prefills: tuple[PrefillSeq, ...]
     long_masks: tuple[torch.Tensor | None, ...]
+    every: KernelSeqs | None
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
 
@@ -46,15 +75,38 @@ class CpuAttentionPlan:
             kv, layer, k.contiguous(), v.contiguous(), self.slot_blocks, self.slot_offsets
         )
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ):
+        """q [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32); window: each row sees
+        its last `window` keys (0: all); softcap: scores capped to softcap * tanh(s / softcap)
+        (0: none)."""
         q = q.contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
-        if self.seqs.shape[1]:
+        plain = not window and not softcap
+        ks = self.short if plain or self.every is None else self.every
+        if ks.seqs.shape[1]:
             self.ext.paged_attention(
-                out, lse, q, kv, layer, self.seqs, self.table_start, self.block_table, scale
+                out,
+                lse,
+                q,
+                kv,
+                layer,
+                ks.seqs,
+                ks.table_start,
+                ks.block_table,
+                scale,
+                window,
+                softcap,
             )
-        if self.long_prefills:
+        if self.long_prefills and plain:
             kvl = kv[:, layer]
             for seq, mask in zip(self.long_prefills, self.long_masks):
                 flash_prefill(q, kvl, seq, scale, out, lse, mask)
@@ -112,32 +164,25 @@ class CpuAttention:
         self.ext.merge_rows(out, lse, o, s, dst, src)
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> CpuAttentionPlan:
-        rows, counts, lens, starts, table = [], [], [], [0], []
         slot_blocks: list[int] = []
         slot_offsets: list[int] = []
-        long = []
+        short, long = [], []
         for sp in spans:
             for pos in range(sp.kv_len - sp.num_rows, sp.kv_len):
                 slot_blocks.append(sp.block_ids[pos // block_size])
                 slot_offsets.append(pos % block_size)
-            nb = -(-sp.kv_len // block_size)
             if sp.num_rows > LONG_PREFILL and sp.num_rows * sp.kv_len > FLASH_MIN_WORK:
+                nb = -(-sp.kv_len // block_size)
                 blocks = torch.tensor(sp.block_ids[:nb], dtype=torch.int64)
                 long.append(PrefillSeq(sp.row_start, sp.num_rows, sp.kv_len, blocks))
-                continue
-            rows.append(sp.row_start)
-            counts.append(sp.num_rows)
-            lens.append(sp.kv_len)
-            table.extend(sp.block_ids[:nb])
-            starts.append(len(table))
-        i32 = torch.int32
+            else:
+                short.append(sp)
         return CpuAttentionPlan(
             ext=self.ext,
-            seqs=torch.tensor([rows, counts, lens], dtype=i32).view(3, len(rows)),
-            table_start=torch.tensor(starts, dtype=i32),
-            block_table=torch.tensor(table, dtype=i32),
+            short=KernelSeqs.of(short, block_size),
             long_prefills=tuple(long),
             long_masks=tuple(causal_mask(seq) for seq in long),
+            every=KernelSeqs.of(spans, block_size) if long else None,
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64),
         )

@@ -264,9 +264,12 @@ class DistPlan:
             kv[self.write_blocks, layer, 1, :, self.write_offsets] = v[self.write_rows]
         self._k, self._v = k, v
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
+    def attend(self, q, kv, layer: int, scale: float, window: int = 0, softcap: float = 0.0):
         """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32), merged over every
-        runner holding a part of each request's keys."""
+        runner holding a part of each request's keys. A sliding window or soft-capping is
+        not supported here (Engine.enable_distkv refuses such models)."""
+        if window or softcap:
+            raise NotImplementedError("DistAttention with a sliding window or soft-capping")
         k, v = self._k, self._v
         pending = []
         if self.overlap:

@@ -5,13 +5,17 @@ single launch (ragged queries, causal, paged KV in HND layout: per layer, K and 
 [num_blocks, N_kv, P, D] views of the punica-x cache). FlashInfer reports the log-sum-exp in
 base 2; it is converted to the natural log used by attention.merge.
 
+A sliding window (`window_left` = W - 1) and logit soft-capping are plan-time parameters in
+FlashInfer, so a model whose layers differ (Gemma's local and global layers) plans one
+wrapper per distinct (window, softcap) of the step, on its first layer that asks for it.
+
 Not exercised on the CPU-only development machine: its tests are marked `gpu`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,18 +27,30 @@ WORKSPACE_BYTES = 128 << 20
 HEAD_DIMS = (64, 128, 256)
 
 
-@dataclass(frozen=True)
+@dataclass
 class FlashInferPlan:
-    wrapper: object
+    """indexes: (qo_indptr, kv_indptr, kv_indices, last_page_len) int32 on the device;
+    planned: wrappers planned for this step, by (window, softcap)."""
+
+    backend: FlashInferAttention
+    device: torch.device
+    block_size: int
+    indexes: tuple[torch.Tensor, ...]
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
+    planned: dict[tuple[int, float], object] = field(default_factory=dict)
 
     def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         kv[self.slot_blocks, layer, 0, :, self.slot_offsets] = k
         kv[self.slot_blocks, layer, 1, :, self.slot_offsets] = v
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float):
-        out, lse = self.wrapper.run(q, (kv[:, layer, 0], kv[:, layer, 1]), return_lse=True)
+    def attend(self, q, kv, layer: int, scale: float, window: int = 0, softcap: float = 0.0):
+        """As the other backends' attend; window / softcap: see the module docstring."""
+        key = (window, softcap)
+        if key not in self.planned:
+            self.planned[key] = self.backend.planned_wrapper(self, scale, window, softcap)
+        wrapper = self.planned[key]
+        out, lse = wrapper.run(q, (kv[:, layer, 0], kv[:, layer, 1]), return_lse=True)
         return out, lse.float() * math.log(2.0)
 
 
@@ -49,7 +65,7 @@ class FlashInferAttention:
                 "the flashinfer attention backend needs: pip install 'punica-x[gpu]'"
             ) from exc
         self._flashinfer = flashinfer
-        self._wrappers: dict[torch.device, object] = {}
+        self._wrappers: dict[tuple, object] = {}
         self.num_qo_heads = self.num_kv_heads = self.head_dim = 0
         self.dtype = torch.float16
         self.scale = 1.0
@@ -74,13 +90,32 @@ class FlashInferAttention:
         bound.scale = head_dim**-0.5
         return bound
 
-    def _wrapper(self, device: torch.device):
-        if device not in self._wrappers:
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._wrappers[device] = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+    def _wrapper(self, key):
+        """One wrapper per (device, window, softcap): a plan lives in its wrapper."""
+        if key not in self._wrappers:
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=key[0])
+            self._wrappers[key] = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 workspace, "HND"
             )
-        return self._wrappers[device]
+        return self._wrappers[key]
+
+    def planned_wrapper(self, plan: FlashInferPlan, scale: float, window: int, softcap: float):
+        """The wrapper for (window, softcap), planned over this step's sequences."""
+        wrapper = self._wrapper((plan.device, window, softcap))
+        wrapper.plan(
+            *plan.indexes,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            plan.block_size,
+            causal=True,
+            sm_scale=scale,
+            window_left=window - 1 if window else -1,
+            logits_soft_cap=softcap or None,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        return wrapper
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> FlashInferPlan:
         spans = sorted(spans, key=lambda s: s.row_start)
@@ -95,20 +130,13 @@ class FlashInferAttention:
                 slot_b.append(sp.block_ids[pos // block_size])
                 slot_o.append(pos % block_size)
         i32 = dict(dtype=torch.int32, device=device)
-        wrapper = self._wrapper(device)
-        wrapper.plan(
-            torch.tensor(qo, **i32),
-            torch.tensor(kv_ptr, **i32),
-            torch.tensor(indices, **i32),
-            torch.tensor(last, **i32),
-            self.num_qo_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            block_size,
-            causal=True,
-            sm_scale=self.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
+        indexes = tuple(torch.tensor(x, **i32) for x in (qo, kv_ptr, indices, last))
         i64 = dict(dtype=torch.int64, device=device)
-        return FlashInferPlan(wrapper, torch.tensor(slot_b, **i64), torch.tensor(slot_o, **i64))
+        return FlashInferPlan(
+            self,
+            device,
+            block_size,
+            indexes,
+            torch.tensor(slot_b, **i64),
+            torch.tensor(slot_o, **i64),
+        )

@@ -16,15 +16,20 @@ from punica_x.attention.merge import merge_attention, merge_many
 from punica_x.attention.paged import SeqSpan
 
 
-def dense_attention(q, k, v, first_pos, scale):
-    """q: [n, Hq, D] at positions first_pos..; k, v: [S, Nkv, D] -> (out, lse)."""
+def dense_attention(q, k, v, first_pos, scale, window=0, softcap=0.0):
+    """q: [n, Hq, D] at positions first_pos..; k, v: [S, Nkv, D] -> (out, lse). window: a
+    row sees its last `window` keys (0: all); softcap: scores -> softcap * tanh(s / softcap)."""
     n, hq, _ = q.shape
     g = hq // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
     scores = torch.einsum("nhd,shd->hns", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(first_pos, first_pos + n)[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    keys = torch.arange(k.shape[0])[None, :]
+    hidden = (keys > pos) | ((keys <= pos - window) if window else torch.zeros_like(keys > pos))
+    scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v)
     return out, lse.t()
@@ -43,11 +48,28 @@ def long_prefill_path(request, monkeypatch):
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("d", [32, 64, 40])
 def test_paged_attention_matches_dense(backend, block_size, heads, d, long_prefill_path):
+    check_against_dense(backend, block_size, heads, d)
+
+
+@pytest.mark.parametrize("backend", [*CPU_ISAS, "torch"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (0, 2.0), (24, 3.5), (1, 0.0)])
+def test_sliding_window_and_softcap_match_dense(
+    backend, block_size, dtype, window, softcap, long_prefill_path
+):
+    """Rows far past the window (the sequences are up to ~190 tokens) see only their last
+    `window` keys, in decodes, chunks after a cached part and long chunks alike; capped
+    scores (Gemma 2); bfloat16 caches within bf16's rounding."""
+    check_against_dense(backend, block_size, (9, 3), 64, window, softcap, dtype)
+
+
+def check_against_dense(backend, block_size, heads, d, window=0, softcap=0.0, dtype=torch.float32):
     seed = int.from_bytes(os.urandom(4), "little")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, nkv = heads
     layers, num_blocks = 2, 1000
-    kv = torch.zeros(num_blocks, layers, 2, nkv, block_size, d)
+    kv = torch.zeros(num_blocks, layers, 2, nkv, block_size, d, dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (new rows, context already cached): decodes, a fresh prefill, a chunk after a cached part,
@@ -66,8 +88,8 @@ def test_paged_attention_matches_dense(backend, block_size, heads, d, long_prefi
     for n, cached in shapes:
         total = n + cached
         blocks = [free.pop() for _ in range(-(-total // block_size))]
-        k = torch.randn(total, nkv, d, generator=gen)
-        v = torch.randn(total, nkv, d, generator=gen)
+        k = torch.randn(total, nkv, d, generator=gen).to(dtype)
+        v = torch.randn(total, nkv, d, generator=gen).to(dtype)
         for pos in range(cached):  # earlier steps' K/V already in the cache
             kv[blocks[pos // block_size], layer, 0, :, pos % block_size] = k[pos]
             kv[blocks[pos // block_size], layer, 1, :, pos % block_size] = v[pos]
@@ -77,16 +99,21 @@ def test_paged_attention_matches_dense(backend, block_size, heads, d, long_prefi
         row += n
     impl = get_attention_backend("cpu", "torch") if backend == "torch" else CpuAttention(backend)
     plan = impl.plan(spans, block_size, torch.device("cpu"))
-    q = torch.randn(row, hq, d, generator=gen)
+    q = torch.randn(row, hq, d, generator=gen).to(dtype)
     new_k = torch.cat([k[sp.kv_len - sp.num_rows :] for k, sp in zip(ks, spans)])
     new_v = torch.cat([v[sp.kv_len - sp.num_rows :] for v, sp in zip(vs, spans)])
     plan.write_kv(kv, layer, new_k, new_v)
-    out, lse = plan.attend(q, kv, layer, d**-0.5)
+    out, lse = plan.attend(q, kv, layer, d**-0.5, window, softcap)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for sp, k, v in zip(spans, ks, vs):
         rows = slice(sp.row_start, sp.row_start + sp.num_rows)
-        ref_out, ref_lse = dense_attention(q[rows], k, v, sp.kv_len - sp.num_rows, d**-0.5)
-        torch.testing.assert_close(out[rows], ref_out, rtol=1e-4, atol=1e-5, msg=f"seed={seed}")
-        torch.testing.assert_close(lse[rows], ref_lse, rtol=1e-4, atol=1e-5, msg=f"seed={seed}")
+        first = sp.kv_len - sp.num_rows
+        ref_out, ref_lse = dense_attention(
+            q[rows].float(), k.float(), v.float(), first, d**-0.5, window, softcap
+        )
+        msg = f"seed={seed}"
+        torch.testing.assert_close(out[rows].float(), ref_out, **tol, msg=msg)
+        torch.testing.assert_close(lse[rows], ref_lse, **tol, msg=msg)
     assert torch.equal(kv[:, 0], torch.zeros_like(kv[:, 0])), "only the given layer is written"
 
 
@@ -126,21 +153,29 @@ def test_cpu_kernel_checks_inputs():
     starts = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="block id 9 out of range"):
         ext.paged_attention(
-            out, lse, q, kv, 0, seqs, starts, torch.tensor([9], dtype=torch.int32), 1.0
+            out, lse, q, kv, 0, seqs, starts, torch.tensor([9], dtype=torch.int32), 1.0, 0, 0.0
         )
     with pytest.raises(RuntimeError, match="layer 2 out of range"):
         ext.paged_attention(
-            out, lse, q, kv, 2, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0
+            out, lse, q, kv, 2, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0, 0, 0.0
         )
     with pytest.raises(RuntimeError, match="too few blocks"):
         long = torch.tensor([[0], [3], [6]], dtype=torch.int32)
         ext.paged_attention(
-            out, lse, q, kv, 0, long, starts, torch.tensor([0], dtype=torch.int32), 1.0
+            out, lse, q, kv, 0, long, starts, torch.tensor([0], dtype=torch.int32), 1.0, 0, 0.0
         )
+    table = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="q must be"):
-        ext.paged_attention(
-            out, lse, q[..., :4], kv, 0, seqs, starts, torch.tensor([0], dtype=torch.int32), 1.0
-        )
+        ext.paged_attention(out, lse, q[..., :4], kv, 0, seqs, starts, table, 1.0, 0, 0.0)
+    for window, softcap, what in [
+        (-1, 0.0, "window"),
+        (2**31, 0.0, "window"),
+        (0, -1.0, "softcap"),
+        (0, float("nan"), "softcap"),
+        (0, float("inf"), "softcap"),
+    ]:
+        with pytest.raises(RuntimeError, match=what):
+            ext.paged_attention(out, lse, q, kv, 0, seqs, starts, table, 1.0, window, softcap)
 
 
 @pytest.mark.gpu
@@ -160,6 +195,13 @@ def test_flashinfer_matches_torch_backend(dtype):
     )
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)
+    plan = fi.plan(spans, p, dev)  # per layer: a window, soft-capping, both, neither
+    ref = get_attention_backend(dev, "torch").plan(spans, p, dev)
+    for window, softcap in [(5, 0.0), (0, 2.0), (9, 3.0), (0, 0.0)]:
+        out, lse = plan.attend(q, kv, 1, d**-0.5, window, softcap)
+        ref_out, ref_lse = ref.attend(q, kv, 1, d**-0.5, window, softcap)
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)
 
 
 def test_cuda_default_is_flashinfer_only_where_it_has_a_kernel():
