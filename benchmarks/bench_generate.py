@@ -17,6 +17,9 @@ made after start-up and not frozen (a server's tenants, requests and tokenizers 
 after it started), side by side with the fresh process over --rounds interleaved rounds
 (column x_heap = with the heap / without; issue 29's target: >= 0.95 at Distinct).
 
+--model qwen2.5-0.5b: the same on a random-weight model of Qwen2.5-0.5B's shape (another
+family: q/k/v biases, a 151,936-token tied head; benchmarks/common/shapes.py), or --model PATH.
+
     python benchmarks/bench_generate.py [--requests 32] [--max-tokens 64] [--hf-workloads distinct]
                                         [--peer vllm] [--dtype auto|float32|bfloat16]
                                         [--heap-objects 1000000]
@@ -40,6 +43,7 @@ from common.engine_timing import decode_step_time, run_ours, warm_up
 from common.hf_baselines import HFBaselines
 from common.peers import run as run_peer
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.shapes import SHAPES, model_path
 from common.timing import copy_bandwidth, read_bandwidth
 from common.workload import (
     WORKLOADS,
@@ -97,6 +101,11 @@ def parse_args():
     ap = parser(__doc__)
     add_engine_workload(ap, rounds_help="interleaved rounds of step timing")
     ap.add_argument(
+        "--model",
+        default=None,
+        help=f"default SmolLM2-135M; a shape ({', '.join(SHAPES)}: random weights) or a path",
+    )
+    ap.add_argument(
         "--hf-workloads",
         default="distinct,uniform,skewed,identical",
         help="workloads to run the (slow) HF + PEFT baselines on; '' for none",
@@ -129,7 +138,8 @@ def main() -> None:
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    llm = LLM(dtype=args.dtype)
+    model = model_path(args.model)
+    llm = LLM(dtype=args.dtype, model=model)
     ours_dtype = dtype_name(llm.engine.dtype)
     args.peer_dtype = args.peer_dtype or ours_dtype
     print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
@@ -151,7 +161,7 @@ def main() -> None:
     peer = add_vllm(rows, args, llm, prompts, paths, names, tmp) if args.peer == "vllm" else {}
     if ours_dtype != "float32":  # the served dtype against our own float32, same run
         del llm
-        model_dir = add_fp32(rows, prompts, paths, names, sp)
+        model_dir = add_fp32(rows, prompts, paths, names, sp, model)
     else:
         model_dir = llm.engine.loaded.model_dir
     hf_backbone = add_hf(rows, args, model_dir, paths, prompts, names)
@@ -160,6 +170,8 @@ def main() -> None:
     print_report(args, rows, summary, peer, read_bw, bandwidth)
     # float32 figures keep their name; other dtypes get their own file beside them
     name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
+    if args.model in SHAPES:
+        name += f"_{args.model.replace('.', '_')}"
     path = write_json(
         name,
         {
@@ -234,10 +246,10 @@ def add_vllm(rows, args, llm: LLM, prompts, paths, names, tmp: Path) -> dict:
     return peer
 
 
-def add_fp32(rows, prompts, paths, names, sp) -> Path:
+def add_fp32(rows, prompts, paths, names, sp, model: str | None = None) -> Path:
     """A float32 punica-x engine on the same workloads (ours_fp32_tok_s, x_fp32 = the served
     dtype over float32); returns the model's folder."""
-    fp32 = LLM(dtype="float32")
+    fp32 = LLM(dtype="float32", model=model)
     load_adapters(fp32, paths)
     warm_up(fp32, prompts)
     for row in rows:

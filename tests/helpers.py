@@ -89,10 +89,14 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
 
 def make_tiny_family(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A random model of another family (transformers' own config and model classes: qwen2,
-    qwen3, phi3), the tiny Llama's sizes and tokenizer, saved as safetensors."""
+    qwen3, phi3, mistral, gemma2, gemma3), the tiny Llama's sizes and tokenizer, saved as
+    safetensors."""
     import transformers
 
     classes = {
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
@@ -111,17 +115,15 @@ def make_tiny_family(folder: Path, family: str, seed: int = 0, **overrides) -> P
 
 
 def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
-    """n greedy tokens of a HF model (or PeftModel) after `prompt`."""
+    """n greedy tokens of a HF model (or PeftModel) after `prompt`: the argmax of a full
+    forward over the sequence so far, EOS included (generate's min_new_tokens would mask EOS,
+    which our ignore_eos runs may pick)."""
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    return out[0, ids.shape[1] :].tolist()
+        for _ in range(n):
+            nxt = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, -n:].tolist()
 
 
 def make_peft_adapter(

@@ -99,7 +99,9 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor posit
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+// act(gate) * up over [T, 2 * inter] -> [T, inter]; act: silu or gelu_tanh.
+template <bool kGelu>
+torch::Tensor act_and_mul(torch::Tensor gate_up) {
   const auto dtype = gate_up.scalar_type();
   check_cpu(gate_up, "gate_up", dtype);
   CHECK_ARG(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -109,7 +111,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   pybind11::gil_scoped_release no_gil;
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    punica_x::silu_and_mul_cpu<T>(ptr<T>(out), ptr<T>(gate_up), gate_up.size(0), int(inter));
+    if constexpr (kGelu)
+      punica_x::gelu_tanh_and_mul_cpu<T>(ptr<T>(out), ptr<T>(gate_up), gate_up.size(0), int(inter));
+    else
+      punica_x::silu_and_mul_cpu<T>(ptr<T>(out), ptr<T>(gate_up), gate_up.size(0), int(inter));
   });
   return out;
 }
@@ -121,5 +126,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm, "residual += x, return rms_norm(residual)");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
-  m.def("silu_and_mul", &silu_and_mul);
+  m.def("silu_and_mul", &act_and_mul<false>);
+  m.def("gelu_tanh_and_mul", &act_and_mul<true>, "gelu (tanh approximation) of gate times up");
 }

@@ -26,4 +26,9 @@ void rope_cpu(T* x, int64_t stride, int64_t rows, int heads, int head_dim, const
 template <typename T>
 void silu_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter);
 
+// out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, inter + i] (Gemma's gelu_pytorch_tanh:
+// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), computed as x / (1 + exp(-2 y))).
+template <typename T>
+void gelu_tanh_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter);
+
 }  // namespace punica_x

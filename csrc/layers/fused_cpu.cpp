@@ -136,11 +136,33 @@ void silu_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
   });
 }
 
+template <typename T>
+void gelu_tanh_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
+  constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+  constexpr float c = 0.044715f;
+  rows_parallel(rows, [&](int64_t t) {
+    const T* g = gate_up + t * 2 * int64_t(inter);
+    const T* u = g + inter;
+    T* o = out + t * inter;
+    int i = 0;
+    for (; i + kLanes <= inter; i += kLanes) {
+      const vf x = simd::load(g + i);
+      const vf y = x * (simd::splat(1.f) + simd::splat(c) * x * x) * simd::splat(-k2);
+      simd::store(o + i, x / (simd::splat(1.f) + simd::exp(y)) * simd::load(u + i));
+    }
+    for (; i < inter; ++i) {
+      const float x = f32(g[i]);
+      o[i] = narrow<T>(x / (1.f + std::exp(-k2 * x * (1.f + c * x * x))) * f32(u[i]));
+    }
+  });
+}
+
 #define PUNICA_X_FUSED_INSTANTIATE(T)                                                           \
   template void rms_norm_cpu<T>(T*, int64_t, const T*, int64_t, const T*, int64_t, int, float); \
   template void add_rms_norm_cpu<T>(T*, T*, const T*, const T*, int64_t, int, float);           \
   template void rope_cpu<T>(T*, int64_t, int64_t, int, int, const int64_t*, const T*, const T*); \
-  template void silu_and_mul_cpu<T>(T*, const T*, int64_t, int);
+  template void silu_and_mul_cpu<T>(T*, const T*, int64_t, int);                              \
+  template void gelu_tanh_and_mul_cpu<T>(T*, const T*, int64_t, int);
 PUNICA_X_FUSED_INSTANTIATE(float)
 PUNICA_X_FUSED_INSTANTIATE(bf16)
 

@@ -95,6 +95,12 @@ class Engine:
                 "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
                 "move borrowed blocks"
             )
+        d = self.model.dims
+        if any(d.layer_windows) or d.attn_softcap:
+            raise ValueError(
+                f"DistKV does not serve {d.family} models: remote micro-attention has no "
+                "sliding window or logit soft-capping"
+            )
         self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
         self.batcher.borrowing = KVBorrowing(self.cache, borrower)
         self.planner.dist = DistContext(runner_id, borrower, pool, overlap)

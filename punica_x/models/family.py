@@ -14,7 +14,14 @@ class Family:
     projections (None: the config's attention_bias, as Llama reads it). qk_norm: an RMSNorm
     over each head of q and k before RoPE (Qwen3). window_flag: the config field that turns
     `sliding_window` on (None: a set window is in use, as Mistral's). fused_projections: the
-    checkpoint and its adapters name q|k|v `qkv_proj` and gate|up `gate_up_proj` (Phi-3)."""
+    checkpoint and its adapters name q|k|v `qkv_proj` and gate|up `gate_up_proj` (Phi-3).
+    norm_offset: every RMSNorm scales by (1 + weight) (Gemma's checkpoints store the offset
+    from 1). sandwich_norms: RMSNorms after attention and around the MLP too (Gemma 2/3:
+    pre_feedforward_layernorm, post_feedforward_layernorm). embed_scale: embeddings are
+    multiplied by sqrt(hidden_size) (Gemma). Read from the config whatever the family: the
+    activation (`hidden_act` / `hidden_activation`), `query_pre_attn_scalar`,
+    `attn_logit_softcapping`, `final_logit_softcapping`, `layer_types` and per-layer-type
+    RoPE."""
 
     name: str
     architectures: tuple[str, ...]
@@ -24,6 +31,9 @@ class Family:
     qk_norm: bool = False
     window_flag: str | None = None
     fused_projections: bool = False
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
 
     def biases(self, config) -> tuple[bool, bool]:
         """(q/k/v bias, o bias) of this family's attention for `config`."""
@@ -36,3 +46,19 @@ class Family:
         if self.window_flag is not None and not getattr(config, self.window_flag, False):
             return None
         return getattr(config, "sliding_window", None) or None
+
+    def layer_windows(self, config, num_layers: int) -> tuple[int, ...]:
+        """Each layer's window (0: full attention). The config's `layer_types` says which
+        layers slide where it has them (Qwen2's max_window_layers, Gemma's local/global
+        pattern); without them a set window is every layer's (Mistral, Phi-3)."""
+        window = self.sliding_window(config) or 0
+        types = getattr(config, "layer_types", None)
+        if not types:
+            return (window,) * num_layers
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        windows = {"full_attention": 0, "sliding_attention": window}
+        unknown = sorted(set(types) - set(windows))
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown} (supported: {sorted(windows)})")
+        return tuple(windows[t] for t in types)

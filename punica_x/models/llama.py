@@ -1,6 +1,7 @@
 """Batched Llama-family decoder over a paged KV cache: Llama, SmolLM and Mistral as they are,
-and every family of the registry (punica_x/models/registry.py: Qwen2, Qwen3) with what its
-Family declares (biases, per-head q/k norms).
+and every family of the registry (punica_x/models/registry.py: Qwen2/3, Phi-3, Gemma 2/3)
+with what its Family declares (biases, per-head q/k norms, fused checkpoints, Gemma's norms,
+activation, scaling and soft-capping) and its config says (sliding windows per layer).
 
 All rows of a step (prefill chunks and decodes of many requests, grouped by adapter) go
 through ONE invocation: dense projections see one [T, hidden] matrix, LoRA add-ons use the
@@ -17,13 +18,16 @@ from torch import nn
 from punica_x.core import Batch
 from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
-from punica_x.layers.rope import RotaryEmbedding
+from punica_x.layers.rope import RotaryEmbedding, per_layer_type
 from punica_x.models.registry import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
 from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend
 from punica_x.ops.sgmv import SgmvBackend
 
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
 DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
+
+# HF activation names -> the fused layers' act-and-mul
+ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 @dataclass(frozen=True)
@@ -44,24 +48,30 @@ class LlamaDims:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     family: str = "llama"
     fused_projections: bool = False  # checkpoint and adapters name qkv_proj, gate_up_proj
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window, 0: full attention
+    attn_softcap: float = 0.0  # attention logit soft-capping (0: none)
+    final_softcap: float = 0.0  # final logit soft-capping (0: none)
+    attn_scale: float = 0.0  # multiplies q.k (0: head_dim ** -0.5)
+    activation: str = "silu"  # a key of ACTIVATIONS
+    norm_offset: bool = False  # RMSNorms scale by (1 + weight)
+    sandwich_norms: bool = False  # post-attention, pre- and post-MLP norms (Gemma)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    layer_types: tuple[str, ...] = ()  # each layer's RoPE, where the config has one per type
 
     @classmethod
     def from_hf_config(cls, config) -> LlamaDims:
         family = family_of(config)
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} ({family.name} models use silu)")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (supported: {sorted(ACTIVATIONS)})")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (an encoder) is not a causal LM")
         partial = _partial_rotary(config)
         if partial != 1.0:
             raise ValueError(
                 f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported"
             )
         heads = config.num_attention_heads
-        max_pos = config.max_position_embeddings
-        window = family.sliding_window(config)
-        if window:
-            # Within the window sliding-window attention equals full attention; cap the context.
-            max_pos = min(max_pos, window)
         qkv_bias, o_bias = family.biases(config)
         return cls(
             hidden_size=config.hidden_size,
@@ -75,11 +85,22 @@ class LlamaDims:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            max_positions=max_pos,
+            max_positions=config.max_position_embeddings,
             o_bias=o_bias,
             qk_norm=family.qk_norm,
             family=family.name,
             fused_projections=family.fused_projections,
+            layer_windows=family.layer_windows(config, config.num_hidden_layers),
+            attn_softcap=_positive(config, "attn_logit_softcapping"),
+            final_softcap=_positive(config, "final_logit_softcapping"),
+            attn_scale=_positive(config, "query_pre_attn_scalar") ** -0.5
+            if _positive(config, "query_pre_attn_scalar")
+            else 0.0,
+            activation=act,
+            norm_offset=family.norm_offset,
+            sandwich_norms=family.sandwich_norms,
+            embed_scale=config.hidden_size**0.5 if family.embed_scale else 1.0,
+            layer_types=tuple(config.layer_types) if per_layer_type(config) else (),
         )
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
@@ -111,6 +132,18 @@ class LlamaDims:
         }
 
 
+def _positive(config, field: str) -> float:
+    """A config's optional positive number (None or absent: 0); ValueError otherwise."""
+    value = getattr(config, field, None)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{field} must be a positive number, got {value!r}")
+    if value == float("inf"):
+        raise ValueError(f"{field} must be finite, got {value!r}")
+    return float(value)
+
+
 def _partial_rotary(config) -> float:
     """The share of each head RoPE rotates (Phi-4-mini: 0.75), from the config or its
     rope_parameters; 1 when neither says."""
@@ -122,15 +155,17 @@ def _partial_rotary(config) -> float:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, d: LlamaDims, dtype, device) -> None:
+    def __init__(self, d: LlamaDims, layer: int, dtype, device) -> None:
         super().__init__()
+        self.window = d.layer_windows[layer] if d.layer_windows else 0
+        self.softcap = d.attn_softcap
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         self.qkv_proj = LoraLinear(
             d.hidden_size, (q, kv, kv), "qkv", d.attention_bias, dtype, device
         )
         self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.o_bias, dtype, device)
-        self.scale = d.head_dim**-0.5
+        self.scale = d.attn_scale or d.head_dim**-0.5
         self.q_norm = self.k_norm = None
         if d.qk_norm:  # over each head's head_dim values
             self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype, device)
@@ -158,7 +193,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         batch.attention.write_kv(kv, layer, k, v)
-        out, _ = batch.attention.attend(q, kv, layer, self.scale)
+        out, _ = batch.attention.attend(q, kv, layer, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(t, -1), batch.lora, layer, backend)
 
 
@@ -168,30 +203,42 @@ class LlamaMLP(nn.Module):
         i = d.intermediate_size
         self.gate_up_proj = LoraLinear(d.hidden_size, (i, i), "gate_up", d.mlp_bias, dtype, device)
         self.down_proj = LoraLinear(i, (d.hidden_size,), "down", d.mlp_bias, dtype, device)
+        self.act_and_mul = ACTIVATIONS[d.activation]  # the fused layers' method
 
     def forward(
         self, x, batch: Batch, layer: int, backend: SgmvBackend | None, fused
     ) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, batch.lora, layer, backend)  # [T, 2 I]
-        return self.down_proj(fused.silu_and_mul(gate_up), batch.lora, layer, backend)
+        act = getattr(fused, self.act_and_mul)(gate_up)
+        return self.down_proj(act, batch.lora, layer, backend)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, dtype, device) -> None:
+    def __init__(self, d: LlamaDims, layer: int, dtype, device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(d, dtype, device)
+        self.self_attn = LlamaAttention(d, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(d, dtype, device)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if d.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
+            self.post_feedforward_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
 
     def forward(
         self, normed, residual, next_norm: RMSNorm, batch, layer, kv, rope, backend, fused
     ) -> torch.Tensor:
         """normed = input_layernorm(residual). Adds this layer's attention and MLP outputs to
-        the residual stream in place; returns next_norm(residual) for what comes next."""
+        the residual stream in place; returns next_norm(residual) for what comes next.
+        Sandwich norms (Gemma): each output is normed before it is added, and the MLP's
+        input is pre_feedforward_layernorm(residual)."""
         attn = self.self_attn(normed, batch, layer, kv, rope, backend, fused)
-        normed = self.post_attention_layernorm.add(attn, residual)
-        return next_norm.add(self.mlp(normed, batch, layer, backend, fused), residual)
+        if self.pre_feedforward_layernorm is None:
+            normed = self.post_attention_layernorm.add(attn, residual)
+            return next_norm.add(self.mlp(normed, batch, layer, backend, fused), residual)
+        normed = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
+        mlp = self.post_feedforward_layernorm(self.mlp(normed, batch, layer, backend, fused))
+        return next_norm.add(mlp, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,10 +248,21 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers)
+            LlamaDecoderLayer(d, i, dtype, device) for i in range(d.num_layers)
         )
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
-        self.rope = RotaryEmbedding(hf_config, d.head_dim, d.max_positions, dtype, device)
+        types = d.layer_types or ("all",) * d.num_layers  # one RoPE unless per layer type
+        per_type = bool(d.layer_types)
+        self.ropes = nn.ModuleDict(
+            {
+                t: RotaryEmbedding(
+                    hf_config, d.head_dim, d.max_positions, dtype, device, t if per_type else None
+                )
+                for t in sorted(set(types))
+            }
+        )
+        # each layer's RoPE (Gemma 3: local and global layers have their own base)
+        self.layer_ropes = [self.ropes[t] for t in types]
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
 
     @torch.no_grad()
@@ -214,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
         if self.dims.tie_word_embeddings:
             self.lm_head.weight.copy_(self.embed_tokens.weight)
         self.fused = fused
+        for module in self.modules():
+            if isinstance(module, RMSNorm) and self.dims.norm_offset:
+                module.weight.add_(1.0)  # Gemma: the checkpoint holds weight - 1
         for module in self.modules():
             if isinstance(module, Dense):
                 rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
@@ -228,12 +289,15 @@ class LlamaForCausalLM(nn.Module):
         """Run every row of the batch; returns logits float32 [B (+ P), vocab] of
         batch.sample_rows (then the prompt-scoring rows: batch.logit_rows when set)."""
         residual = self.embed_tokens(batch.input_ids)  # [T, hidden], updated in place
+        if self.dims.embed_scale != 1.0:  # Gemma: the scale in the serving dtype, as HF
+            residual.mul_(torch.tensor(self.dims.embed_scale, dtype=residual.dtype))
         normed = self.layers[0].input_layernorm(residual)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
-            normed = layer(
-                normed, residual, next_norm, batch, i, kv, self.rope, backend, self.fused
-            )
+            rope = self.layer_ropes[i]
+            normed = layer(normed, residual, next_norm, batch, i, kv, rope, backend, self.fused)
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
-        return self.lm_head.dense(normed[rows]).float()
+        logits = self.lm_head.dense(normed[rows]).float()
+        cap = self.dims.final_softcap
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits

@@ -154,6 +154,7 @@ _SLICES = {
 _FUSED = {"self_attn.qkv_proj": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+_SANDWICH_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bool:
@@ -177,13 +178,22 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
             return layer.get_submodule(target).load_slice(index, kind, tensor)
         elif fused and module in _FUSED:
             return layer.get_submodule(_FUSED[module]).load_slice(None, kind, tensor)
-        elif rest in _NORMS or (model.dims.qk_norm and rest in _QK_NORMS):
+        elif rest in _layer_norms(model.dims):
             layer.get_parameter(rest).copy_(tensor)
         else:
             return False
     else:
         return False
     return True
+
+
+def _layer_norms(dims: LlamaDims) -> tuple[str, ...]:
+    """The RMSNorm weights a layer of this family's checkpoint holds."""
+    return (
+        _NORMS
+        + (_QK_NORMS if dims.qk_norm else ())
+        + (_SANDWICH_NORMS if dims.sandwich_norms else ())
+    )
 
 
 @dataclass(frozen=True)
@@ -261,9 +271,7 @@ def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
     modules = list(_SLICES)
     if dims.fused_projections:
         modules = [m for m in modules if _SLICES[m][0] not in _FUSED] + list(_FUSED)
-    per_layer = [f"{m}.weight" for m in modules] + list(_NORMS)
-    if dims.qk_norm:
-        per_layer += _QK_NORMS
+    per_layer = [f"{m}.weight" for m in modules] + list(_layer_norms(dims))
     if dims.attention_bias:
         per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     if dims.o_bias:

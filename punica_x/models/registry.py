@@ -5,13 +5,14 @@ architecture name -> what to build). Every family runs the shared Llama decoder
 from __future__ import annotations
 
 from punica_x.models.family import Family
+from punica_x.models.gemma import GEMMA2, GEMMA3
 from punica_x.models.phi3 import PHI3
 from punica_x.models.qwen2 import QWEN2
 from punica_x.models.qwen3 import QWEN3
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",))
 MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",))
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
 

@@ -1,4 +1,5 @@
-"""Fused element-wise layers: RMSNorm (+ residual add), in-place RoPE, SiLU-and-mul.
+"""Fused element-wise layers: RMSNorm (+ residual add), in-place RoPE, SiLU-and-mul and
+GeLU(tanh)-and-mul (Gemma).
 
 Two implementations with one interface: ``cpu`` (csrc/layers, float32 or bfloat16 on CPU,
 float32 arithmetic: one pass and
@@ -51,6 +52,11 @@ class TorchFused:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * I] -> gelu(gate, approximate="tanh") * up, [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CpuFused:
     name = "cpu"
@@ -71,6 +77,9 @@ class CpuFused:
 
     def silu_and_mul(self, gate_up):
         return self.ext.silu_and_mul(gate_up.contiguous())
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return self.ext.gelu_tanh_and_mul(gate_up.contiguous())
 
 
 BACKENDS: Registry = Registry(

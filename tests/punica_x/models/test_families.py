@@ -14,7 +14,13 @@ from punica_x import SamplingParams
 from punica_x.models.llama import LlamaDims
 from punica_x.models.registry import family_of
 
-PROMPTS = ["the quick brown fox", "hello world", "paged attention keeps", "a multi tenant lora"]
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "paged attention keeps the keys and values of every request in blocks, and a sliding "
+    "window lets each token see only the last few of them",  # longer than the windows below
+    "a multi tenant lora",
+]
 ADAPTERS = [None, "all", "attn", "all"]
 TARGETS = {
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -29,6 +35,33 @@ CASES = {
     "qwen2-tied": {"tie_word_embeddings": True},  # Qwen2.5-0.5B's
     "qwen3": {"head_dim": 32},  # q/k norms; head_dim other than hidden / heads
     "phi3": {"sliding_window": None},  # fused qkv_proj / gate_up_proj, in adapters too
+    # sliding windows shorter than the prompts and generations: every layer's (Mistral,
+    # Phi-3), and Qwen2's from max_window_layers on (layer 0 full, layer 1 sliding)
+    "mistral-window": {"sliding_window": 6},
+    "phi3-window": {"sliding_window": 5},
+    "qwen2-window": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    # Gemma 2: (1 + w) norms, sandwich norms, embedding scale, GeLU-tanh, query_pre_attn_scalar,
+    # local (window 4) / global layers, attention and final soft-capping low enough to bite
+    "gemma2-window": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 4,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 5.0,
+        "tie_word_embeddings": True,
+    },
+    # Gemma 3: q/k norms, a RoPE per layer type (the global one linearly scaled)
+    "gemma3-window": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        },
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -70,8 +103,10 @@ def test_the_registry_finds_the_family(family_model):
     dims = LlamaDims.from_hf_config(config)
     assert family_of(config).name == dims.family == family
     assert dims.attention_bias == (family == "qwen2") and not dims.o_bias
-    assert dims.qk_norm == (family == "qwen3")
+    assert dims.qk_norm == (family in ("qwen3", "gemma3"))
+    assert dims.sandwich_norms == dims.norm_offset == family.startswith("gemma")
     assert dims.fused_projections == (family == "phi3")
+    assert any(dims.layer_windows) == ("window" in folder.name)
 
 
 def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(family_model):
@@ -120,13 +155,35 @@ def test_unsupported_families_are_refused_by_name():
         LlamaDims.from_hf_config(config)
 
 
-def test_a_qwen_window_counts_only_when_the_config_turns_it_on(tmp_path):
-    from transformers import Qwen2Config
+def test_layer_windows_follow_the_config():
+    """A window is served, not a cap on the context: Qwen2's only when use_sliding_window
+    says so and from max_window_layers on (layer_types), Mistral's on every layer."""
+    from transformers import MistralConfig, Qwen2Config
 
-    off = Qwen2Config(sliding_window=64, use_sliding_window=False, max_position_embeddings=512)
-    on = Qwen2Config(sliding_window=64, use_sliding_window=True, max_position_embeddings=512)
-    assert LlamaDims.from_hf_config(off).max_positions == 512
-    assert LlamaDims.from_hf_config(on).max_positions == 64  # capped, as Mistral's
+    sizes = dict(max_position_embeddings=512, num_hidden_layers=3)
+    off = Qwen2Config(sliding_window=64, use_sliding_window=False, **sizes)
+    on = Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1, **sizes)
+    assert LlamaDims.from_hf_config(off).layer_windows == (0, 0, 0)
+    assert LlamaDims.from_hf_config(on).layer_windows == (0, 64, 64)
+    assert LlamaDims.from_hf_config(on).max_positions == 512
+    mistral = LlamaDims.from_hf_config(MistralConfig(sliding_window=64, **sizes))
+    assert mistral.layer_windows == (64, 64, 64) and mistral.max_positions == 512
+    assert LlamaDims.from_hf_config(MistralConfig(sliding_window=None, **sizes)).layer_windows == (
+        0,
+        0,
+        0,
+    )
+    odd = Qwen2Config(sliding_window=64, use_sliding_window=True, **sizes)
+    odd.layer_types = ["full_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="unsupported layer_types.*chunked_attention"):
+        LlamaDims.from_hf_config(odd)
+
+
+def test_distkv_refuses_a_windowed_model(tmp_path):
+    """Remote micro-attention has no window: DistKV is refused up front, not served wrong."""
+    llm = tiny_llm(make_tiny_family(tmp_path / "m", "mistral", sliding_window=6))
+    with pytest.raises(ValueError, match="DistKV does not serve mistral"):
+        llm.engine.enable_distkv("r0", None, None)
 
 
 def test_an_adapter_made_for_another_family_is_refused_naming_the_mismatch(
@@ -164,3 +221,33 @@ def test_partial_rotary_is_refused():
     config = Phi3Config(partial_rotary_factor=0.75)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
         LlamaDims.from_hf_config(config)
+
+
+@pytest.mark.parametrize(
+    "field", ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"]
+)
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), True, "50"])
+def test_bad_gemma_numbers_are_refused_by_name(field, bad):
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(num_hidden_layers=2)
+    config.__dict__[field] = bad  # past HF's own field validation, as a hand-edited config.json
+    with pytest.raises(ValueError, match=field):
+        LlamaDims.from_hf_config(config)
+
+
+def test_gemma_dims_from_its_configs():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    g2 = LlamaDims.from_hf_config(Gemma2Config(num_hidden_layers=4, hidden_size=2304))
+    assert g2.family == "gemma2" and g2.activation == "gelu_pytorch_tanh"
+    assert g2.layer_windows == (4096, 0, 4096, 0) and g2.layer_types == ()
+    assert (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0)
+    assert g2.attn_scale == 256**-0.5 and g2.embed_scale == 2304**0.5
+    g3 = LlamaDims.from_hf_config(Gemma3TextConfig(num_hidden_layers=6))
+    assert g3.layer_windows == (4096,) * 5 + (0,)
+    assert g3.layer_types[-1] == "full_attention" and g3.qk_norm
+    assert (g3.attn_softcap, g3.final_softcap) == (0.0, 0.0)
+    encoder = Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        LlamaDims.from_hf_config(encoder)

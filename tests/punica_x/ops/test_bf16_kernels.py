@@ -158,6 +158,7 @@ def test_fused_layers_bf16(rows, hidden, head_dim, cpu_isa):
     assert torch.equal(r1, r2)  # the bf16 residual stream: one rounding of r + x, as torch does
     gate_up = bf16_randn(g, rows, 2 * hidden, scale=4)
     assert_within_one_ulp(cpu.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    assert_within_one_ulp(cpu.gelu_tanh_and_mul(gate_up), ref.gelu_tanh_and_mul(gate_up))
     heads = hidden // head_dim
     ang = torch.rand(50, head_dim // 2, generator=g) * 6
     emb = torch.cat((ang, ang), dim=-1)

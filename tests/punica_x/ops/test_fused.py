@@ -66,6 +66,20 @@ def test_silu_and_mul(cpu, inter):
     )
 
 
+@pytest.mark.parametrize("inter", [1536, 1000, 7])
+def test_gelu_tanh_and_mul(cpu, inter):
+    """Gemma's gelu_pytorch_tanh, against F.gelu(approximate="tanh") and against float64,
+    far tails included. atol 1e-5 against torch: below x ~ -4.5 torch's 0.5 x (1 + tanh(y))
+    cancels to 0 in float32 where the value is ~1e-6 (ours, x / (1 + exp(-2y)), keeps it)."""
+    g = gen()
+    gate_up = torch.randn(9, 2 * inter, generator=g) * 4
+    gate_up[0, :inter] = torch.linspace(-120, 120, inter)
+    ours = cpu.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(ours, REF.gelu_tanh_and_mul(gate_up), rtol=1e-5, atol=1e-5)
+    exact = REF.gelu_tanh_and_mul(gate_up.double())
+    torch.testing.assert_close(ours.double(), exact, rtol=1e-5, atol=1e-7)
+
+
 def test_inputs_are_checked(cpu):
     with pytest.raises(RuntimeError, match="position 500 outside the table"):
         cpu.rope_(
