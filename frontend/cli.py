@@ -40,7 +40,11 @@ def serve(args) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = engine_config(args)
+    try:
+        engine = engine_config(args)
+    except ValueError as exc:  # a flag's value the config refuses
+        print(f"punica-x: {exc}", file=sys.stderr)
+        return 2
     limits = parse_limits(args.limit or [])
     if limits is None:
         return 2
@@ -113,9 +117,13 @@ def parse_limits(items: list[str]):
 
 def engine_config(args):
     """The runners' EngineConfig from `serve`'s arguments (a Ray runner gets it whole)."""
-    from punica_x.config import EngineConfig, ModelConfig
+    from punica_x.config import EngineConfig, MemoryConfig, ModelConfig
 
-    engine = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype))
+    model = ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    memory = MemoryConfig(utilization=args.memory_utilization)
+    if args.kv_fraction is not None:
+        memory = replace(memory, kv_fraction=args.kv_fraction)
+    engine = EngineConfig(model=model, memory=memory)
     if args.max_batch_size is not None:
         engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
     engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
@@ -170,6 +178,29 @@ def _serve_parser(sub) -> None:
         default=None,
         help="each runner's paged KV cache in bytes (default 2 GiB; vLLM CPU's "
         "VLLM_CPU_KVCACHE_SPACE, its GPU memory share on a GPU)",
+    )
+    s.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=None,
+        help="each runner's share of its device's memory (0 < x <= 1): the KV cache and the "
+        "adapter pool are sized from what the weights and one profiling step leave of it "
+        "(vLLM's gpu_memory_utilization; default 0.9 on a GPU; on a CPU the fixed "
+        "--kv-cache-bytes unless this is given)",
+    )
+    s.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=None,
+        help="with memory planning, the share of the spare memory that goes to the KV cache "
+        "(0 < x < 1, default 0.8); the rest holds adapters",
+    )
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest context served (default: the model's own, capped by what the KV "
+        "cache holds when memory is planned)",
     )
     s.add_argument(
         "--no-prefix-caching",

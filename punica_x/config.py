@@ -94,6 +94,39 @@ class LoraConfig:
         _positive("host_bytes", self.host_bytes)
 
 
+def _share(name: str, value, low_open: bool, high: float, high_open: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (value > 0 if low_open else value >= 0)
+    ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        bound = f"0 < {name} {'<' if high_open else '<='} {high:g}"
+        raise ValueError(f"{name} must be a number with {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Memory planning (punica_x/engine/memory.py). utilization: this engine's share of the
+    device's memory, from which the KV cache and the adapter pool are sized after a
+    profiling step (vLLM's gpu_memory_utilization); None: 0.9 on CUDA, and on CPU the fixed
+    sizes cache.kv_cache_bytes / num_blocks and lora.device_bytes. kv_fraction: the share of
+    what the weights and one step leave that goes to the KV cache; the rest is the adapter
+    pool's device budget."""
+
+    utilization: float | None = None
+    kv_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.utilization is not None:
+            _share("utilization", self.utilization, True, 1.0, False)
+        _share("kv_fraction", self.kv_fraction, True, 1.0, True)
+
+    def effective_utilization(self, device: torch.device) -> float | None:
+        """The share to plan with on `device`, or None: fixed sizes."""
+        if self.utilization is not None:
+            return self.utilization
+        return 0.9 if device.type == "cuda" else None
+
+
 POLICIES = ("fcfs", "mlfq")
 
 
@@ -147,6 +180,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     sgmv_backend: str | None = None
     attention_backend: str | None = None
     seed: int = 0

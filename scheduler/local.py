@@ -99,7 +99,7 @@ def describe_runner(engine: Engine, config: EngineConfig) -> RunnerInfo:
         device=str(engine.device),
         model=ModelInfo(
             loaded.name,
-            loaded.max_model_len,
+            engine.max_model_len,  # the memory plan may cap the model's own
             loaded.model_dir,
             dtype_name(engine.dtype),
             engine.model.dims.family,

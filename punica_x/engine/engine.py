@@ -20,6 +20,17 @@ from punica_x.core import (
 from punica_x.dtypes import dtype_name
 from punica_x.engine.build import build_attention, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
+from punica_x.engine.memory import (
+    MemoryPlan,
+    MemoryProbe,
+    host_reserved_bytes,
+    plan_memory,
+    planned_config,
+    probe_for,
+    profiling_config,
+    profiling_prompt,
+    weights_bytes,
+)
 from punica_x.engine.moves import resume_into, resume_point
 from punica_x.engine.outputs import OutputProcessor, emit
 from punica_x.engine.step_sampling import request_error, sample_step
@@ -47,16 +58,34 @@ class Engine:
     Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
 
     def __init__(
-        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        probe: MemoryProbe | None = None,
     ) -> None:
+        """probe: how memory planning (config.memory) reads the device (punica_x/engine/
+        memory.py; None: the device's own probe)."""
         self.config = config = config or EngineConfig()
         self.loaded = loaded or load_model(config.model)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        d = self.model.dims
         device, dtype = config.model.torch_device(), config.model.torch_dtype()
         self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
         self.max_model_len = self.loaded.max_model_len
         log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
+        self.memory_plan: MemoryPlan | None = None
+        utilization = config.memory.effective_utilization(device)
+        if utilization is not None:
+            self._build(profiling_config(config, self.max_model_len))
+            self.memory_plan = self._plan_memory(utilization, probe or probe_for(device))
+            log.info(self.memory_plan.describe())
+            self.config = config = planned_config(config, self.memory_plan)
+            self.max_model_len = self.memory_plan.max_model_len
+        self._build(config)
+        freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
+
+    def _build(self, config: EngineConfig) -> None:
+        """The engine's parts around the loaded model, sized by `config`."""
+        d, device, dtype = self.model.dims, self.device, self.dtype
         target = LoraTarget(d.num_layers, d.lora_shapes(), d.fused_modules(), d.family)
         self.adapters = AdapterPool(target, config.lora, device, dtype)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
@@ -76,7 +105,31 @@ class Engine:
         self.scheduled_ids: tuple[str, ...] = ()
         self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
-        freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
+
+    def _plan_memory(self, utilization: float, probe: MemoryProbe) -> MemoryPlan:
+        """One profiling step at the largest size (memory.py), then the plan from what the
+        device has left."""
+        ids = profiling_prompt(self.config, self.max_model_len, self.model.dims.vocab_size)
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+        def profile() -> None:
+            self.add_request(ids, sampling, request_id="memory-profile")
+            while self.requests:
+                self.step()
+
+        peak = probe.peak_during(profile)
+        memory = self.config.memory
+        return plan_memory(
+            probe.snapshot(),
+            weights_bytes(self.model),
+            peak,
+            utilization,
+            memory.kv_fraction,
+            self.cache.spec.bytes_per_block,
+            self.config.cache.block_size,
+            self.max_model_len,
+            host_reserved_bytes(self.config, self.cache.spec.bytes_per_block, self.device),
+        )
 
     def enable_distkv(
         self,

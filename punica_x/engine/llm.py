@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from punica_x.config import BatchConfig, CacheConfig, EngineConfig, LoraConfig, ModelConfig
+from punica_x.config import (
+    BatchConfig,
+    CacheConfig,
+    EngineConfig,
+    LoraConfig,
+    MemoryConfig,
+    ModelConfig,
+)
 from punica_x.core import RequestOutput, SamplingParams
 from punica_x.engine import Engine
 from punica_x.heap import freeze_heap
@@ -74,7 +81,13 @@ class LLM:
         return [final[r.request_id] for r in requests]
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "lora": LoraConfig, "batch": BatchConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "lora": LoraConfig,
+    "batch": BatchConfig,
+    "memory": MemoryConfig,
+}
 
 
 def _apply_kwargs(config: EngineConfig, kwargs: dict) -> EngineConfig:

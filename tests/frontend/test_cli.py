@@ -29,3 +29,32 @@ def test_serve_refuses_an_unknown_dtype(capsys):
 def test_serve_turns_prefix_caching_off():
     assert _engine().cache.prefix_caching is True
     assert _engine("--no-prefix-caching").cache.prefix_caching is False
+
+
+def test_serve_memory_planning_flags():
+    plain = _engine()
+    assert plain.memory.utilization is None and plain.model.max_model_len is None
+    engine = _engine("--memory-utilization", "0.5", "--kv-fraction", "0.6", "--max-model-len", "96")
+    assert (engine.memory.utilization, engine.memory.kv_fraction) == (0.5, 0.6)
+    assert engine.model.max_model_len == 96
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--memory-utilization", "0"),
+        ("--memory-utilization", "1.5"),
+        ("--memory-utilization", "nan"),
+        ("--memory-utilization", "-inf"),
+        ("--kv-fraction", "1"),
+        ("--kv-fraction", "0"),
+        ("--kv-fraction", "nan"),
+        ("--max-model-len", "0"),
+        ("--max-model-len", "-5"),
+    ],
+)
+def test_serve_refuses_bad_memory_flags(flag, value, capsys):
+    from frontend.cli import main
+
+    assert main(["serve", f"{flag}={value}"]) == 2
+    assert flag.lstrip("-").replace("-", "_").removeprefix("memory_") in capsys.readouterr().err
