@@ -55,10 +55,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: blocks (rBlocks) of `block_size` tokens. The pool holds `num_blocks`
-    blocks, or as many as fit in `kv_cache_bytes`."""
+    blocks, or as many as fit in `kv_cache_bytes` (None: 2 GiB, or the memory plan's size
+    where memory is planned: a size given here turns the default planning on CUDA off)."""
 
     block_size: int = 16
-    kv_cache_bytes: int = 2 * GiB
+    kv_cache_bytes: int | None = None
     num_blocks: int | None = None
     # host-memory pool the MLFQ policy swaps preempted requests' KV into (0: none, they
     # recompute); pinned on a GPU; swap_blocks counts blocks instead of bytes
@@ -68,6 +69,13 @@ class CacheConfig:
     # the longest prefix of its tokens computed by the same model or adapter version (and
     # salt); full blocks stay cached after their request ends, evicted LRU when needed
     prefix_caching: bool = True
+
+    DEFAULT_KV_CACHE_BYTES = 2 * GiB
+
+    @property
+    def sized(self) -> bool:
+        """Whether the cache's size is given (not the default)."""
+        return self.num_blocks is not None or self.kv_cache_bytes is not None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_caching, bool):
@@ -108,7 +116,8 @@ class MemoryConfig:
     """Memory planning (punica_x/engine/memory.py). utilization: this engine's share of the
     device's memory, from which the KV cache and the adapter pool are sized after a
     profiling step (vLLM's gpu_memory_utilization); None: 0.9 on CUDA, and on CPU the fixed
-    sizes cache.kv_cache_bytes / num_blocks and lora.device_bytes. kv_fraction: the share of
+    sizes cache.kv_cache_bytes / num_blocks and lora.device_bytes (and on CUDA too when the
+    cache's size is given). kv_fraction: the share of
     what the weights and one step leave that goes to the KV cache; the rest is the adapter
     pool's device budget."""
 
@@ -120,11 +129,12 @@ class MemoryConfig:
             _share("utilization", self.utilization, True, 1.0, False)
         _share("kv_fraction", self.kv_fraction, True, 1.0, True)
 
-    def effective_utilization(self, device: torch.device) -> float | None:
-        """The share to plan with on `device`, or None: fixed sizes."""
+    def effective_utilization(self, device: torch.device, sized: bool = False) -> float | None:
+        """The share to plan with on `device`, or None: fixed sizes. sized: the cache's size
+        is given (num_blocks or kv_cache_bytes), which the default planning leaves alone."""
         if self.utilization is not None:
             return self.utilization
-        return 0.9 if device.type == "cuda" else None
+        return 0.9 if device.type == "cuda" and not sized else None
 
 
 POLICIES = ("fcfs", "mlfq")

@@ -25,9 +25,8 @@ def build_kv(
     spec = KVCacheSpec(
         dims.num_layers, dims.num_kv_heads, dims.head_dim, cache_config.block_size, dtype
     )
-    num_blocks = cache_config.num_blocks or max(
-        1, cache_config.kv_cache_bytes // spec.bytes_per_block
-    )
+    size = cache_config.kv_cache_bytes or cache_config.DEFAULT_KV_CACHE_BYTES
+    num_blocks = cache_config.num_blocks or max(1, size // spec.bytes_per_block)
     cache = KVCache(spec, num_blocks, device)
     swap = None
     if config.batch.policy != "mlfq":

@@ -73,7 +73,7 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
         self.memory_plan: MemoryPlan | None = None
-        utilization = config.memory.effective_utilization(device)
+        utilization = config.memory.effective_utilization(device, config.cache.sized)
         if utilization is not None:
             self._build(profiling_config(config, self.max_model_len))
             self.memory_plan = self._plan_memory(utilization, probe or probe_for(device))

@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_llm
 
 from punica_x import SamplingParams
-from punica_x.config import EngineConfig, GiB, MemoryConfig, ModelConfig
+from punica_x.config import CacheConfig, EngineConfig, GiB, MemoryConfig, ModelConfig
 from punica_x.engine import Engine
 from punica_x.engine.memory import (
     CpuProbe,
@@ -91,6 +91,11 @@ def test_planning_is_on_by_default_on_cuda_only():
     import torch
 
     assert MemoryConfig().effective_utilization(torch.device("cuda")) == 0.9
+    # a cache size given (tests, --kv-cache-bytes) is kept unless planning is asked for
+    assert MemoryConfig().effective_utilization(torch.device("cuda"), sized=True) is None
+    assert MemoryConfig(utilization=0.5).effective_utilization(torch.device("cuda"), True) == 0.5
+    assert not CacheConfig().sized and CacheConfig(kv_cache_bytes=1 << 20).sized
+    assert CacheConfig(num_blocks=4).sized
     assert MemoryConfig().effective_utilization(torch.device("cpu")) is None
     assert MemoryConfig(utilization=0.3).effective_utilization(torch.device("cpu")) == 0.3
 
