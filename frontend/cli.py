@@ -54,14 +54,20 @@ def serve(args) -> int:
         print("punica-x: --ray-address needs --runner-backend ray", file=sys.stderr)
         return 2
     try:
+        devices = runner_devices(args)
+    except ValueError as exc:
+        print(f"punica-x: {exc}", file=sys.stderr)
+        return 2
+    try:
         config = ServerConfig(
             host=args.host,
             port=args.port,
             data_dir=Path(args.data_dir),
             engine=engine,
             limits=limits,
-            runners=args.runners,
+            runners=args.runners or max(1, len(devices)),
             runner_backend=args.runner_backend,
+            devices=devices,
             ray_address=args.ray_address,
             autoscale=args.autoscale,
             distkv=not args.no_distkv,
@@ -113,6 +119,20 @@ def parse_limits(items: list[str]):
             return None
         limits = replace(limits, **{name: int(value)})
     return limits
+
+
+def runner_devices(args) -> tuple[str, ...]:
+    """The thread runners' devices from --devices (scheduler/devices.py); () for Ray runners
+    (Ray gives each one GPU), where --devices is refused. ValueError naming the problem."""
+    if args.runner_backend == "ray":
+        if args.devices is not None:
+            raise ValueError("--devices is for thread runners (Ray gives each runner one GPU)")
+        return ()
+    import torch
+
+    from scheduler.devices import parse_devices
+
+    return parse_devices(args.devices, torch.cuda.device_count())
 
 
 def engine_config(args):
@@ -227,7 +247,16 @@ def _serve_parser(sub) -> None:
 def _cluster_args(s) -> None:
     """serve's options about the runners: how many, which backend, what they share."""
     s.add_argument(
-        "--runners", type=int, default=1, help="runners to start (admin scale changes it; 1)"
+        "--runners",
+        type=int,
+        default=None,
+        help="runners to start (admin scale changes it; default: one per --devices entry)",
+    )
+    s.add_argument(
+        "--devices",
+        default=None,
+        help="thread runners' devices, runner i on the i-th (round robin): auto (default: "
+        "every visible GPU, else the CPU), cpu, or cuda:0,cuda:1,...",
     )
     s.add_argument(
         "--runner-backend",

@@ -42,6 +42,9 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     runners: int = 1  # runners started with the server (admin scale adds and removes them)
     runner_backend: str = "thread"
+    # thread runners' devices, runner-i on devices[i % len] (scheduler/devices.py); () : the
+    # engine config's own device for all
+    devices: tuple[str, ...] = ()
     ray_address: str | None = None  # join this Ray cluster ("auto": the local one); else start one
     autoscale: str | None = None  # "MIN:MAX": act on the scaling advice (scheduler/autoscale.py)
     idle_after_s: float = 60.0  # a runner idle this long (others with room) is advised away

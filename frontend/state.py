@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from starlette.requests import HTTPConnection
 
@@ -18,6 +19,7 @@ from frontend.recovery import recover
 from frontend.store import Store
 from punica_x.heap import freeze_heap
 from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
+from scheduler.devices import device_of
 from scheduler.local import LocalRunner
 
 log = logging.getLogger("punica_x.server")
@@ -102,13 +104,21 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         return Scheduler.from_config(
             scheduler_config(config), runners, ray_factory, tokenizer=meta.tokenizer
         )
-    first = LocalRunner(engine, "runner-0")
-    shared = first.engine.loaded
+    shared: dict[str, object] = {}  # device -> the weights its thread runners share
+
+    devices = config.devices
 
     def factory(runner_id: str) -> LocalRunner:
-        return LocalRunner(engine, runner_id, shared=shared)
+        runner_engine = engine
+        if devices:
+            device = device_of(runner_id, devices)
+            runner_engine = replace(engine, model=replace(engine.model, device=device))
+        key = runner_engine.model.device
+        runner = LocalRunner(runner_engine, runner_id, shared=shared.get(key))
+        shared.setdefault(key, runner.engine.loaded)
+        return runner
 
-    runners = [first] + [factory(f"runner-{i}") for i in range(1, n)]
+    runners = [factory(f"runner-{i}") for i in range(n)]
     return Scheduler.from_config(scheduler_config(config), runners, factory)
 
 
