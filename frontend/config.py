@@ -57,6 +57,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.runners < 1:
             raise ValueError(f"runners must be >= 1, got {self.runners}")
+        if self.distkv and self.runner_backend == "thread" and len(set(self.devices)) > 1:
+            raise ValueError(
+                "DistKV between thread runners on different devices is not supported "
+                "(remote attention results are not copied across GPUs): add --no-distkv"
+            )
         if self.autoscale is not None:
             from scheduler.autoscale import AutoscaleConfig
 

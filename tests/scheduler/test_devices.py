@@ -60,7 +60,9 @@ def test_a_servers_runners_take_their_devices_and_share_weights_per_device(monke
 
     monkeypatch.setattr(state, "LocalRunner", FakeRunner)
     monkeypatch.setattr(state.Scheduler, "from_config", classmethod(lambda cls, *a, **k: a))
-    config = ServerConfig(runners=4, devices=("cuda:0", "cuda:1"))
+    with pytest.raises(ValueError, match="add --no-distkv"):
+        ServerConfig(runners=4, devices=("cuda:0", "cuda:1"))
+    config = ServerConfig(runners=4, devices=("cuda:0", "cuda:1"), distkv=False)
     _, runners, factory = state.build_scheduler(config)
     assert [r.device for r in runners] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert runners[0].shared is None and runners[1].shared is None
