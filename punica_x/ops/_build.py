@@ -39,8 +39,18 @@ from punica_x.ops.isa import KernelBuildError
 
 log = logging.getLogger("punica_x.build")
 
-CSRC_ROOT = Path(__file__).resolve().parents[2] / "csrc"
+
+def _csrc_root() -> Path:
+    """The kernel sources: csrc/ beside the package in a checkout, else punica_x/csrc where
+    an installed wheel carries them (setup.py copies csrc/ there)."""
+    here = Path(__file__).resolve()
+    checkout, installed = here.parents[2] / "csrc", here.parents[1] / "csrc"
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+CSRC_ROOT = _csrc_root()
 CSRC = CSRC_ROOT / "sgmv"
+# compiled for when no GPU is visible at build time (or PUNICA_X_CUDA_ARCHS says otherwise)
 CUDA_ARCHS = ("80", "90")
 COMMON_HEADERS = ("common/simd.h", "common/parallel.h")
 # kind: (sources, headers), paths relative to csrc/
@@ -60,6 +70,31 @@ EXTENSIONS = {
 CPU_KINDS = ("sgmv_cpu", "attention_cpu", "dense_cpu", "layers_cpu")
 
 
+def cuda_archs(capabilities: list[tuple[int, int]] | None = None) -> tuple[str, ...]:
+    """The SM architectures to compile the CUDA kernels for: $PUNICA_X_CUDA_ARCHS (e.g.
+    "80,90"), else the visible GPUs' (capabilities: [(major, minor)], default torch's), else
+    CUDA_ARCHS. ValueError for a malformed list."""
+    env = os.environ.get("PUNICA_X_CUDA_ARCHS", "").strip()
+    if env:
+        archs = [a.strip() for a in env.split(",")]
+        if not all(a.isdigit() and 2 <= len(a) <= 3 for a in archs):
+            raise ValueError(f"PUNICA_X_CUDA_ARCHS must list SM numbers like 80,90, got {env!r}")
+        return tuple(sorted(set(archs), key=int))
+    if capabilities is None:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(n)]
+    found = {f"{major}{minor}" for major, minor in capabilities}
+    return tuple(sorted(found, key=int)) or CUDA_ARCHS
+
+
+def gencode_flags(archs: tuple[str, ...]) -> list[str]:
+    """nvcc flags: SASS for each architecture, and PTX of the newest, so a GPU newer than
+    every one of them still runs the kernels (the driver compiles the PTX at load)."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    newest = max(archs, key=int)
+    return [*flags, f"-gencode=arch=compute_{newest},code=compute_{newest}"]
+
+
 def build_key(kind: str, isa: str) -> str:
     """Hash of everything that makes a binary differ: sources, flags, torch, Python, CPU."""
     names, headers = EXTENSIONS[kind]
@@ -76,6 +111,7 @@ def build_key(kind: str, isa: str) -> str:
         isa_mod.cpu_model(),
         " ".join(sorted(isa_mod.cpu_flags())),
         str(kind.endswith("_cuda")),
+        ",".join(cuda_archs()) if kind.endswith("_cuda") else "",
     ):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -157,7 +193,7 @@ def _build(kind: str, isa: str, names, with_cuda: bool) -> ModuleType:
     if with_cuda:
         cflags.append("-DPUNICA_X_WITH_CUDA")
         cuda_flags += ["-DPUNICA_X_WITH_CUDA"]
-        cuda_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+        cuda_flags += gencode_flags(cuda_archs())
     _ensure_ninja_on_path()
     with _build_lock(build_dir):
         fresh = not (build_dir / f"{name}.so").exists()
