@@ -317,10 +317,14 @@ class RequestOutput:
 @dataclass(frozen=True)
 class LoraBatchMeta:
     """SGMV metadata of one step, one entry per projection group ("qkv", "o", "gate_up",
-    "down"), planned once and read by every layer. workspace: float32 [T, max rank sum]."""
+    "down"), planned once and read by every layer. workspace: float32 [T, max rank sum].
+    embed / head: LoRA on the embedding and the LM head, (first row, end row, A^T, B^T) of
+    each run of rows whose adapter has it (empty: no row's adapter does, nothing to add)."""
 
     groups: dict[str, SgmvWeights]
     workspace: torch.Tensor
+    embed: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+    head: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,17 @@ class ScheduledRequest(NamedTuple):
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
+def _edges(seg: list[int], refs: list, group: str) -> tuple:
+    """(first row, end row, A^T, B^T) of each segment whose adapter has LoRA on `group`
+    ("embed": the embedding, "head": the LM head)."""
+    out = []
+    for i, ref in enumerate(refs):
+        w = ref.weights if ref is not None else None
+        if w is not None and group in w.groups:
+            out.append((seg[i], seg[i + 1], *w.groups[group]))
+    return tuple(out)
+
+
 def _adapter_key(s: ScheduledRequest) -> int:
     return s.request.adapter.version if s.request.adapter is not None else 0
 
@@ -129,4 +140,6 @@ class BatchPlanner:
         width = max((w.max_rank for w in groups.values()), default=1)
         # [T, max rank sum]: shrink output, consumed by the expand of the same projection
         workspace = torch.empty(rows, width, dtype=torch.float32, device=self.device)
-        return LoraBatchMeta(groups, workspace)
+        return LoraBatchMeta(
+            groups, workspace, _edges(seg, refs, "embed"), _edges(seg, refs, "head")
+        )

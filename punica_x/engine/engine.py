@@ -86,7 +86,15 @@ class Engine:
     def _build(self, config: EngineConfig) -> None:
         """The engine's parts around the loaded model, sized by `config`."""
         d, device, dtype = self.model.dims, self.device, self.dtype
-        target = LoraTarget(d.num_layers, d.lora_shapes(), d.fused_modules(), d.family)
+        target = LoraTarget(
+            d.num_layers,
+            d.lora_shapes(),
+            d.fused_modules(),
+            d.family,
+            d.vocab_size,
+            d.hidden_size,
+            dict(self.model.edge_digests),
+        )
         self.adapters = AdapterPool(target, config.lora, device, dtype)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
         self.planner = BatchPlanner(

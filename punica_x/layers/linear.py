@@ -49,6 +49,11 @@ class Dense(nn.Module):
         """x: [T, in_features] -> [T, out_features]."""
         return self.backend.forward(x, self.weight, self.out_features, self.bias)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W ([T] int64 -> [T, in_features]), read from the backend's layout
+        (ops.dense.has_rows)."""
+        return self.backend.rows(self.weight, ids, self.in_features)
+
     def load_slice(self, index: int | None, kind: str, tensor: torch.Tensor) -> bool:
         """Copy slice `index` of a checkpoint's weight ([out, in]) or bias ([out]) into the
         fused parameters (index None: all slices at once, a checkpoint that fuses them too);

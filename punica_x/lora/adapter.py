@@ -47,6 +47,19 @@ GROUPS: dict[str, tuple[str, ...]] = {
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
 )
+# The edges: LoRA on the embedding (PEFT's lora_embedding_A [r, vocab], _B [hidden, r]) and
+# on the LM head (lora_A [r, hidden], lora_B [vocab, r]); held under layer EDGE.
+EDGE_MODULES = ("embed_tokens", "lm_head")
+EDGE = -1
+_EDGE_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.(embed_tokens)\.lora_embedding_(A|B)"
+    r"|(lm_head)\.lora_(A|B)\.weight)$"
+)
+# PEFT saves the base embedding / head beside edge LoRA (save_embedding_layers): accepted
+# only as a copy of the base model's own (LoraTarget.edge_digests), never as a replacement.
+_EDGE_BASE_KEY = re.compile(
+    r"^base_model\.model\.(model\.embed_tokens|lm_head)\.base_layer\.weight$"
+)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Options that change what the adapter computes in ways this runner does not implement.
 _UNSUPPORTED = {
@@ -77,15 +90,26 @@ class LoraTarget:
     shapes: dict[str, tuple[int, int]]
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     family: str = "llama"
+    # (vocab, hidden) and the base weights' digests (edge_digest) for LoRA on embed_tokens /
+    # lm_head; vocab 0: not offered
+    vocab_size: int = 0
+    hidden_size: int = 0
+    edge_digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def modules(self) -> tuple[str, ...]:
         """The module names an adapter of this base model may target."""
         inside = {m for parts in self.fused.values() for m in parts}
-        return tuple(m for m in TARGET_MODULES if m not in inside) + tuple(self.fused)
+        edges = EDGE_MODULES if self.vocab_size else ()
+        return tuple(m for m in TARGET_MODULES if m not in inside) + tuple(self.fused) + edges
 
     def shape(self, module: str) -> tuple[int, int]:
-        """(in, out) of a module adapters target (a fused one's out: its projections')."""
+        """(in, out) of a module adapters target (a fused one's out: its projections'; the
+        embedding's in is the vocabulary, as PEFT's lora_embedding_A [r, vocab] reads)."""
+        if module == "embed_tokens":
+            return self.vocab_size, self.hidden_size
+        if module == "lm_head":
+            return self.hidden_size, self.vocab_size
         parts = self.fused.get(module)
         if parts is None:
             return self.shapes[module]
@@ -98,7 +122,9 @@ class LoraAdapter:
 
     groups[g] = (a [L, R_g, h_in], b [L, sum_j r_j * h_out_j]) for each projection group with
     at least one targeted slice; ranks[g] = rank of each slice of g (0 = not targeted).
-    scaling is folded into b. The tensors are in the serving dtype (load_peft_adapter's
+    LoRA on the edges: groups["embed"] = (A^T [vocab, r], B^T [r, hidden]) and
+    groups["head"] = (A^T [hidden, r], B^T [r, vocab]), ranks (r,). scaling is folded into b.
+    The tensors are in the serving dtype (load_peft_adapter's
     `dtype`), so nbytes is what the adapter costs the pool; stored_dtype is the dtype of the
     uploaded A/B tensors ("float16"; a comma list, sorted, when the file mixes dtypes:
     "bfloat16,float32")."""
@@ -150,6 +176,11 @@ def load_peft_adapter(
     tensors = _split_fused(_scaled(tensors, options), target)
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
     ranks, groups = _to_sgmv_layout(tensors, modules, target, dtype)
+    for module, group in (("embed_tokens", "embed"), ("lm_head", "head")):
+        if (EDGE, module, "A") in tensors:
+            a, b = tensors[(EDGE, module, "A")], tensors[(EDGE, module, "B")]
+            groups[group] = (a.t().to(dtype).contiguous(), b.t().to(dtype).contiguous())
+            ranks[group] = (a.shape[0],)
     sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
     top = max(t.shape[0] for (_, _, ab), t in tensors.items() if ab == "A")
     return LoraAdapter(top, alpha, scaling, declared, ranks, groups, sha, stored)
@@ -240,7 +271,10 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, options: PeftOpt
     _check_target_modules(config.get("target_modules"), target)
     with handle as f:
         keys = list(f.keys())
-        parsed = {_parse_key(k, target): k for k in keys}
+        bases = [k for k in keys if _EDGE_BASE_KEY.match(k)]
+        for key in bases:
+            _check_edge_base(key, f.get_tensor(key), target)
+        parsed = {_parse_key(k, target): k for k in keys if k not in bases}
         _check_coverage(parsed, config, target, options.layers)
         tensors = {}
         for (layer, module, ab), key in parsed.items():
@@ -264,14 +298,46 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, options: PeftOpt
     return tensors
 
 
+def edge_digest(weight: torch.Tensor) -> str:
+    """A digest of an [vocab, hidden] embedding or head by value (its bfloat16 rounding, so a
+    float32 checkpoint and a bfloat16 copy of it agree)."""
+    h = hashlib.sha256(str(tuple(weight.shape)).encode())
+    for chunk in weight.detach().reshape(-1).split(1 << 24):
+        h.update(chunk.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_edge_base(key: str, t: torch.Tensor, target: LoraTarget) -> None:
+    """PEFT's copy of the base embedding / head: refused unless it is the base model's."""
+    module = "embed_tokens" if "embed_tokens" in key else "lm_head"
+    want = target.edge_digests.get(module)
+    same = (
+        want is not None
+        and tuple(t.shape) == (target.vocab_size, target.hidden_size)
+        and t.dtype in _FLOAT_DTYPES
+        and edge_digest(t) == want
+    )
+    if not same:
+        raise AdapterError(
+            "modules_to_save_not_supported",
+            f"{key}: the adapter carries its own {module} weights, which differ from the base "
+            "model's (a resized or retrained vocabulary); only LoRA deltas are served (save "
+            "the adapter with save_embedding_layers=False if they are the base model's)",
+        )
+
+
 def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
+    edge = _EDGE_KEY.match(key)
+    if edge and target.vocab_size:
+        module = edge.group(1) or edge.group(3)
+        return EDGE, module, edge.group(2) or edge.group(4)
     m = _KEY.match(key)
     if not m:
         raise AdapterError(
             "unknown_module", f"unexpected tensor {key!r}: only LoRA A/B weights; {_offer(target)}"
         )
     layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-    if module not in target.modules or _PARENT[module] != parent:
+    if module not in target.modules or _PARENT.get(module) != parent:
         raise AdapterError("unknown_module", f"unexpected module in {key!r}; {_offer(target)}")
     if layer >= target.num_layers:
         raise AdapterError(
@@ -301,14 +367,14 @@ def _check_coverage(
             raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
     wanted = range(target.num_layers) if layers is None else sorted(layers)
     for module in modules:
-        for layer in wanted:
+        for layer in [EDGE] if module in EDGE_MODULES else wanted:
             for ab in "AB":
                 if (layer, module, ab) not in parsed:
                     raise AdapterError(
                         "bad_weights", f"missing lora_{ab} of {module} in layer {layer}"
                     )
     if layers is not None:
-        outside = sorted({layer for layer, _, _ in parsed} - layers)
+        outside = sorted({layer for layer, _, _ in parsed if layer != EDGE} - layers)
         if outside:
             raise AdapterError(
                 "bad_weights", f"weights for layers {outside} outside layers_to_transform"

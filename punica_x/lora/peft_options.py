@@ -101,7 +101,10 @@ def _finite(v, what: str) -> float:
 
 
 def _name(layer: int, module: str) -> str:
-    """A projection's module name in the base model, as PEFT matches patterns against it."""
+    """A projection's module name in the base model, as PEFT matches patterns against it
+    (layer -1: the embedding and the LM head, outside the layers)."""
+    if layer < 0:
+        return "model.embed_tokens" if module == "embed_tokens" else module
     parent = (
         "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
     )

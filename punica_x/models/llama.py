@@ -20,7 +20,7 @@ from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
 from punica_x.layers.rope import RotaryEmbedding, per_layer_type
 from punica_x.models.registry import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
-from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend
+from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend, has_rows
 from punica_x.ops.sgmv import SgmvBackend
 
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
@@ -264,11 +264,15 @@ class LlamaForCausalLM(nn.Module):
         # each layer's RoPE (Gemma 3: local and global layers have their own base)
         self.layer_ropes = [self.ropes[t] for t in types]
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
+        self.embed_from_head = False  # tied: the embedding read from the head's layout
+        self.edge_digests: dict[str, str] = {}  # the loader's (lora.adapter.edge_digest)
 
     @torch.no_grad()
     def finish_loading(self, dense: DenseChooser, fused) -> None:
         """Called once the checkpoint is in: tie the head, convert every weight for the backend
-        dense(n, k, rows) picks for its [n, k] shape, set the fused element-wise layers."""
+        dense(n, k, rows) picks for its [n, k] shape, set the fused element-wise layers. A
+        tied head whose backend reads rows back (ops.dense.has_rows) is the embedding too:
+        the embedding's own copy is dropped (vocab x hidden weights held once)."""
         if self.dims.tie_word_embeddings:
             self.lm_head.weight.copy_(self.embed_tokens.weight)
         self.fused = fused
@@ -281,6 +285,11 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare(dense(module.out_features, module.in_features, rows))
             elif isinstance(module, RMSNorm):
                 module.fused = fused
+        if self.dims.tie_word_embeddings and has_rows(self.lm_head.backend):
+            self.embed_from_head = True
+            self.embed_tokens.weight = nn.Parameter(
+                self.embed_tokens.weight.new_empty(0, self.dims.hidden_size), requires_grad=False
+            )
 
     @torch.inference_mode()
     def forward(
@@ -288,7 +297,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run every row of the batch; returns logits float32 [B (+ P), vocab] of
         batch.sample_rows (then the prompt-scoring rows: batch.logit_rows when set)."""
-        residual = self.embed_tokens(batch.input_ids)  # [T, hidden], updated in place
+        ids = batch.input_ids
+        # [T, hidden], a fresh tensor updated in place below
+        residual = self.lm_head.rows(ids) if self.embed_from_head else self.embed_tokens(ids)
+        if batch.lora is not None and batch.lora.embed:
+            _add_embed_lora(residual, ids, batch.lora.embed)
         if self.dims.embed_scale != 1.0:  # Gemma: the scale in the serving dtype, as HF
             residual.mul_(torch.tensor(self.dims.embed_scale, dtype=residual.dtype))
         normed = self.layers[0].input_layernorm(residual)
@@ -298,6 +311,27 @@ class LlamaForCausalLM(nn.Module):
             rope = self.layer_ropes[i]
             normed = layer(normed, residual, next_norm, batch, i, kv, rope, backend, self.fused)
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
-        logits = self.lm_head.dense(normed[rows]).float()
+        x = normed[rows]
+        logits = self.lm_head.dense(x).float()
+        if batch.lora is not None and batch.lora.head:
+            _add_head_lora(logits, x, rows, batch.lora.head)
         cap = self.dims.final_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
+
+
+def _add_embed_lora(residual, ids, segments) -> None:
+    """PEFT's LoRA on an embedding, in place: rows [lo, hi) += A^T[ids] @ B^T (scaled B),
+    computed in float32. Gemma's embedding scale, applied after, scales it as PEFT does."""
+    for lo, hi, a_t, b_t in segments:
+        delta = a_t[ids[lo:hi]].float() @ b_t.float()  # [rows, r] @ [r, hidden]
+        residual[lo:hi] += delta.to(residual.dtype)
+
+
+def _add_head_lora(logits, x, rows, segments) -> None:
+    """PEFT's LoRA on the LM head, in place on the float32 logits of `rows` (row indices into
+    the step, x = their hidden states): each logit row whose step row lies in [lo, hi) gets
+    (x @ A^T) @ B^T of that segment's adapter, before any final soft-capping."""
+    for lo, hi, a_t, b_t in segments:
+        picked = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)
+        if picked.numel():
+            logits[picked] += (x[picked].float() @ a_t.float()) @ b_t.float()

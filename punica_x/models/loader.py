@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
+from punica_x.lora.adapter import edge_digest
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
@@ -242,6 +243,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                         raise ValueError(f"unexpected tensor {name!r} in {path.name}")
                     seen.add(name)
     _check_complete(dims, seen)
+    with torch.no_grad():  # before the head is packed: what edge LoRA's base copies must be
+        embed = model.embed_tokens.weight
+        head = embed if dims.tie_word_embeddings else model.lm_head.weight
+        model.edge_digests = {"embed_tokens": edge_digest(embed), "lm_head": edge_digest(head)}
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),

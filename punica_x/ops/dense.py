@@ -54,6 +54,13 @@ class DenseBackend(Protocol):
         """x: [M, K] -> [M, N]."""
 
 
+def has_rows(backend: DenseBackend) -> bool:
+    """Whether the backend reads rows of W back from its layout (rows(prepared, ids, k) ->
+    W[ids], [T, K]): what lets a tied LM head serve as the embedding (cpu, torch; oneDNN's
+    blocked layout is opaque)."""
+    return callable(getattr(backend, "rows", None))
+
+
 class TorchDense:
     name = "torch"
 
@@ -62,6 +69,10 @@ class TorchDense:
 
     def forward(self, x, prepared, n, bias):
         return x @ prepared if bias is None else torch.addmm(bias, x, prepared)
+
+    def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """W[ids] from W^T [K, N]: [T, K]."""
+        return prepared[:, ids].t().contiguous()
 
 
 class PackedCpuDense:
@@ -79,6 +90,15 @@ class PackedCpuDense:
         y = torch.empty(x.shape[0], n, dtype=prepared.dtype)
         self.ext.gemm(y, x.contiguous(), prepared, n, bias)
         return y
+
+    def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """W[ids] from the panels [ceil(N / P), ceil(K / KP), P * KP] (csrc/dense/dense.h:
+        row n is column n % P of panel n // P, its K values in KP-wide pairs): [T, K]."""
+        p = self.ext.panel()
+        panels, rows, cols = prepared.shape
+        view = prepared.view(panels, rows, p, cols // p)
+        picked = view[ids // p, :, ids % p, :]  # [T, rows, KP]
+        return picked.reshape(ids.shape[0], -1)[:, :k].contiguous()
 
 
 class OneDnnDense:

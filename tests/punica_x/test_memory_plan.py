@@ -6,6 +6,7 @@ still generates what a fixed-size engine does)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from helpers import tiny_llm
@@ -118,9 +119,10 @@ def test_cpu_probe_reads_meminfo_and_a_cgroup_limit(tmp_path):
 def test_cpu_probe_sees_a_step_peak():
     probe = CpuProbe()
 
-    def allocate():
+    def allocate():  # a step holds its activations a while (torch ops release the GIL)
         block = bytearray(64 * MiB)
         block[::4096] = b"x" * len(block[::4096])  # touch every page
+        time.sleep(0.05)
         del block
 
     assert probe.peak_during(allocate) >= 32 * MiB

@@ -102,8 +102,8 @@ def test_shapes_of_another_model_refused(llm, tmp_path):
 
 
 def test_unknown_module_refused(llm, base, tiny_adapters, tmp_path):
-    path = make_peft_adapter(base, tmp_path / "head", 8, ["lm_head"], seed=5)
-    refused(llm, path, "unknown_module", r"unknown target modules \['lm_head'\]")
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "fc1", target_modules=["q_proj", "fc1"])
+    refused(llm, path, "unknown_module", r"unknown target modules \['fc1'\]")
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "regex", target_modules=".*proj")
     weights = load_file(path / "adapter_model.safetensors")
     weights["base_model.model.model.layers.0.mlp.fc1.lora_A.weight"] = torch.zeros(4, 64)

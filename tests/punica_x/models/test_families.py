@@ -109,6 +109,21 @@ def test_the_registry_finds_the_family(family_model):
     assert any(dims.layer_windows) == ("window" in folder.name)
 
 
+def test_a_tied_head_is_the_embedding_itself(family_model):
+    """Tied models hold vocab x hidden once: the embedding reads the head's layout (and the
+    exactness tests above pass through it); oneDNN's opaque layout keeps the copy."""
+    from punica_x.ops.dense import has_rows
+
+    _, folder, _ = family_model
+    model = tiny_llm(folder).engine.model
+    tied = model.dims.tie_word_embeddings
+    assert model.embed_from_head == (tied and has_rows(model.lm_head.backend))
+    assert (model.embed_tokens.weight.numel() == 0) == model.embed_from_head
+    if tied:
+        onednn = tiny_llm(folder, dense_backend="onednn").engine.model
+        assert not onednn.embed_from_head and onednn.embed_tokens.weight.numel() > 0
+
+
 def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(family_model):
     """Greedy tokens equal; every prompt token's logprob within 1e-4 of HF + PEFT's."""
     family, folder, adapters = family_model

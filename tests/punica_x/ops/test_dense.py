@@ -56,3 +56,25 @@ def test_compiled_backends_are_the_defaults_on_cpu():
         ValueError, match="the cpu dense backend runs float32 or bfloat16 on cpu, not float16"
     ):
         get_dense_backend("cpu", torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (7, 50), (101, 1)])  # odd K, N past a panel
+def test_rows_read_back_from_the_layout_exactly(dtype, k, n, cpu_isa):
+    """A tied LM head serves as the embedding: rows of W come back bit for bit from the
+    packed panels (every ISA's layout) and from torch's transposed copy."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    w = torch.randn(n, k, generator=g).to(dtype)
+    ids = torch.randint(0, n, (37,), generator=g)
+    ids[0], ids[-1] = 0, n - 1
+    for backend in (PackedCpuDense(cpu_isa), TorchDense()):
+        got = backend.rows(backend.prepare(w), ids, k)
+        assert got.shape == (37, k) and got.is_contiguous()
+        assert torch.equal(got, w[ids]), backend.name
+
+
+def test_onednn_has_no_rows():
+    from punica_x.ops.dense import OneDnnDense, has_rows
+
+    assert has_rows(TorchDense()) and has_rows(PackedCpuDense())
+    assert not has_rows(OneDnnDense())
