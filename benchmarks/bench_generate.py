@@ -283,6 +283,7 @@ def summarize(args, rows, peer, ours_backbone, hf_backbone, backbone_step, ours_
         "backbone_ratio": ours_backbone / hf_backbone,
         "backbone_step_ms": backbone_step * 1e3,
         "dtype": ours_dtype,
+        "model": f"{args.model} (random weights)" if args.model in SHAPES else args.model,
     }
     for bind, result in peer.items():
         suffix = "" if bind == "all" else f"_{bind}"
@@ -306,7 +307,8 @@ def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidt
     """The setting, the table, then the ratios against each issue's target, one line each."""
     ours_dtype = summary["dtype"]
     print(
-        f"SmolLM2-135M, {args.requests} requests x {args.max_tokens} tokens, rank {args.rank} "
+        f"{summary['model'] or 'SmolLM2-135M'}, {args.requests} requests x {args.max_tokens} "
+        f"tokens, rank {args.rank} "
         f"on all 7 projections, {args.threads} threads, read bandwidth {read_bw / 1e9:.1f} GB/s "
         f"(copy {bandwidth / 1e9:.1f}), "
         f"punica-x {ours_dtype}, vLLM {args.peer_dtype if args.peer != 'none' else '-'}"
@@ -390,7 +392,8 @@ def plot(rows, summary, result_name: str = "bench_generate") -> None:
     ax.set_ylabel("generated tokens / s")
     m = machine()
     ax.set_title(
-        f"SmolLM2-135M, 32 concurrent requests, rank-16 LoRA, {summary['dtype']} "
+        f"{summary.get('model') or 'SmolLM2-135M'}, 32 concurrent requests, rank-16 LoRA, "
+        f"{summary['dtype']} "
         f"({m['cpu']}, {m['isa']})"
     )
     ax.legend()
