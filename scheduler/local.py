@@ -48,9 +48,12 @@ def _prefix_counters(e: Engine) -> dict:
     if prefix is None:
         return {}
     queries, hits = dict(prefix.stats.queries), dict(prefix.stats.hits)  # (another thread's)
+    # a deleted adapter's requests still running may record after its counters were dropped
+    # (Engine.unregister_adapter): only the base model's and registered adapters' are shown
+    shown = {""} | set(e.adapters.names())
     return dict(
         kv_blocks_cached=e.cache.allocator.num_cached,
-        prefix_cache=tuple((a, queries[a], hits.get(a, 0)) for a in sorted(queries)),
+        prefix_cache=tuple((a, queries[a], hits.get(a, 0)) for a in sorted(queries) if a in shown),
     )
 
 
@@ -181,7 +184,7 @@ class LocalRunner:
         return await asyncio.to_thread(pool.register, name, path, sha256, version)
 
     async def unregister_adapter(self, name: str) -> None:
-        self.engine.adapters.unregister(name)
+        self.engine.unregister_adapter(name)
 
     def has_version(self, version: int) -> bool:
         return self.engine.adapters.has_version(version)

@@ -127,7 +127,7 @@ class RunnerActor(KVActorMethods):
         return self.engine.adapters.register(name, folder, sha256, version)
 
     def unregister_adapter(self, name: str) -> None:
-        self.engine.adapters.unregister(name)
+        self.engine.unregister_adapter(name)
 
     def alive(self) -> str | None:
         """None while the engine steps, else why it stopped."""

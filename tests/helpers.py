@@ -126,6 +126,22 @@ def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
     return ids[0, -n:].tolist()
 
 
+def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int, dtype=torch.float32):
+    """HF (+ PEFT when adapter_dir) greedy tokens after `prompt` and the prompt's
+    log-softmax [len, V], in `dtype`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return hf_greedy(model, tokenizer, prompt, n), logp
+
+
 def make_peft_adapter(
     base,
     folder: Path,

@@ -139,6 +139,14 @@ class Engine:
             host_reserved_bytes(self.config, self.cache.spec.bytes_per_block, self.device),
         )
 
+    def unregister_adapter(self, name: str) -> None:
+        """Remove an adapter (AdapterPool.unregister: running requests finish on the weights
+        they hold) and its prefix-cache counters, so a tenant's stream of uploads and
+        deletes does not grow the runner's statistics or /metrics' series."""
+        self.adapters.unregister(name)
+        if self.batcher.prefix is not None:
+            self.batcher.prefix.stats.forget(name)
+
     def enable_distkv(
         self,
         runner_id: str,

@@ -48,7 +48,7 @@ class LLM:
         return info
 
     def unload_adapter(self, name: str) -> None:
-        self.engine.adapters.unregister(name)
+        self.engine.unregister_adapter(name)
 
     def generate(
         self,

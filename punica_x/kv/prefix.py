@@ -65,6 +65,11 @@ class PrefixStats:
         self.queries[adapter] += queried
         self.hits[adapter] += hit
 
+    def forget(self, adapter: str) -> None:
+        """Drop an adapter's counters (it was deleted)."""
+        self.queries.pop(adapter, None)
+        self.hits.pop(adapter, None)
+
 
 class PrefixCache:
     """One runner's prefix cache over its block allocator (see the module docstring)."""

@@ -249,3 +249,25 @@ def test_no_block_reference_leaks_after_random_aborts_preemptions_and_migrations
         assert sorted(a._free + list(a._lru)) == list(range(a.num_blocks))
         assert len(a._cached) == a.num_cached > 0
         assert sum(e.batcher.prefix.stats.hits.values()) > 0
+
+
+def test_a_deleted_adapters_counters_go_with_it(tiny_model_dir, tiny_adapters):
+    """A tenant uploading and deleting adapters in a loop must not grow the runner's
+    statistics or /metrics' series: unregistering drops the adapter's prefix counters, and
+    the stats a runner reports name only the base model and registered adapters."""
+    from scheduler.local import _prefix_counters
+
+    llm = tiny_llm(tiny_model_dir)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for i in range(3):
+        llm.load_adapter(f"a{i}", str(tiny_adapters["r4"]))
+        llm.generate(["the quick brown fox jumps"], [f"a{i}"], sp)
+    llm.generate(["the quick brown fox jumps"], [None], sp)
+    stats = llm.engine.batcher.prefix.stats
+    assert {"", "a0", "a1", "a2"} <= set(stats.queries)
+    llm.unload_adapter("a0")
+    llm.unload_adapter("a1")
+    assert set(stats.queries) == {"", "a2"} and set(stats.hits) <= {"", "a2"}
+    stats.record("a1", 5, 0)  # a request of a1 still running when it was deleted
+    shown = [a for a, _, _ in _prefix_counters(llm.engine)["prefix_cache"]]
+    assert shown == ["", "a2"]

@@ -13,7 +13,7 @@ import json
 import pytest
 import safetensors.torch as st
 import torch
-from helpers import hf_greedy, make_peft_adapter, make_tiny_family, make_tiny_llama, tiny_llm
+from helpers import hf_reference, make_peft_adapter, make_tiny_family, make_tiny_llama, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.lora.adapter import AdapterError
@@ -46,20 +46,6 @@ def edge_model(request, tmp_path_factory):
         for i, (name, targets) in enumerate(TARGETS.items())
     }
     return request.param, folder, adapters
-
-
-def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    return hf_greedy(model, tokenizer, prompt, n), logp
 
 
 def test_peft_saved_the_base_copies_these_tests_rely_on(edge_model):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy, make_peft_adapter, make_tiny_family, tiny_llm
+from helpers import hf_reference, make_peft_adapter, make_tiny_family, tiny_llm
 from transformers import AutoConfig
 
 from punica_x import SamplingParams
@@ -80,21 +80,6 @@ def family_model(request, tmp_path_factory):
         for i, (name, t) in enumerate(targets.items())
     }
     return family, folder, adapters
-
-
-def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int, dtype=torch.float32):
-    """HF (+ PEFT) greedy tokens and the prompt's log-softmax [len, V] in `dtype`."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    return hf_greedy(model, tokenizer, prompt, n), logp
 
 
 def test_the_registry_finds_the_family(family_model):
