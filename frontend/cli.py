@@ -34,47 +34,17 @@ def serve(args) -> int:
     import uvicorn
 
     from frontend.app import create_app
-    from frontend.config import ServerConfig
     from frontend.store import StoreError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        engine = engine_config(args)
-    except ValueError as exc:  # a flag's value the config refuses
-        print(f"punica-x: {exc}", file=sys.stderr)
-        return 2
     limits = parse_limits(args.limit or [])
     if limits is None:
         return 2
-    if args.runner_backend is None:
-        args.runner_backend = "ray" if args.ray_address else "thread"
-    if args.ray_address and args.runner_backend != "ray":
-        print("punica-x: --ray-address needs --runner-backend ray", file=sys.stderr)
-        return 2
     try:
-        devices = runner_devices(args)
-    except ValueError as exc:
-        print(f"punica-x: {exc}", file=sys.stderr)
-        return 2
-    try:
-        config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            data_dir=Path(args.data_dir),
-            engine=engine,
-            limits=limits,
-            runners=args.runners or max(1, len(devices)),
-            runner_backend=args.runner_backend,
-            devices=devices,
-            ray_address=args.ray_address,
-            autoscale=args.autoscale,
-            distkv=not args.no_distkv,
-            fair_share=not args.no_fair_share,
-            restart_runners=not args.no_runner_restart,
-        )
-    except ValueError as exc:
+        config = server_config(args, limits)
+    except ValueError as exc:  # a flag's value, or a combination, the config refuses
         print(f"punica-x: {exc}", file=sys.stderr)
         return 2
     try:
@@ -92,6 +62,33 @@ def serve(args) -> int:
         ws_max_size=config.limits.max_ws_frame_bytes,
     )
     return 0
+
+
+def server_config(args, limits):
+    """serve's ServerConfig from its arguments; ValueError naming a bad flag or combination."""
+    from frontend.config import ServerConfig
+
+    engine = engine_config(args)
+    if args.runner_backend is None:
+        args.runner_backend = "ray" if args.ray_address else "thread"
+    if args.ray_address and args.runner_backend != "ray":
+        raise ValueError("--ray-address needs --runner-backend ray")
+    devices = runner_devices(args)
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir),
+        engine=engine,
+        limits=limits,
+        runners=args.runners or max(1, len(devices)),
+        runner_backend=args.runner_backend,
+        devices=devices,
+        ray_address=args.ray_address,
+        autoscale=args.autoscale,
+        distkv=not args.no_distkv,
+        fair_share=not args.no_fair_share,
+        restart_runners=not args.no_runner_restart,
+    )
 
 
 def _greet(state, args) -> None:
@@ -199,6 +196,31 @@ def _serve_parser(sub) -> None:
         help="each runner's paged KV cache in bytes (default 2 GiB; vLLM CPU's "
         "VLLM_CPU_KVCACHE_SPACE, its GPU memory share on a GPU)",
     )
+    _memory_args(s)
+    s.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole (by default a prompt's prefix whose KV a runner "
+        "computed for the same model or adapter version and tenant is reused: docs/prefix.md)",
+    )
+    s.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "mlfq"],
+        help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
+        "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
+    )
+    s.add_argument(
+        "--limit",
+        action="append",
+        metavar="NAME=N",
+        help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
+    )
+    _cluster_args(s)
+
+
+def _memory_args(s) -> None:
+    """serve's options about each runner's memory (punica_x/engine/memory.py)."""
     s.add_argument(
         "--memory-utilization",
         type=float,
@@ -222,26 +244,6 @@ def _serve_parser(sub) -> None:
         help="the longest context served (default: the model's own, capped by what the KV "
         "cache holds when memory is planned)",
     )
-    s.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="prefill every prompt whole (by default a prompt's prefix whose KV a runner "
-        "computed for the same model or adapter version and tenant is reused: docs/prefix.md)",
-    )
-    s.add_argument(
-        "--policy",
-        default="fcfs",
-        choices=["fcfs", "mlfq"],
-        help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
-        "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
-    )
-    s.add_argument(
-        "--limit",
-        action="append",
-        metavar="NAME=N",
-        help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
-    )
-    _cluster_args(s)
 
 
 def _cluster_args(s) -> None:

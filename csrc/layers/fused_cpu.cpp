@@ -118,28 +118,11 @@ void rope_cpu(T* x, int64_t stride, int64_t rows, int heads, int head_dim, const
   });
 }
 
-template <typename T>
-void silu_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
-  rows_parallel(rows, [&](int64_t t) {
-    const T* g = gate_up + t * 2 * int64_t(inter);
-    const T* u = g + inter;
-    T* o = out + t * inter;
-    int i = 0;
-    for (; i + kLanes <= inter; i += kLanes) {
-      const vf gv = simd::load(g + i);
-      simd::store(o + i, gv / (simd::splat(1.f) + simd::exp(-gv)) * simd::load(u + i));
-    }
-    for (; i < inter; ++i) {
-      const float gi = f32(g[i]);
-      o[i] = narrow<T>(gi / (1.f + std::exp(-gi)) * f32(u[i]));
-    }
-  });
-}
-
-template <typename T>
-void gelu_tanh_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
-  constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
-  constexpr float c = 0.044715f;
+// out[t, i] = gate * sigmoid(-z(gate)) * up = gate / (1 + exp(z(gate))) * up over [T, 2 I]:
+// SiLU (z = -x) and GeLU-tanh (z = -2 sqrt(2/pi) (x + 0.044715 x^3)); zv on vectors, zs on
+// the scalar tail.
+template <typename T, typename ZV, typename ZS>
+void sigmoid_gate_and_mul(T* out, const T* gate_up, int64_t rows, int inter, ZV zv, ZS zs) {
   rows_parallel(rows, [&](int64_t t) {
     const T* g = gate_up + t * 2 * int64_t(inter);
     const T* u = g + inter;
@@ -147,14 +130,28 @@ void gelu_tanh_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
     int i = 0;
     for (; i + kLanes <= inter; i += kLanes) {
       const vf x = simd::load(g + i);
-      const vf y = x * (simd::splat(1.f) + simd::splat(c) * x * x) * simd::splat(-k2);
-      simd::store(o + i, x / (simd::splat(1.f) + simd::exp(y)) * simd::load(u + i));
+      simd::store(o + i, x / (simd::splat(1.f) + simd::exp(zv(x))) * simd::load(u + i));
     }
     for (; i < inter; ++i) {
       const float x = f32(g[i]);
-      o[i] = narrow<T>(x / (1.f + std::exp(-k2 * x * (1.f + c * x * x))) * f32(u[i]));
+      o[i] = narrow<T>(x / (1.f + std::exp(zs(x))) * f32(u[i]));
     }
   });
+}
+
+template <typename T>
+void silu_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
+  sigmoid_gate_and_mul(out, gate_up, rows, inter, [](vf x) { return -x; }, [](float x) { return -x; });
+}
+
+template <typename T>
+void gelu_tanh_and_mul_cpu(T* out, const T* gate_up, int64_t rows, int inter) {
+  constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+  constexpr float c = 0.044715f;
+  sigmoid_gate_and_mul(
+      out, gate_up, rows, inter,
+      [](vf x) { return x * (simd::splat(1.f) + simd::splat(c) * x * x) * simd::splat(-k2); },
+      [](float x) { return -k2 * x * (1.f + c * x * x); });
 }
 
 #define PUNICA_X_FUSED_INSTANTIATE(T)                                                           \

@@ -233,8 +233,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, s: torch.T
     """ScaleReduce in place: (out, lse) [R, H, D], [R, H] absorb a part (o, s) over other
     keys. The part's weight is exp(s - logaddexp(lse, s)) = sigmoid(s - lse), so the merge
     is one lerp; s must be finite (a part that sees at least one key)."""
+    s = s.to(lse.device)  # a remote part may come back on the host (the channel's bytes)
     w = torch.sigmoid(s - lse).unsqueeze(-1)
-    out.lerp_(o.to(out.dtype), w.to(out.dtype))
+    out.lerp_(o.to(out.device, out.dtype), w.to(out.dtype))
     torch.logaddexp(lse, s, out=lse)
 
 
@@ -282,6 +283,7 @@ class DistPlan:
             pending = [self._start(call, layer, q, k, v, scale) for call in self.remote]
         for (call, _, _, _, pairs), result in zip(self.remote, pending):
             o, s, seconds = result.result() if isinstance(result, Future) else result
+            o, s = o.to(out.device), s.to(lse.device)  # the channel delivers host tensors
             self.stats.calls += 1
             self.stats.seconds += seconds
             if pairs is not None:

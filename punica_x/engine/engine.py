@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-from punica_x.attention.dist import DistContext
 from punica_x.batching.planner import BatchPlanner, ScheduledRequest
 from punica_x.config import EngineConfig
 from punica_x.core import (
@@ -18,29 +17,17 @@ from punica_x.core import (
     TokenLogprob,
 )
 from punica_x.dtypes import dtype_name
+from punica_x.engine import memory
 from punica_x.engine.build import build_attention, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
-from punica_x.engine.memory import (
-    MemoryPlan,
-    MemoryProbe,
-    host_reserved_bytes,
-    plan_memory,
-    planned_config,
-    probe_for,
-    profiling_config,
-    profiling_prompt,
-    weights_bytes,
-)
+from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
 from punica_x.engine.outputs import OutputProcessor, emit
 from punica_x.engine.step_sampling import request_error, sample_step
 from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
-from punica_x.kv import swap_home
-from punica_x.kv.borrowing import KVBorrowing
 from punica_x.kv.prefix import cache_key
-from punica_x.kv.rmanager import KVBorrower, LendCaps, PeerLost, RManager
-from punica_x.kv.swap_home import Pick
+from punica_x.kv.rmanager import PeerLost, RManager
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
@@ -52,7 +39,7 @@ from punica_x.sampling.structured import Grammars
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(DistKVPart):
     """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
 
     Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
@@ -61,7 +48,7 @@ class Engine:
         self,
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
-        probe: MemoryProbe | None = None,
+        probe: memory.MemoryProbe | None = None,
     ) -> None:
         """probe: how memory planning (config.memory) reads the device (punica_x/engine/
         memory.py; None: the device's own probe)."""
@@ -72,13 +59,15 @@ class Engine:
         self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
         self.max_model_len = self.loaded.max_model_len
         log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
-        self.memory_plan: MemoryPlan | None = None
+        self.memory_plan: memory.MemoryPlan | None = None
         utilization = config.memory.effective_utilization(device, config.cache.sized)
         if utilization is not None:
-            self._build(profiling_config(config, self.max_model_len))
-            self.memory_plan = self._plan_memory(utilization, probe or probe_for(device))
+            self._build(memory.profiling_config(config, self.max_model_len))
+            self.memory_plan = memory.plan_engine(
+                self, utilization, probe or memory.probe_for(device)
+            )
             log.info(self.memory_plan.describe())
-            self.config = config = planned_config(config, self.memory_plan)
+            self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
         self._build(config)
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
@@ -114,31 +103,6 @@ class Engine:
         self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
 
-    def _plan_memory(self, utilization: float, probe: MemoryProbe) -> MemoryPlan:
-        """One profiling step at the largest size (memory.py), then the plan from what the
-        device has left."""
-        ids = profiling_prompt(self.config, self.max_model_len, self.model.dims.vocab_size)
-        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-
-        def profile() -> None:
-            self.add_request(ids, sampling, request_id="memory-profile")
-            while self.requests:
-                self.step()
-
-        peak = probe.peak_during(profile)
-        memory = self.config.memory
-        return plan_memory(
-            probe.snapshot(),
-            weights_bytes(self.model),
-            peak,
-            utilization,
-            memory.kv_fraction,
-            self.cache.spec.bytes_per_block,
-            self.config.cache.block_size,
-            self.max_model_len,
-            host_reserved_bytes(self.config, self.cache.spec.bytes_per_block, self.device),
-        )
-
     def unregister_adapter(self, name: str) -> None:
         """Remove an adapter (AdapterPool.unregister: running requests finish on the weights
         they hold) and its prefix-cache counters, so a tenant's stream of uploads and
@@ -146,44 +110,6 @@ class Engine:
         self.adapters.unregister(name)
         if self.batcher.prefix is not None:
             self.batcher.prefix.stats.forget(name)
-
-    def enable_distkv(
-        self,
-        runner_id: str,
-        borrower: KVBorrower,
-        caps: LendCaps,
-        overlap: bool = False,
-        pool=None,
-    ) -> RManager:
-        """Take part in DistKV: lend blocks to peers within `caps` (the returned rManager
-        serves them) and let requests too long for this runner borrow through `borrower`.
-        overlap: remote micro-attention runs on `pool` while the local part runs (else in
-        the step's thread after it: where runners share the cores, that is faster)."""
-        if self.swap is not None:
-            raise ValueError(
-                "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
-                "move borrowed blocks"
-            )
-        d = self.model.dims
-        if any(d.layer_windows) or d.attn_softcap:
-            raise ValueError(
-                f"DistKV does not serve {d.family} models: remote micro-attention has no "
-                "sliding window or logit soft-capping"
-            )
-        self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
-        self.batcher.borrowing = KVBorrowing(self.cache, borrower)
-        self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
-        return self.rmanager
-
-    def remote_picks(self, creditor: str, blocks: int) -> list[Pick]:
-        """DGFM, debtor side: up to `blocks` blocks this runner's requests hold on
-        `creditor` (punica_x/kv/swap_home.py). Call it while the engine is held."""
-        return swap_home.remote_picks(self.requests.values(), creditor, blocks)
-
-    def bring_home(self, runner_id: str, creditor: str, picks: list[Pick], data: list) -> None:
-        """DGFM, debtor side: the picks' KV copies into this runner's blocks, the requests'
-        extents rewritten (swap_home.bring_home). Call it while the engine is held."""
-        swap_home.bring_home(self.cache, self.requests, runner_id, creditor, picks, data)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
@@ -276,17 +202,6 @@ class Engine:
             self.capacity_blocks(),
             "the cluster's KV caches (DistKV) hold" if self._peers_lend() else "the KV cache holds",
         )
-
-    def _peers_lend(self) -> bool:
-        borrowing = self.batcher.borrowing
-        return borrowing is not None and borrowing.capacity_blocks() > 0
-
-    def capacity_blocks(self) -> int:
-        """The most KV blocks one request can hold: this runner's cache, plus what its peers
-        could lend under DistKV."""
-        borrowing = self.batcher.borrowing
-        extra = borrowing.capacity_blocks() if borrowing is not None else 0
-        return self.cache.allocator.num_blocks + extra
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: it leaves the batch and frees its KV blocks now."""
@@ -402,17 +317,6 @@ class Engine:
         if reason is not None:
             return self._finish(r, reason, new_ids=[token], new_text=new_text)
         return self.outputs.output(r, [token], new_text)
-
-    def _lost_peer(self, owner: str) -> None:
-        """A runner holding borrowed blocks is gone: the requests with blocks there lose
-        them and recompute from their tokens (borrowing again elsewhere); this step's other
-        requests run again next step (what it wrote is rewritten identically)."""
-        self.peer_losses += 1
-        log.warning("runner %s holding borrowed KV blocks is gone", owner)
-        for r in list(self.batcher.running):
-            if any(e.owner == owner for e in r.remote):
-                r.remote = [e for e in r.remote if e.owner != owner]
-                self.batcher.preempt(r)
 
     def _starved(self, r: Request) -> str:
         """The error of a request whose peers lent it no KV block for KVBorrowing.give_up_s."""

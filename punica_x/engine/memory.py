@@ -265,3 +265,32 @@ def host_reserved_bytes(config, bytes_per_block: int, device: torch.device) -> i
         c = config.cache
         swap = c.swap_bytes if c.swap_blocks is None else c.swap_blocks * bytes_per_block
     return swap + config.lora.host_bytes
+
+
+def plan_engine(engine, utilization: float, probe: MemoryProbe) -> MemoryPlan:
+    """One profiling step of `engine` (built on profiling_config) at its largest size, then
+    the plan from what the device has left (the module docstring)."""
+    from punica_x.core import SamplingParams
+
+    config = engine.config
+    ids = profiling_prompt(config, engine.max_model_len, engine.model.dims.vocab_size)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def profile() -> None:
+        engine.add_request(ids, sampling, request_id="memory-profile")
+        while engine.requests:
+            engine.step()
+
+    peak = probe.peak_during(profile)
+    bytes_per_block = engine.cache.spec.bytes_per_block
+    return plan_memory(
+        probe.snapshot(),
+        weights_bytes(engine.model),
+        peak,
+        utilization,
+        config.memory.kv_fraction,
+        bytes_per_block,
+        config.cache.block_size,
+        engine.max_model_len,
+        host_reserved_bytes(config, bytes_per_block, engine.device),
+    )

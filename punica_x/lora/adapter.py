@@ -19,6 +19,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from punica_x.dtypes import dtype_name
+from punica_x.lora.edges import (
+    EDGE,
+    EDGE_BASE_KEY,
+    EDGE_KEY,
+    EDGE_MODULES,
+    edge_digest,
+    edge_groups,
+)
+from punica_x.lora.layout import GROUPS, to_sgmv_layout  # noqa: F401  (GROUPS: re-exported)
 from punica_x.lora.peft_options import OptionError, PeftOptions, read_options
 
 CONFIG_FILE = "adapter_config.json"
@@ -37,28 +46,8 @@ _PARENT = {
     "qkv_proj": "self_attn",  # fused modules of some families (LoraTarget.fused)
     "gate_up_proj": "mlp",
 }
-# Projections that read one input and share one SGMV launch, in the base model's fused order.
-GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
-)
-# The edges: LoRA on the embedding (PEFT's lora_embedding_A [r, vocab], _B [hidden, r]) and
-# on the LM head (lora_A [r, hidden], lora_B [vocab, r]); held under layer EDGE.
-EDGE_MODULES = ("embed_tokens", "lm_head")
-EDGE = -1
-_EDGE_KEY = re.compile(
-    r"^base_model\.model\.(?:model\.(embed_tokens)\.lora_embedding_(A|B)"
-    r"|(lm_head)\.lora_(A|B)\.weight)$"
-)
-# PEFT saves the base embedding / head beside edge LoRA (save_embedding_layers): accepted
-# only as a copy of the base model's own (LoraTarget.edge_digests), never as a replacement.
-_EDGE_BASE_KEY = re.compile(
-    r"^base_model\.model\.(model\.embed_tokens|lm_head)\.base_layer\.weight$"
 )
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Options that change what the adapter computes in ways this runner does not implement.
@@ -175,12 +164,10 @@ def load_peft_adapter(
     declared = tuple(m for m in target.modules if any(k[1] == m for k in tensors))
     tensors = _split_fused(_scaled(tensors, options), target)
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
-    ranks, groups = _to_sgmv_layout(tensors, modules, target, dtype)
-    for module, group in (("embed_tokens", "embed"), ("lm_head", "head")):
-        if (EDGE, module, "A") in tensors:
-            a, b = tensors[(EDGE, module, "A")], tensors[(EDGE, module, "B")]
-            groups[group] = (a.t().to(dtype).contiguous(), b.t().to(dtype).contiguous())
-            ranks[group] = (a.shape[0],)
+    ranks, groups = to_sgmv_layout(tensors, modules, target, dtype)
+    edge_ranks, edge_tensors = edge_groups(tensors, dtype)
+    ranks.update(edge_ranks)
+    groups.update(edge_tensors)
     sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
     top = max(t.shape[0] for (_, _, ab), t in tensors.items() if ab == "A")
     return LoraAdapter(top, alpha, scaling, declared, ranks, groups, sha, stored)
@@ -271,7 +258,7 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, options: PeftOpt
     _check_target_modules(config.get("target_modules"), target)
     with handle as f:
         keys = list(f.keys())
-        bases = [k for k in keys if _EDGE_BASE_KEY.match(k)]
+        bases = [k for k in keys if EDGE_BASE_KEY.match(k)]
         for key in bases:
             _check_edge_base(key, f.get_tensor(key), target)
         parsed = {_parse_key(k, target): k for k in keys if k not in bases}
@@ -298,15 +285,6 @@ def _read_weights(path: Path, config: dict, target: LoraTarget, options: PeftOpt
     return tensors
 
 
-def edge_digest(weight: torch.Tensor) -> str:
-    """A digest of an [vocab, hidden] embedding or head by value (its bfloat16 rounding, so a
-    float32 checkpoint and a bfloat16 copy of it agree)."""
-    h = hashlib.sha256(str(tuple(weight.shape)).encode())
-    for chunk in weight.detach().reshape(-1).split(1 << 24):
-        h.update(chunk.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _check_edge_base(key: str, t: torch.Tensor, target: LoraTarget) -> None:
     """PEFT's copy of the base embedding / head: refused unless it is the base model's."""
     module = "embed_tokens" if "embed_tokens" in key else "lm_head"
@@ -327,7 +305,7 @@ def _check_edge_base(key: str, t: torch.Tensor, target: LoraTarget) -> None:
 
 
 def _parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
-    edge = _EDGE_KEY.match(key)
+    edge = EDGE_KEY.match(key)
     if edge and target.vocab_size:
         module = edge.group(1) or edge.group(3)
         return EDGE, module, edge.group(2) or edge.group(4)
@@ -405,59 +383,3 @@ def _scaled(tensors: dict, options: PeftOptions) -> dict:
         (layer, module, ab): t.float() * (options.scaling(layer, module) if ab == "B" else 1.0)
         for (layer, module, ab), t in tensors.items()
     }
-
-
-def _padded(t: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
-    """t [r, cols] zero-padded to [rows, cols] (a layer without this module: all zeros):
-    zero rows of A and B add nothing, so a slice's rank is its largest over the layers."""
-    out = torch.zeros(rows, cols)
-    if t is not None:
-        out[: t.shape[0]] = t
-    return out
-
-
-def _to_sgmv_layout(tensors, modules, target: LoraTarget, dtype: torch.dtype):
-    """Scaled float32 tensors (_scaled) in the SGMV layout of LoraAdapter.groups."""
-    ranks: dict[str, tuple[int, ...]] = {}
-    groups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    layers = range(target.num_layers)
-    for group, slices in GROUPS.items():
-        present = [m for m in slices if m in modules]
-        if not present:
-            continue
-        top = {
-            m: max(t.shape[0] for (_, mod, ab), t in tensors.items() if mod == m and ab == "A")
-            for m in present
-        }
-        ranks[group] = tuple(top.get(m, 0) for m in slices)
-        a_layers, b_layers = [], []
-        for layer in layers:
-            # A^T of every targeted slice stacked: [R_g, h_in]
-            a_layers.append(
-                torch.cat(
-                    [
-                        _padded(tensors.get((layer, m, "A")), top[m], target.shapes[m][0])
-                        for m in present
-                    ]
-                )
-            )
-            # each slice's B as [r, h_out] (PEFT stores [h_out, r]), flattened
-            b_layers.append(
-                torch.cat(
-                    [
-                        _padded(
-                            _t(tensors.get((layer, m, "B"))), top[m], target.shapes[m][1]
-                        ).reshape(-1)
-                        for m in present
-                    ]
-                )
-            )
-        groups[group] = (
-            torch.stack(a_layers).to(dtype).contiguous(),
-            torch.stack(b_layers).to(dtype).contiguous(),
-        )
-    return ranks, groups
-
-
-def _t(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.t()

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
-from punica_x.lora.adapter import edge_digest
+from punica_x.lora.edges import edge_digest
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused

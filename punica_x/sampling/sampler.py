@@ -89,9 +89,10 @@ class Sampler:
     def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, then min-p, top-k and top-p (nucleus) filtering; returns [B, V] probs
         (a row with non-finite logits may come out non-finite: the caller checks)."""
-        temps = torch.tensor([r.sampling.temperature for r in requests], dtype=logits.dtype)
+        on = dict(dtype=logits.dtype, device=logits.device)  # every feature on the logits' device
+        temps = torch.tensor([r.sampling.temperature for r in requests], **on)
         logits = logits / temps[:, None]
-        min_ps = torch.tensor([r.sampling.min_p for r in requests], dtype=logits.dtype)
+        min_ps = torch.tensor([r.sampling.min_p for r in requests], **on)
         if (min_ps > 0).any():
             probs = logits.softmax(dim=-1)
             floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -100,9 +101,9 @@ class Sampler:
         ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else vocab for r in requests]
         if min(ks) < vocab:
             top = torch.topk(logits, max(ks), dim=-1).values
-            kth = top.gather(1, torch.tensor(ks)[:, None] - 1)
+            kth = top.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_ps = torch.tensor([r.sampling.top_p for r in requests], dtype=logits.dtype)
+        top_ps = torch.tensor([r.sampling.top_p for r in requests], **on)
         if (top_ps < 1).any():
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_probs = sorted_logits.softmax(dim=-1)
@@ -154,11 +155,12 @@ def process_logits(
     if not bias and not penalized and not held and not constrained:
         return logits
     logits = logits.clone()
+    dev = logits.device  # every tensor made here lives on the logits' device
     if bias:
         rows, cols, values = zip(*bias)
         logits.index_put_(
-            (torch.tensor(rows), torch.tensor(cols)),
-            torch.tensor(values, dtype=logits.dtype),
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(values, dtype=logits.dtype, device=dev),
             accumulate=True,
         )
     if penalized:
@@ -183,7 +185,8 @@ def _mask_stops(
         pairs.extend((i, t) for t in sorted(ids) if 0 <= t < vocab)
     if pairs:
         rows, cols = zip(*pairs)
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
 
 def _penalized(r: Request) -> bool:
@@ -194,25 +197,26 @@ def _penalized(r: Request) -> bool:
 def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits: [P, V] of the penalized requests."""
     n, vocab = logits.shape
-    counts = torch.zeros(n, vocab, dtype=logits.dtype)
+    dev, on = logits.device, dict(dtype=logits.dtype, device=logits.device)
+    counts = torch.zeros(n, vocab, **on)
     rows = [i for i, r in enumerate(requests) for _ in r.output_token_ids]
     cols = [t for r in requests for t in r.output_token_ids]
     if rows:
         counts.index_put_(
-            (torch.tensor(rows), torch.tensor(cols)),
-            torch.ones(len(rows), dtype=logits.dtype),
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.ones(len(rows), **on),
             accumulate=True,
         )
     seen = counts > 0
     prompt_rows = [i for i, r in enumerate(requests) for _ in r.prompt_token_ids]
     prompt_cols = [t for r in requests for t in r.prompt_token_ids]
-    in_prompt = torch.zeros(n, vocab, dtype=torch.bool)
-    in_prompt[torch.tensor(prompt_rows), torch.tensor(prompt_cols)] = True
-    rep = torch.tensor([r.sampling.repetition_penalty for r in requests], dtype=logits.dtype)
+    in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    in_prompt[torch.tensor(prompt_rows, device=dev), torch.tensor(prompt_cols, device=dev)] = True
+    rep = torch.tensor([r.sampling.repetition_penalty for r in requests], **on)
     rep = rep[:, None]
     logits = torch.where(
         seen | in_prompt, torch.where(logits > 0, logits / rep, logits * rep), logits
     )
-    freq = torch.tensor([r.sampling.frequency_penalty for r in requests], dtype=logits.dtype)
-    pres = torch.tensor([r.sampling.presence_penalty for r in requests], dtype=logits.dtype)
+    freq = torch.tensor([r.sampling.frequency_penalty for r in requests], **on)
+    pres = torch.tensor([r.sampling.presence_penalty for r in requests], **on)
     return logits - freq[:, None] * counts - pres[:, None] * seen.to(logits.dtype)

@@ -69,6 +69,8 @@ def mask_constrained(logits, requests) -> None:
     bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[-1])
     for j, i in enumerate(rows):
         lt.fill_next_token_bitmask(requests[i].matcher, bitmask, j)
+    if logits.device.type != "cpu":  # the grammars fill it on the host; apply it where they are
+        bitmask = bitmask.to(logits.device, non_blocking=True)
     sub = logits[rows]
     lt.apply_token_bitmask_inplace(sub, bitmask)
     logits[rows] = sub

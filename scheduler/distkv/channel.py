@@ -79,7 +79,9 @@ def _shutdown(conn: Connection) -> None:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a tensor (any dtype, bfloat16 included), without a copy when contiguous."""
+    """The bytes of a tensor (any dtype, bfloat16 included, on any device: a GPU's is copied
+    to the host first), without a copy when a host tensor is contiguous."""
+    t = t.detach().cpu() if t.device.type != "cpu" else t
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 

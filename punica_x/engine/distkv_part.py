@@ -1,0 +1,78 @@
+"""An engine's part in DistKV (Infinite-LLM): lending blocks to peers through its rManager,
+borrowing for requests too long for it, and DGFM's moves home; Engine inherits it."""
+
+from __future__ import annotations
+
+import logging
+
+from punica_x.attention.dist import DistContext
+from punica_x.kv import swap_home
+from punica_x.kv.borrowing import KVBorrowing
+from punica_x.kv.rmanager import KVBorrower, LendCaps, RManager
+from punica_x.kv.swap_home import Pick
+
+log = logging.getLogger("punica_x.engine.engine")
+
+
+class DistKVPart:
+    """Engine's DistKV methods (self is the Engine: cache, batcher, planner, requests)."""
+
+    def enable_distkv(
+        self,
+        runner_id: str,
+        borrower: KVBorrower,
+        caps: LendCaps,
+        overlap: bool = False,
+        pool=None,
+    ) -> RManager:
+        """Take part in DistKV: lend blocks to peers within `caps` (the returned rManager
+        serves them) and let requests too long for this runner borrow through `borrower`.
+        overlap: remote micro-attention runs on `pool` while the local part runs (else in
+        the step's thread after it: where runners share the cores, that is faster)."""
+        if self.swap is not None:
+            raise ValueError(
+                "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
+                "move borrowed blocks"
+            )
+        d = self.model.dims
+        if any(d.layer_windows) or d.attn_softcap:
+            raise ValueError(
+                f"DistKV does not serve {d.family} models: remote micro-attention has no "
+                "sliding window or logit soft-capping"
+            )
+        self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
+        self.batcher.borrowing = KVBorrowing(self.cache, borrower)
+        self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
+        return self.rmanager
+
+    def remote_picks(self, creditor: str, blocks: int) -> list[Pick]:
+        """DGFM, debtor side: up to `blocks` blocks this runner's requests hold on
+        `creditor` (punica_x/kv/swap_home.py). Call it while the engine is held."""
+        return swap_home.remote_picks(self.requests.values(), creditor, blocks)
+
+    def bring_home(self, runner_id: str, creditor: str, picks: list[Pick], data: list) -> None:
+        """DGFM, debtor side: the picks' KV copies into this runner's blocks, the requests'
+        extents rewritten (swap_home.bring_home). Call it while the engine is held."""
+        swap_home.bring_home(self.cache, self.requests, runner_id, creditor, picks, data)
+
+    def _peers_lend(self) -> bool:
+        borrowing = self.batcher.borrowing
+        return borrowing is not None and borrowing.capacity_blocks() > 0
+
+    def capacity_blocks(self) -> int:
+        """The most KV blocks one request can hold: this runner's cache, plus what its peers
+        could lend under DistKV."""
+        borrowing = self.batcher.borrowing
+        extra = borrowing.capacity_blocks() if borrowing is not None else 0
+        return self.cache.allocator.num_blocks + extra
+
+    def _lost_peer(self, owner: str) -> None:
+        """A runner holding borrowed blocks is gone: the requests with blocks there lose
+        them and recompute from their tokens (borrowing again elsewhere); this step's other
+        requests run again next step (what it wrote is rewritten identically)."""
+        self.peer_losses += 1
+        log.warning("runner %s holding borrowed KV blocks is gone", owner)
+        for r in list(self.batcher.running):
+            if any(e.owner == owner for e in r.remote):
+                r.remote = [e for e in r.remote if e.owner != owner]
+                self.batcher.preempt(r)
