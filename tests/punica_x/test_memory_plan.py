@@ -6,6 +6,7 @@ still generates what a fixed-size engine does)."""
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import time
 
 import pytest
@@ -120,10 +121,13 @@ def test_cpu_probe_sees_a_step_peak():
     probe = CpuProbe()
 
     def allocate():  # a step holds its activations a while (torch ops release the GIL)
-        block = bytearray(64 * MiB)
-        block[::4096] = b"x" * len(block[::4096])  # touch every page
+        # fresh anonymous pages (an allocator could hand back memory already resident in a
+        # long-lived process: a test suite's), every page touched
+        block = mmap.mmap(-1, 64 * MiB)
+        for offset in range(0, 64 * MiB, mmap.PAGESIZE):
+            block[offset] = 1
         time.sleep(0.05)
-        del block
+        block.close()
 
     assert probe.peak_during(allocate) >= 32 * MiB
 
