@@ -142,6 +142,24 @@ def hf_reference(folder, adapter_dir, tokenizer, prompt: str, n: int, dtype=torc
     return hf_greedy(model, tokenizer, prompt, n), logp
 
 
+def assert_matches_hf_fp32(llm, folder, adapters: dict, prompts, names, n: int, tag="") -> None:
+    """A mixed batch of `prompts` (adapter `names[i]`, None: the base model) on `llm`
+    against HF (+ PEFT) in float32: n greedy tokens equal, every prompt token's logprob
+    within 1e-4."""
+    from punica_x import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(prompts, names, sp)
+    for prompt, adapter, out in zip(prompts, names, outs):
+        path = adapters[adapter] if adapter else None
+        tokens, logp = hf_reference(folder, path, llm.tokenizer, prompt, n)
+        assert out.token_ids == tokens, (tag, adapter, prompt)
+        ids = out.prompt_token_ids
+        for i in range(1, len(ids)):
+            got, want = out.prompt_logprobs[i].logprob, logp[i - 1, ids[i]].item()
+            assert abs(got - want) <= 1e-4, (tag, adapter, prompt, i, got, want)
+
+
 def make_peft_adapter(
     base,
     folder: Path,

@@ -13,7 +13,13 @@ import json
 import pytest
 import safetensors.torch as st
 import torch
-from helpers import hf_reference, make_peft_adapter, make_tiny_family, make_tiny_llama, tiny_llm
+from helpers import (
+    assert_matches_hf_fp32,
+    make_peft_adapter,
+    make_tiny_family,
+    make_tiny_llama,
+    tiny_llm,
+)
 
 from punica_x import SamplingParams
 from punica_x.lora.adapter import AdapterError
@@ -62,16 +68,7 @@ def test_edge_lora_matches_hf_peft_in_float32(edge_model):
         llm.load_adapter(name, str(path))
     if case.endswith("tied") or case == "gemma2":
         assert llm.engine.model.embed_from_head  # the delta lands on the head's rows
-    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    outs = llm.generate(PROMPTS, ADAPTERS, sp)
-    for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
-        path = adapters[adapter] if adapter else None
-        tokens, logp = hf_reference(folder, path, llm.tokenizer, prompt, 10)
-        assert out.token_ids == tokens, (case, adapter, prompt)
-        ids = out.prompt_token_ids
-        for i in range(1, len(ids)):
-            want = logp[i - 1, ids[i]].item()
-            assert out.prompt_logprobs[i].logprob == pytest.approx(want, abs=1e-4), (case, adapter)
+    assert_matches_hf_fp32(llm, folder, adapters, PROMPTS, ADAPTERS, 10, case)
 
 
 def test_only_batches_with_edge_lora_pay_for_it(edge_model, monkeypatch):

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_reference, make_peft_adapter, make_tiny_family, tiny_llm
+from helpers import (
+    assert_matches_hf_fp32,
+    hf_reference,
+    make_peft_adapter,
+    make_tiny_family,
+    tiny_llm,
+)
 from transformers import AutoConfig
 
 from punica_x import SamplingParams
@@ -115,16 +121,7 @@ def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(family_model):
     llm = tiny_llm(folder)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    outs = llm.generate(PROMPTS, ADAPTERS, sp)
-    for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
-        path = adapters[adapter] if adapter else None
-        tokens, logp = hf_reference(folder, path, llm.tokenizer, prompt, 12)
-        assert out.token_ids == tokens, (family, adapter, prompt)
-        ids = out.prompt_token_ids
-        for i in range(1, len(ids)):
-            want = logp[i - 1, ids[i]].item()
-            assert out.prompt_logprobs[i].logprob == pytest.approx(want, abs=1e-4)
+    assert_matches_hf_fp32(llm, folder, adapters, PROMPTS, ADAPTERS, 12, family)
 
 
 def test_prompt_logprobs_within_bf16_tolerance(family_model):
