@@ -160,6 +160,40 @@ def assert_matches_hf_fp32(llm, folder, adapters: dict, prompts, names, n: int, 
             assert abs(got - want) <= 1e-4, (tag, adapter, prompt, i, got, want)
 
 
+def assert_within_bf16_of_hf(
+    folder, adapters: dict, prompts, names, tag="", own_base: bool = False
+) -> None:
+    """The tiny model in bfloat16 with `adapters` loaded: the prompts' logprobs (teacher
+    forced) against HF + PEFT in float32, within what bf16 rounding moves them (HF bf16
+    against HF float32, measured here, times 1.5 plus 0.05). own_base: the rounding measured
+    is also our own base model's on the prompt (an adapter may cost no more than bf16
+    already costs this model here)."""
+    from punica_x import SamplingParams
+
+    llm = tiny_llm(folder, dtype="bfloat16")
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+
+    def error(prompt, adapter, out) -> tuple[float, float]:
+        """(ours, HF bf16's) largest distance from HF float32 over the prompt."""
+        path = adapters[adapter] if adapter else None
+        ids = out.prompt_token_ids
+        _, ref32 = hf_reference(folder, path, llm.tokenizer, prompt, 1)
+        _, ref16 = hf_reference(folder, path, llm.tokenizer, prompt, 1, torch.bfloat16)
+        ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        want = torch.tensor([ref32[i - 1, ids[i]].item() for i in range(1, len(ids))])
+        hf16 = torch.tensor([ref16[i - 1, ids[i]].item() for i in range(1, len(ids))])
+        return (ours - want).abs().max().item(), (hf16 - want).abs().max().item()
+
+    outs = llm.generate(prompts, names, sp)
+    bases = llm.generate(prompts, [None] * len(prompts), sp) if own_base else outs
+    for prompt, adapter, out, base in zip(prompts, names, outs, bases):
+        ours, hf16 = error(prompt, adapter, out)
+        rounding = max(hf16, error(prompt, None, base)[0]) if own_base else hf16
+        assert ours <= 1.5 * rounding + 0.05, (tag, adapter, prompt, ours, rounding)
+
+
 def make_peft_adapter(
     base,
     folder: Path,

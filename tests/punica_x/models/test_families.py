@@ -9,14 +9,13 @@ import pytest
 import torch
 from helpers import (
     assert_matches_hf_fp32,
-    hf_reference,
+    assert_within_bf16_of_hf,
     make_peft_adapter,
     make_tiny_family,
     tiny_llm,
 )
 from transformers import AutoConfig
 
-from punica_x import SamplingParams
 from punica_x.models.llama import LlamaDims
 from punica_x.models.registry import family_of
 
@@ -129,21 +128,7 @@ def test_prompt_logprobs_within_bf16_tolerance(family_model):
     float32, within what bf16 rounding moves them (HF bf16 against HF float32, measured
     here, times 1.5 plus 0.05)."""
     family, folder, adapters = family_model
-    llm = tiny_llm(folder, dtype="bfloat16")
-    for name, path in adapters.items():
-        llm.load_adapter(name, str(path))
-    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    outs = llm.generate(PROMPTS, ADAPTERS, sp)
-    for prompt, adapter, out in zip(PROMPTS, ADAPTERS, outs):
-        path = adapters[adapter] if adapter else None
-        ids = out.prompt_token_ids
-        _, ref32 = hf_reference(folder, path, llm.tokenizer, prompt, 1)
-        _, ref16 = hf_reference(folder, path, llm.tokenizer, prompt, 1, torch.bfloat16)
-        ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
-        want = torch.tensor([ref32[i - 1, ids[i]].item() for i in range(1, len(ids))])
-        hf16 = torch.tensor([ref16[i - 1, ids[i]].item() for i in range(1, len(ids))])
-        budget = 1.5 * (hf16 - want).abs().max().item() + 0.05
-        assert (ours - want).abs().max().item() <= budget, (family, adapter, prompt)
+    assert_within_bf16_of_hf(folder, adapters, PROMPTS, ADAPTERS, family)
 
 
 def test_unsupported_families_are_refused_by_name():
