@@ -60,7 +60,7 @@ def instrument(llm: LLM, timers: Timers, vocab: int) -> None:
     backends = {id(m.backend): m.backend for m in model.modules() if hasattr(m, "backend")}
     for dense in backends.values():  # each shape may have its own backend (autotune)
         timers.wrap(
-            dense, "forward", "dense", key=lambda x, w, n, b: "lm_head" if n == vocab else "dense"
+            dense, "forward", "dense", key=lambda x, w, n, *_: "lm_head" if n == vocab else "dense"
         )
     timers.wrap(engine.sgmv, "add_lora", "sgmv")
     for op in ("rms_norm", "add_rms_norm", "rope_", "silu_and_mul"):

@@ -1,6 +1,8 @@
 // Torch bindings for the packed dense GEMM; every input is checked, errors name the tensor.
 #include <torch/extension.h>
 
+#include <vector>
+
 #include "../common/simd.h"
 #include "dense.h"
 
@@ -46,7 +48,39 @@ torch::Tensor pack(torch::Tensor weight) {
 }
 
 // y[M, N] = x[M, K] @ W (+ bias); y, x with contiguous rows (y may be a column slice).
-void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+// The regions of a prefetch hint: [R, 2] int64 (address, bytes) on the CPU. The addresses are
+// not checked: a prefetch never faults, and SgmvWeights owns the tensors they point to.
+punica_x::PrefetchSpans check_spans(const torch::Tensor& p) {
+  CHECK_ARG(p.device().is_cpu() && p.scalar_type() == at::kLong && p.dim() == 2 && p.size(1) == 2 &&
+                p.is_contiguous(),
+            "prefetch must be a contiguous [regions, 2] int64 CPU tensor, got ", p.scalar_type(), " ", p.sizes(),
+            " on ", p.device());
+  const int64_t* s = p.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.size(0); ++i)
+    CHECK_ARG(s[2 * i + 1] >= 0 && s[2 * i + 1] <= (int64_t(1) << 40), "prefetch region ", i,
+              " has ", s[2 * i + 1], " bytes (0 .. 2^40)");
+  CHECK_ARG(p.size(0) <= (int64_t(1) << 30), "prefetch has ", p.size(0), " regions");
+  return {s, int(p.size(0))};
+}
+
+// The line addresses the GEMM's `parts` work items would prefetch, in order, `step` a call
+// (tests check that they cover every line of the regions once).
+torch::Tensor prefetch_walk(torch::Tensor prefetch, int64_t parts, int64_t step) {
+  CHECK_ARG(parts >= 1 && step >= 1, "parts and step must be >= 1");
+  const auto spans = check_spans(prefetch);
+  const int64_t lines = spans.lines();
+  std::vector<int64_t> out;
+  for (int64_t p = 0; p < parts; ++p) {
+    auto cursor = punica_x::PrefetchCursor::part(spans, lines, p, parts);
+    while (cursor.left())
+      cursor.walk(int(step), [&](const char* line) { out.push_back(reinterpret_cast<int64_t>(line)); });
+  }
+  return torch::tensor(out, torch::kLong);
+}
+
+// prefetch: optional regions to pull into L2 during the GEMM (check_spans).
+void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+          c10::optional<torch::Tensor> prefetch) {
   const auto dtype = x.scalar_type();
   check_cpu(x, "x", dtype);
   check_cpu(y, "y", dtype);
@@ -66,14 +100,15 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
     CHECK_ARG(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be [", n, "]");
     b = bias->data_ptr();
   }
+  const punica_x::PrefetchSpans spans = prefetch.has_value() ? check_spans(*prefetch) : punica_x::PrefetchSpans{};
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   if (dtype == at::kFloat)
     punica_x::dense_gemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                             packed.data_ptr<float>(), static_cast<const float*>(b), int(m), int(k), int(n));
+                             packed.data_ptr<float>(), static_cast<const float*>(b), int(m), int(k), int(n), spans);
   else
     punica_x::dense_gemm_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), static_cast<const bf16*>(x.data_ptr()),
                              x.stride(0), static_cast<const bf16*>(packed.data_ptr()),
-                             static_cast<const bf16*>(b), int(m), int(k), int(n));
+                             static_cast<const bf16*>(b), int(m), int(k), int(n), spans);
 }
 
 }  // namespace
@@ -81,6 +116,8 @@ void gemm(torch::Tensor y, torch::Tensor x, torch::Tensor packed, int64_t n, c10
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("pack", &pack, "pack an [N, K] weight into panels");
-  m.def("gemm", &gemm, "y = x @ W (+ bias) with a packed W");
+  m.def("gemm", &gemm, "y = x @ W (+ bias) with a packed W", py::arg("y"), py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias"), py::arg("prefetch") = py::none());
   m.def("panel", [] { return punica_x::kDensePanel; });
+  m.def("prefetch_walk", &prefetch_walk, "line addresses of a prefetch hint split in parts (tests)");
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/prefetch.h"
 #include "../common/simd.h"
 
 namespace punica_x {
@@ -34,9 +35,10 @@ constexpr int64_t dense_packed_rows(int64_t k) {
 template <typename T>
 void dense_pack_cpu(T* packed, const T* w, int64_t w_row_stride, int k, int n, bool w_is_out_by_in);
 
-// y[m, 0:n] = x[m, 0:k] @ W (+ bias[0:n] when bias is not null).
+// y[m, 0:n] = x[m, 0:k] @ W (+ bias[0:n] when bias is not null). `prefetch`: regions another
+// kernel reads next, pulled into L2 a few lines per K step while the tiles compute (none: {}).
 template <typename T>
 void dense_gemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* packed, const T* bias,
-                    int m, int k, int n);
+                    int m, int k, int n, const PrefetchSpans& prefetch = {});
 
 }  // namespace punica_x

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../common/parallel.h"
+#include "../common/prefetch.h"
 #include "../common/simd.h"
 #include "dense.h"
 
@@ -35,8 +36,9 @@ constexpr int kPrefetchRows = 16;  // panel rows ahead of the current k
 // x float32 (a bf16 x is widened once per call, see dense_gemm_cpu), W of TW (float or bf16),
 // y of TY; float32 accumulators started from the panel's bias (float32, zero past the last
 // column; null for none), y rounded once.
-template <typename TW, typename TY, int MB>
-void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY* y, int64_t ys) {
+template <typename TW, typename TY, int MB, bool PF>
+void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY* y, int64_t ys,
+          PrefetchCursor* pf, int pf_step) {
   vf acc[MB][kNB] = {};
   if (bias)
     for (int m = 0; m < MB; ++m)
@@ -45,6 +47,7 @@ void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY*
   for (int kk = 0; kk < k; ++kk) {
     for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(TW)))
       __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + off);
+    if constexpr (PF) pf->issue(pf_step);
     vf wv[kNB];
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -57,23 +60,28 @@ void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY*
 }
 
 template <typename TW, typename TY>
-using TileFn = void (*)(const float*, int64_t, const TW*, int, const float*, TY*, int64_t);
+using TileFn = void (*)(const float*, int64_t, const TW*, int, const float*, TY*, int64_t,
+                        PrefetchCursor*, int);
 
-template <typename TW, typename TY, int... M>
+template <typename TW, typename TY, bool PF, int... M>
 constexpr std::array<TileFn<TW, TY>, sizeof...(M)> tiles(std::integer_sequence<int, M...>) {
-  return {&tile<TW, TY, M + 1>...};
+  return {&tile<TW, TY, M + 1, PF>...};
 }
 
+// [with a prefetch hint][rows - 1]: the tiles without one are the plain loop
 template <typename TW, typename TY>
-const std::array<TileFn<TW, TY>, kMB> kTiles = tiles<TW, TY>(std::make_integer_sequence<int, kMB>{});
+const std::array<std::array<TileFn<TW, TY>, kMB>, 2> kTiles = {
+    tiles<TW, TY, false>(std::make_integer_sequence<int, kMB>{}),
+    tiles<TW, TY, true>(std::make_integer_sequence<int, kMB>{})};
 
 #if defined(__AVX512BF16__)
 // The avx512_bf16 build's bf16 tile: x stays bf16 (a K pair of a row broadcast as one 32-bit
 // lane), W packed in K pairs ([K/2][kDensePanel][2]), vdpbf16ps adds both products of a pair
 // into the float32 accumulator: per panel row pair, kNB loads and MB x kNB instructions for
 // 2 x MB x kDensePanel multiply-adds, twice the fp32 tile's work per instruction.
-template <typename TY, int MB>
-void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias, TY* y, int64_t ys) {
+template <typename TY, int MB, bool PF>
+void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias, TY* y, int64_t ys,
+              PrefetchCursor* pf, int pf_step) {
   constexpr int kRow = 2 * kDensePanel;  // bf16 values in one packed row (a K pair)
   vf acc[MB][kNB] = {};
   if (bias)
@@ -91,6 +99,7 @@ void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias
 #pragma GCC unroll 2
   for (int kk = 0; kk < pairs; ++kk) {
     for (int off = 0; off < kRow; off += 32) __builtin_prefetch(w + (kk + kPrefetchRows) * kRow + off);
+    if constexpr (PF) pf->issue(pf_step);
     step(kk, [](const bf16* p) { return splat_pair(p); });
   }
   if (k & 1) step(pairs, [](const bf16* p) { return splat_pair(p, false); });
@@ -98,14 +107,17 @@ void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
 
-using DotFn = void (*)(const bf16*, int64_t, const bf16*, int, const float*, bf16*, int64_t);
+using DotFn = void (*)(const bf16*, int64_t, const bf16*, int, const float*, bf16*, int64_t,
+                       PrefetchCursor*, int);
 
-template <int... M>
+template <bool PF, int... M>
 constexpr std::array<DotFn, sizeof...(M)> dot_tiles(std::integer_sequence<int, M...>) {
-  return {&tile_dot<bf16, M + 1>...};
+  return {&tile_dot<bf16, M + 1, PF>...};
 }
 
-const std::array<DotFn, kMB> kDotTiles = dot_tiles(std::make_integer_sequence<int, kMB>{});
+const std::array<std::array<DotFn, kMB>, 2> kDotTiles = {
+    dot_tiles<false>(std::make_integer_sequence<int, kMB>{}),
+    dot_tiles<true>(std::make_integer_sequence<int, kMB>{})};
 #endif
 
 // dst[0:n] = src[0:n] widened to float32.
@@ -119,13 +131,16 @@ void widen(float* dst, const bf16* src, int64_t n) {
 // itself, or its float32 copy).
 template <typename T, typename TX, typename TW, typename Table>
 void panel_rows(const Table& table, T* y, int64_t ys, const TX* x, int64_t xs, const TW* w, const float* bias,
-                int m, int k, int c0, int cols) {
+                int m, int k, int c0, int cols, PrefetchCursor* pf) {
   alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
+  // the item's prefetch lines spread evenly over every K step of every row block
+  const int64_t steps = int64_t((m + kMB - 1) / kMB) * std::max(1, k / kDenseKPack<TW>);
+  const int pf_step = pf && pf->left() ? int((pf->left() + steps - 1) / steps) : 0;
   for (int m0 = 0; m0 < m; m0 += kMB) {
     const int mb = std::min(kMB, m - m0);
     T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;
     const int64_t os = cols == kDensePanel ? ys : kDensePanel;
-    table[mb - 1](x + m0 * xs, xs, w, k, bias, out, os);
+    table[pf_step ? 1 : 0][mb - 1](x + m0 * xs, xs, w, k, bias, out, os, pf, pf_step);
     if (cols < kDensePanel)
       for (int r = 0; r < mb; ++r)
         std::copy(edge + r * kDensePanel, edge + r * kDensePanel + cols, y + (m0 + r) * ys + c0);
@@ -158,7 +173,8 @@ void dense_pack_cpu(T* packed, const T* w, int64_t ws, int k, int n, bool w_is_o
 // panel directly.
 template <typename T>
 void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, const T* bias, int m, int k,
-                    int n) {
+                    int n, const PrefetchSpans& prefetch) {
+  const int64_t pf_lines = prefetch.lines();
   const int panels = (n + kDensePanel - 1) / kDensePanel;
   const int64_t panel_size = dense_packed_rows<T>(k) * kDensePanel * kDenseKPack<T>;
   const float* xf = nullptr;
@@ -178,19 +194,21 @@ void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, c
     alignas(64) float panel_bias[kDensePanel] = {};
     for (int c = 0; bias && c < cols; ++c) panel_bias[c] = f32(bias[c0 + c]);
     const float* b = bias ? panel_bias : nullptr;
+    PrefetchCursor cursor = PrefetchCursor::part(prefetch, pf_lines, p, panels);  // this panel's share
+    PrefetchCursor* pf = cursor.left() ? &cursor : nullptr;
     if constexpr (std::is_same_v<T, float>) {
-      panel_rows(kTiles<float, float>, y, ys, xf, xfs, w, b, m, k, c0, cols);
+      panel_rows(kTiles<float, float>, y, ys, xf, xfs, w, b, m, k, c0, cols, pf);
     } else if constexpr (kBf16Dot) {
 #if defined(__AVX512BF16__)
-      panel_rows(kDotTiles, y, ys, x, xs, w, b, m, k, c0, cols);
+      panel_rows(kDotTiles, y, ys, x, xs, w, b, m, k, c0, cols, pf);
 #endif
     } else if (m <= kMB) {
-      panel_rows(kTiles<T, T>, y, ys, xf, xfs, w, b, m, k, c0, cols);
+      panel_rows(kTiles<T, T>, y, ys, xf, xfs, w, b, m, k, c0, cols, pf);
     } else {
       thread_local std::vector<float> wide;
       wide.resize(size_t(k) * kDensePanel + kPrefetchRows * kDensePanel);
       widen(wide.data(), w, int64_t(k) * kDensePanel);
-      panel_rows(kTiles<float, T>, y, ys, xf, xfs, wide.data(), b, m, k, c0, cols);
+      panel_rows(kTiles<float, T>, y, ys, xf, xfs, wide.data(), b, m, k, c0, cols, pf);
     }
   });
 }
@@ -198,8 +216,8 @@ void dense_gemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const T* packed, c
 template void dense_pack_cpu<float>(float*, const float*, int64_t, int, int, bool);
 template void dense_pack_cpu<simd::bf16>(simd::bf16*, const simd::bf16*, int64_t, int, int, bool);
 template void dense_gemm_cpu<float>(float*, int64_t, const float*, int64_t, const float*, const float*, int,
-                                    int, int);
+                                    int, int, const PrefetchSpans&);
 template void dense_gemm_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const simd::bf16*,
-                                         const simd::bf16*, int, int, int);
+                                         const simd::bf16*, int, int, int, const PrefetchSpans&);
 
 }  // namespace punica_x

@@ -8,6 +8,11 @@
 //         each item keeps eight independent memory streams in flight.
 // expand: a tile is MB rows x NB vectors of output columns; it streams the rank rows of B once
 //         per row block. One-row segments take wide column blocks for long sequential reads.
+// Prefetch: the item before a one-row item fetches that item's weights over its own inner steps
+// (common/prefetch.h: Lookahead; a burst of them at the item's start, as before, stalled on the
+// few misses a core keeps in flight: the distinct launch from memory took 0.76x the time), and
+// the dense GEMM before a launch pulls in one-row segments' weights while it computes
+// (LoraLinear, SgmvWeights.prefetch_spans).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include "../common/parallel.h"
+#include "../common/prefetch.h"
 #include "../common/simd.h"
 #include "sgmv.h"
 
@@ -29,11 +35,13 @@ using namespace simd;
 // v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long. T: float or bf16
 // (x and a), v float32.
 template <typename T, int MB, int JB>
-void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t vs) {
+void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t vs, PrefetchCursor* pf,
+                 int pf_step) {
   vf acc[MB][JB] = {};
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {  // x and A rows are both K-contiguous: K pairs as stored
     auto step = [&](int k, auto load_k) {
+      if (pf) pf->issue(pf_step);
       vbh av[JB];
       for (int j = 0; j < JB; ++j) av[j] = load_k(a + int64_t(j) * h_in + k);
       for (int m = 0; m < MB; ++m) {
@@ -51,6 +59,7 @@ void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t
 #endif
   int k = 0;
   for (; k + kLanes <= h_in; k += kLanes) {
+    if (pf) pf->issue(pf_step);
     vf av[JB];
     for (int j = 0; j < JB; ++j) av[j] = load(a + int64_t(j) * h_in + k);
     for (int m = 0; m < MB; ++m) {
@@ -70,11 +79,13 @@ void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t
 // y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * kLanes; b rows are `ld` long.
 // T: float or bf16 (b and y; y is rounded once, after the whole sum), v float32.
 template <typename T, int MB, int NB>
-void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y, int64_t ys) {
+void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y, int64_t ys,
+                 PrefetchCursor* pf, int pf_step) {
   vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = load(y + m * ys + n * kLanes);
   for (int i = 0; i < r; ++i) {
+    if (pf) pf->issue(pf_step);
     vf bv[NB];
     for (int n = 0; n < NB; ++n) bv[n] = load(b + i * ld + n * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -99,9 +110,9 @@ void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const T* b,
 }
 
 template <typename T>
-using ShrinkFn = void (*)(const T*, int64_t, const T*, int, float*, int64_t);
+using ShrinkFn = void (*)(const T*, int64_t, const T*, int, float*, int64_t, PrefetchCursor*, int);
 template <typename T>
-using ExpandFn = void (*)(const float*, int64_t, int, const T*, int64_t, T*, int64_t);
+using ExpandFn = void (*)(const float*, int64_t, int, const T*, int64_t, T*, int64_t, PrefetchCursor*, int);
 
 template <typename T, int MB, int... J>
 constexpr std::array<ShrinkFn<T>, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
@@ -166,16 +177,6 @@ struct ExpandItem {
   int seg, slice, c0, cn;
 };
 
-// Asks for rows x bytes of a strided region ahead of use. A one-row shrink item reads only a
-// few KB (8 rank rows of A), too short for the hardware prefetchers to ramp up, so each item
-// fetches its successor's weights while it computes (bf16 shrink ~10% faster; the same for the
-// expand's 16 strided rows measured slower, as did streaming B row after row there).
-inline void prefetch_rows(const void* p, int rows, int64_t stride, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int i = 0; i < rows; ++i)
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + i * stride + off);
-}
-
 int rank_sum(const SgmvSegments& p, int s) {
   int r = 0;
   for (int j = 0; j < p.num_slices; ++j) r += p.ranks[s * p.num_slices + j];
@@ -202,12 +203,16 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
            (int64_t(p.layer) * rank_sum(p, it.seg) + it.j0) * h_in;
   };
   const int64_t n = int64_t(items.size());
+  constexpr int kShrinkK = std::is_same_v<T, bf16> && kBf16Dot ? 2 * kLanes : kLanes;
+  const int k_steps = (h_in + kShrinkK - 1) / kShrinkK;
   parallel_items(n, [&](int64_t i) {
     const ShrinkItem& it = items[i];
+    thread_local Lookahead ahead;  // a one-row successor's A rows, over this item's K steps
+    PrefetchCursor* pf = nullptr;
     if (i + 1 < n && items[i + 1].rows == 1)
-      prefetch_rows(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T));
+      pf = ahead.plan(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T), k_steps);
     shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
-                                     v + it.row0 * v_stride + it.j0, v_stride);
+                                     v + it.row0 * v_stride + it.j0, v_stride, pf, pf ? ahead.step() : 0);
   });
 }
 
@@ -249,6 +254,14 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       const ExpandItem& it = items[i];
       const auto [b, v_off, y_off] = place(it);
       const int r = p.ranks[it.seg * p.num_slices + it.slice];
+      thread_local Lookahead ahead;  // a one-row successor's B block, over this item's rank rows
+      PrefetchCursor* pf = nullptr;
+      if (i + 1 < n && p.seg[items[i + 1].seg + 1] - p.seg[items[i + 1].seg] == 1) {
+        const ExpandItem& nx = items[i + 1];
+        pf = ahead.plan(place(nx).b, p.ranks[nx.seg * p.num_slices + nx.slice],
+                        int64_t(h_out[nx.slice]) * sizeof(T), int64_t(nx.cn) * sizeof(T), r);
+      }
+      const int pf_step = pf ? ahead.step() : 0;
       const int64_t ld = h_out[it.slice];
       const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
       const int vec_cols = it.cn / kLanes * kLanes;
@@ -257,7 +270,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
         const float* vrow = v + (row0 + m0) * v_stride + v_off;
         T* yrow = y + (row0 + m0) * y_stride + y_off + it.c0;
         if (vec_cols > 0)
-          expand_kernel<T>(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride);
+          expand_kernel<T>(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride, pf, pf_step);
         if (vec_cols < it.cn)
           expand_cols_scalar(vrow, v_stride, mb, r, b + vec_cols, ld, it.cn - vec_cols,
                              yrow + vec_cols, y_stride);

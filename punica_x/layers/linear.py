@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from punica_x.core import LoraBatchMeta
-from punica_x.ops.dense import DenseBackend
+from punica_x.ops.dense import DenseBackend, prefetches
 from punica_x.ops.sgmv import SgmvBackend, add_lora_sgmv
 
 
@@ -39,14 +39,20 @@ class Dense(nn.Module):
             else None
         )
         self.backend: DenseBackend | None = None
+        self.prefetches = False
 
     def prepare(self, backend: DenseBackend) -> None:
         """Convert the loaded weight to the backend's layout (the original is dropped)."""
         self.weight = nn.Parameter(backend.prepare(self.weight.data), requires_grad=False)
         self.backend = backend
+        self.prefetches = prefetches(backend)
 
-    def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] -> [T, out_features]."""
+    def dense(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features]. ``prefetch``: regions the next kernel
+        reads, pulled into the caches during the GEMM where the backend can
+        (ops.dense.prefetches)."""
+        if prefetch is not None and self.prefetches:
+            return self.backend.forward(x, self.weight, self.out_features, self.bias, prefetch)
         return self.backend.forward(x, self.weight, self.out_features, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -89,10 +95,12 @@ class LoraLinear(Dense):
     def forward(
         self, x: torch.Tensor, lora: LoraBatchMeta | None, layer: int, backend: SgmvBackend | None
     ) -> torch.Tensor:
-        """x: [T, in_features] -> [T, sum(out_slices)]."""
-        y = self.dense(x)
-        if lora is not None:
-            w = lora.groups.get(self.group)
-            if w is not None and w.max_rank:
-                add_lora_sgmv(y, x, w, layer, lora.workspace, backend)
+        """x: [T, in_features] -> [T, sum(out_slices)]. The dense GEMM prefetches the adapter
+        weights the SGMV launch after it reads (on a backend that can, on the CPU)."""
+        w = lora.groups.get(self.group) if lora is not None else None
+        if w is None or not w.max_rank:
+            return self.dense(x)
+        spans = w.prefetch_spans if self.prefetches and x.device.type == "cpu" else None
+        y = self.dense(x, None if spans is None else spans[layer])
+        add_lora_sgmv(y, x, w, layer, lora.workspace, backend)
         return y

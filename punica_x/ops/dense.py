@@ -54,6 +54,13 @@ class DenseBackend(Protocol):
         """x: [M, K] -> [M, N]."""
 
 
+def prefetches(backend: DenseBackend) -> bool:
+    """Whether the backend's forward takes ``prefetch``: an [R, 2] int64 CPU tensor of
+    (address, bytes) regions that the caller's next kernel reads, pulled into the caches while
+    the GEMM computes (cpu; a hint that changes no result: csrc/common/prefetch.h)."""
+    return bool(getattr(backend, "takes_prefetch", False))
+
+
 def has_rows(backend: DenseBackend) -> bool:
     """Whether the backend reads rows of W back from its layout (rows(prepared, ids, k) ->
     W[ids], [T, K]): what lets a tied LM head serve as the embedding (cpu, torch; oneDNN's
@@ -77,6 +84,7 @@ class TorchDense:
 
 class PackedCpuDense:
     name = "cpu"
+    takes_prefetch = True
 
     def __init__(self, isa: str | None = None) -> None:
         from punica_x.ops._build import load_extension
@@ -86,9 +94,9 @@ class PackedCpuDense:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return self.ext.pack(weight.contiguous())
 
-    def forward(self, x, prepared, n, bias):
+    def forward(self, x, prepared, n, bias, prefetch=None):
         y = torch.empty(x.shape[0], n, dtype=prepared.dtype)
-        self.ext.gemm(y, x.contiguous(), prepared, n, bias)
+        self.ext.gemm(y, x.contiguous(), prepared, n, bias, prefetch)
         return y
 
     def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -78,3 +78,71 @@ def test_onednn_has_no_rows():
 
     assert has_rows(TorchDense()) and has_rows(PackedCpuDense())
     assert not has_rows(OneDnnDense())
+
+
+def _regions(g, sizes):
+    """Tensors of `sizes` elements (bf16) and their [R, 2] (address, bytes) regions."""
+    ts = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+    return ts, torch.tensor([[t.data_ptr(), t.nbytes] for t in ts], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k", "n"), [(32, 576, 960), (1, 100, 50), (9, 7, 1)])
+def test_prefetch_changes_no_result(dtype, m, k, n, cpu_isa):
+    """The prefetch hint (LoRA weights pulled in during the GEMM) is only a hint: bit for bit
+    the same output, with regions more or fewer than the GEMM's steps, empty ones included."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cpu = PackedCpuDense(cpu_isa)
+    packed = cpu.prepare((torch.randn(n, k, generator=g) * k**-0.5).to(dtype))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    want = cpu.forward(x, packed, n, None)
+    for sizes in ([], [0], [1], [5000, 0, 33, 70000], [300] * 64):
+        keep, spans = _regions(g, sizes)
+        assert torch.equal(cpu.forward(x, packed, n, None, spans.reshape(-1, 2)), want), sizes
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 20, 1000])
+@pytest.mark.parametrize("step", [1, 3, 64])
+def test_prefetch_parts_cover_every_line_once(parts, step, cpu_isa):
+    """Split over a GEMM's work items (parts), the regions' cache lines are each prefetched
+    once, in order: unaligned starts, lengths that end mid-line, empty regions, and more parts
+    than lines."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ext = PackedCpuDense(cpu_isa).ext
+    keep, spans = _regions(g, [1, 31, 32, 33, 0, 4097, 1000])
+    spans[1, 0] += 2  # an odd start inside the tensor
+    spans[1, 1] -= 2
+    want = []
+    for start, size in spans.tolist():
+        if size:
+            want += range(start & ~63, start + size, 64)
+    assert ext.prefetch_walk(spans, parts, step).tolist() == want
+
+
+def test_prefetch_hint_is_checked(cpu_isa):
+    ext = PackedCpuDense(cpu_isa).ext
+    packed = ext.pack(torch.randn(96, 32))
+    x, y = torch.randn(4, 32), torch.empty(4, 96)
+    bad = (
+        torch.zeros(2, 2),  # float
+        torch.zeros(2, 2, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),  # 1-D
+        torch.zeros(2, 3, dtype=torch.int64),
+        torch.zeros(2, 4, dtype=torch.int64)[:, ::2],  # strided
+    )
+    for spans in bad:
+        with pytest.raises(RuntimeError, match=r"prefetch must be a contiguous \[regions, 2\]"):
+            ext.gemm(y, x, packed, 96, None, spans)
+    for size in (-1, 1 << 41):
+        spans = torch.tensor([[x.data_ptr(), 64], [x.data_ptr(), size]], dtype=torch.int64)
+        with pytest.raises(RuntimeError, match=f"prefetch region 1 has {size} bytes"):
+            ext.gemm(y, x, packed, 96, None, spans)
+    with pytest.raises(RuntimeError, match="parts and step must be >= 1"):
+        ext.prefetch_walk(torch.zeros(0, 2, dtype=torch.int64), 0, 1)
+
+
+def test_only_the_packed_backend_takes_prefetch():
+    from punica_x.ops.dense import OneDnnDense, prefetches
+
+    assert prefetches(PackedCpuDense())
+    assert not prefetches(TorchDense()) and not prefetches(OneDnnDense())

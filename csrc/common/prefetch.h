@@ -1,0 +1,105 @@
+// Cache-line prefetches spread over a kernel's compute, a few lines per inner-loop step, so the
+// requests overlap the arithmetic instead of stalling it (a burst of them waits on the few
+// misses a core keeps in flight):
+// - the bytes another kernel reads next: the dense GEMM of a projection, compute-bound at
+//   decode batch sizes, pulls in the adapter weights the LoRA launch after it reads (scattered
+//   over one region per adapter), while memory would otherwise idle;
+// - a kernel's own next work item (Lookahead).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace punica_x {
+
+// Regions as [n][2] int64: start address, bytes.
+struct PrefetchSpans {
+  const int64_t* spans = nullptr;
+  int n = 0;
+
+  int64_t lines() const {
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += span_lines(i);
+    return total;
+  }
+  int64_t span_lines(int i) const {
+    const int64_t start = spans[2 * i] & ~int64_t(63), end = spans[2 * i] + spans[2 * i + 1];
+    return spans[2 * i + 1] > 0 ? (end - start + 63) / 64 : 0;
+  }
+};
+
+// Walks lines [first, first + count) of the spans' concatenation.
+class PrefetchCursor {
+ public:
+  PrefetchCursor() = default;
+  PrefetchCursor(const PrefetchSpans& s, int64_t first, int64_t count) : s_(&s), left_(count) {
+    while (i_ < s.n && first >= s.span_lines(i_)) first -= s.span_lines(i_++);
+    line_ = first;
+    enter();
+  }
+  int64_t left() const { return left_; }
+
+  // Lines [lines * p / parts, lines * (p + 1) / parts) of `lines` in all: part p of `parts`
+  // (the work items of one kernel share the regions this way).
+  static PrefetchCursor part(const PrefetchSpans& s, int64_t lines, int64_t p, int64_t parts) {
+    const int64_t first = lines * p / parts;
+    return PrefetchCursor(s, first, lines * (p + 1) / parts - first);
+  }
+
+  // Up to `count` more lines. Locality 2 (prefetcht1) is L2; 3 (prefetcht0) is L1 too.
+  template <int Locality = 2>
+  inline void issue(int count) {
+    walk(count, [](const char* line) { __builtin_prefetch(line, 0, Locality); });
+  }
+
+  // Up to `count` more lines' addresses, in order, to `on_line`.
+  template <typename F>
+  inline void walk(int count, F&& on_line) {
+    for (; count > 0 && left_ > 0; --count, --left_) {
+      while (line_ >= lines_) ++i_, line_ = 0, enter();
+      on_line(base_ + 64 * line_++);
+    }
+  }
+
+ private:
+  void enter() {
+    if (i_ >= s_->n) return;
+    base_ = reinterpret_cast<const char*>(s_->spans[2 * i_] & ~int64_t(63));
+    lines_ = s_->span_lines(i_);
+  }
+
+  const PrefetchSpans* s_ = nullptr;
+  const char* base_ = nullptr;
+  int i_ = 0;
+  int64_t line_ = 0, lines_ = 0, left_ = 0;
+};
+
+// A kernel's next work item, prefetched over the current item's steps: SGMV's items read a few
+// KB each from a different adapter, too short for the hardware prefetchers to ramp up on, and
+// asking for all of it at once stalls on the few outstanding misses a core allows.
+class Lookahead {
+ public:
+  // `rows` regions of `bytes`, `stride` bytes apart from `p`, over `steps` issue() calls.
+  PrefetchCursor* plan(const void* p, int rows, int64_t stride, int64_t bytes, int steps) {
+    spans_.resize(2 * size_t(rows));
+    for (int q = 0; q < rows; ++q) {
+      spans_[2 * q] = reinterpret_cast<int64_t>(p) + q * stride;
+      spans_[2 * q + 1] = bytes;
+    }
+    regions_ = {spans_.data(), rows};
+    const int64_t lines = regions_.lines();
+    cursor_ = PrefetchCursor(regions_, 0, lines);
+    step_ = int((lines + std::max(steps, 1) - 1) / std::max(steps, 1));
+    return &cursor_;
+  }
+  int step() const { return step_; }
+
+ private:
+  std::vector<int64_t> spans_;
+  PrefetchSpans regions_;
+  PrefetchCursor cursor_;
+  int step_ = 0;
+};
+
+}  // namespace punica_x
