@@ -47,12 +47,12 @@ class SgmvWeights:
         return len(self.seg_host) - 1
 
     @cached_property
-    def prefetch_spans(self) -> torch.Tensor:
+    def prefetch_spans(self) -> torch.Tensor | None:
         """[L, 2 * A, 2] int64 on the CPU: per layer, the (address, bytes) of the A rows and
         the B rows at that layer of each of the A segments with an adapter and at most
         PREFETCH_MAX_ROWS rows. A dense GEMM prefetches them while it computes, before the
         launch at that layer reads them (csrc/common/prefetch.h). Built on first use, once
-        per step; none when no segment qualifies ([1, 0, 2])."""
+        per step; None when no segment qualifies."""
         rows = [b - a for a, b in zip(self.seg_host, self.seg_host[1:])]
         pairs = [
             (a, b)
@@ -60,7 +60,7 @@ class SgmvWeights:
             if a is not None and 0 < n <= PREFETCH_MAX_ROWS
         ]
         if not pairs:
-            return torch.zeros(1, 0, 2, dtype=torch.int64)
+            return None
         layers = pairs[0][0].shape[0]
         base = torch.tensor(
             [[t.data_ptr(), t[0].nbytes] for pair in pairs for t in pair], dtype=torch.int64

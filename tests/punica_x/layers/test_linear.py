@@ -45,7 +45,7 @@ def test_prefetch_spans_are_each_adapters_layer():
                     [b[layer].data_ptr(), b[layer].nbytes],
                 ]
         assert spans[layer].tolist() == want
-    assert _weights(g, [None, None], torch.bfloat16).prefetch_spans.shape == (1, 0, 2)
+    assert _weights(g, [None, None], torch.bfloat16).prefetch_spans is None
     a, b = w.a[0], w.b[0]
     rows = PREFETCH_MAX_ROWS + 1
     many = SgmvWeights.build([0, rows, rows + 1], [a, a], [b, b], [[RANK, RANK]] * 2, SLICES, "cpu")
@@ -91,6 +91,21 @@ def test_lora_linear_hands_the_next_launch_to_the_gemm(dtype, cpu_isa):
         layer(x, None, 2, None)  # no LoRA this step: nothing to prefetch
         assert backend.seen[-1] is None
     assert torch.equal(outs[True], outs[False])
+
+
+def test_a_launch_with_nothing_to_prefetch_hands_no_hint(cpu_isa):
+    """One segment of many rows (no few-row segment) at a layer past the first."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    one = _weights(g, [0], torch.float32)
+    rows = PREFETCH_MAX_ROWS + 3
+    w = SgmvWeights.build([0, rows], one.a, one.b, [[RANK, RANK]], SLICES, "cpu")
+    lora = LoraBatchMeta(groups={"qkv": w}, workspace=torch.zeros(rows, 2 * RANK))
+    layer = LoraLinear(H_IN, SLICES, "qkv", False, torch.float32, torch.device("cpu"))
+    backend = Recording(PackedCpuDense(cpu_isa), True)
+    layer.prepare(backend)
+    x = torch.randn(rows, H_IN, generator=g)
+    y = layer(x, lora, LAYERS - 1, get_backend("cpu", "cpu", torch.float32))
+    assert backend.seen == [None] and y.shape == (rows, sum(SLICES))
 
 
 def test_torch_dense_is_never_handed_a_hint():
