@@ -11,9 +11,9 @@ import torch
 
 from punica_x.attention.dist import DistContext, DistSeq, plan_dist
 from punica_x.attention.paged import SeqSpan
+from punica_x.batching.lora_plan import LoraPlanner
 from punica_x.core import Batch, LoraBatchMeta, Request
 from punica_x.lora.adapter import GROUPS, LoraTarget
-from punica_x.ops.sgmv import SgmvWeights
 
 
 class ScheduledRequest(NamedTuple):
@@ -31,17 +31,6 @@ class ScheduledRequest(NamedTuple):
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
-def _edges(seg: list[int], refs: list, group: str) -> tuple:
-    """(first row, end row, A^T, B^T) of each segment whose adapter has LoRA on `group`
-    ("embed": the embedding, "head": the LM head)."""
-    out = []
-    for i, ref in enumerate(refs):
-        w = ref.weights if ref is not None else None
-        if w is not None and group in w.groups:
-            out.append((seg[i], seg[i + 1], *w.groups[group]))
-    return tuple(out)
-
-
 def _adapter_key(s: ScheduledRequest) -> int:
     return s.request.adapter.version if s.request.adapter is not None else 0
 
@@ -55,7 +44,8 @@ class BatchPlanner:
         self.block_size = block_size
         self.device = device
         shapes = target.shapes
-        self.h_out = {g: tuple(shapes[m][1] for m in mods) for g, mods in GROUPS.items()}
+        h_out = {g: tuple(shapes[m][1] for m in mods) for g, mods in GROUPS.items()}
+        self.lora = LoraPlanner(h_out, device)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> tuple[Batch, list[ScheduledRequest]]:
         """Returns the batch and the scheduled requests in row order."""
@@ -113,7 +103,7 @@ class BatchPlanner:
     def _plan_lora(self, ordered: list[ScheduledRequest], rows: int) -> LoraBatchMeta | None:
         # One segment per run of requests with the same adapter version (0: base model).
         seg: list[int] = []
-        refs: list = []
+        weights: list = []
         keys: list[int] = []
         row = 0
         for s in ordered:
@@ -121,25 +111,12 @@ class BatchPlanner:
             if not keys or keys[-1] != key:
                 seg.append(row)
                 keys.append(key)
-                refs.append(s.request.adapter)
+                ref = s.request.adapter
+                weights.append(ref.weights if ref is not None else None)
             row += s.num_new_tokens
-        if all(ref is None for ref in refs):
-            return None
         seg.append(rows)
-        groups: dict[str, SgmvWeights] = {}
-        for g, h_out in self.h_out.items():
-            a, b, ranks = [], [], []
-            for ref in refs:
-                w = ref.weights if ref is not None else None
-                has = w is not None and g in w.groups
-                a.append(w.groups[g][0] if has else None)
-                b.append(w.groups[g][1] if has else None)
-                ranks.append(w.ranks[g] if has else (0,) * len(h_out))
-            if any(x is not None for x in a):
-                groups[g] = SgmvWeights.build(seg, a, b, ranks, h_out, self.device)
-        width = max((w.max_rank for w in groups.values()), default=1)
-        # [T, max rank sum]: shrink output, consumed by the expand of the same projection
-        workspace = torch.empty(rows, width, dtype=torch.float32, device=self.device)
-        return LoraBatchMeta(
-            groups, workspace, _edges(seg, refs, "embed"), _edges(seg, refs, "head")
-        )
+        return self.lora.plan(seg, weights)
+
+    def forget(self) -> None:
+        """Drop what is kept between steps (the last LoRA plan: lora_plan.LoraPlanner)."""
+        self.lora.forget()

@@ -243,6 +243,7 @@ class Engine(DistKVPart):
         self._tell_preempted()
         self.idle_step = not scheduled
         if not scheduled:
+            self.planner.forget()  # the kept LoRA plan holds adapter tensors alive
             return outputs
         started = time.perf_counter()
         try:

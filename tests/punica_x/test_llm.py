@@ -76,6 +76,7 @@ def test_requests_joining_mid_way_match(llm, references):
         (11, None, PROMPTS[6]),
     ]
     outputs, reqs, step = {}, {}, 0
+    builds = engine.planner.lora.builds
     while len(outputs) < len(plan):
         for at, adapter, prompt in plan:
             if at == step:
@@ -86,6 +87,12 @@ def test_requests_joining_mid_way_match(llm, references):
         step += 1
     for rid, (adapter, prompt) in reqs.items():
         assert outputs[rid].token_ids == references[(adapter, prompt)], f"{adapter} {prompt!r}"
+    # the LoRA plan was reused on the steady steps and rebuilt as requests came and went
+    # (lora_plan.LoraPlanner), and the outputs above hold for both
+    builds = engine.planner.lora.builds - builds
+    assert 5 <= builds < step // 2, (builds, step)
+    engine.step()  # idle: the kept plan no longer holds adapter tensors
+    assert engine.planner.lora._meta is None
 
 
 def test_chunked_prefill_and_preemption_keep_outputs(tiny_model_dir, tiny_adapters, references):
