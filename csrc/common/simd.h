@@ -68,8 +68,15 @@ struct bf16 {
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
 
 inline vf load(const bf16* p) {
+#if defined(__AVX512F__)
+  // one vpmovzxwd from memory and a shift; GCC lowers the generic conversion below at 16
+  // lanes into two half-width loads, extracts and an insert (~2x the instructions)
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<vf>(u);
+#else
   const vu u = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
   return reinterpret_cast<const vf&>(u);
+#endif
 }
 
 // Round to nearest even; a NaN stays a (quiet) NaN instead of rounding into infinity. The
