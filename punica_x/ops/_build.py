@@ -55,7 +55,7 @@ CUDA_ARCHS = ("80", "90")
 COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h")
 # kind: (sources, headers), paths relative to csrc/
 EXTENSIONS = {
-    "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h",)),
+    "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h", "sgmv/expand_dot.h")),
     "sgmv_cuda": (
         ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp", "sgmv/sgmv_cuda.cu"),
         ("sgmv/sgmv.h",),
