@@ -29,6 +29,15 @@ struct PrefetchSpans {
   }
 };
 
+// Lines to issue per inner-loop step so that `lines` spread over `steps` steps, at most
+// kMaxLinesPerStep (a step cannot usefully ask for more, and an absurd hint, e.g. more than
+// 2^31 lines, must not overflow the count: the lines past the last step are left unfetched).
+constexpr int64_t kMaxLinesPerStep = 64;
+inline int lines_per_step(int64_t lines, int64_t steps) {
+  steps = std::max<int64_t>(steps, 1);
+  return int(std::min<int64_t>((std::max<int64_t>(lines, 0) + steps - 1) / steps, kMaxLinesPerStep));
+}
+
 // Walks lines [first, first + count) of the spans' concatenation.
 class PrefetchCursor {
  public:
@@ -90,7 +99,7 @@ class Lookahead {
     regions_ = {spans_.data(), rows};
     const int64_t lines = regions_.lines();
     cursor_ = PrefetchCursor(regions_, 0, lines);
-    step_ = int((lines + std::max(steps, 1) - 1) / std::max(steps, 1));
+    step_ = lines_per_step(lines, steps);
     return &cursor_;
   }
   int step() const { return step_; }

@@ -135,7 +135,7 @@ void panel_rows(const Table& table, T* y, int64_t ys, const TX* x, int64_t xs, c
   alignas(64) T edge[kMB * kDensePanel];  // the last, partial panel goes through here
   // the item's prefetch lines spread evenly over every K step of every row block
   const int64_t steps = int64_t((m + kMB - 1) / kMB) * std::max(1, k / kDenseKPack<TW>);
-  const int pf_step = pf && pf->left() ? int((pf->left() + steps - 1) / steps) : 0;
+  const int pf_step = pf && pf->left() ? lines_per_step(pf->left(), steps) : 0;
   for (int m0 = 0; m0 < m; m0 += kMB) {
     const int mb = std::min(kMB, m - m0);
     T* out = cols == kDensePanel ? y + m0 * ys + c0 : edge;

@@ -119,6 +119,18 @@ def test_prefetch_parts_cover_every_line_once(parts, step, cpu_isa):
     assert ext.prefetch_walk(spans, parts, step).tolist() == want
 
 
+def test_an_absurd_prefetch_hint_is_capped(cpu_isa):
+    """8 regions of 2^40 bytes (2^37 lines, past int32) over a GEMM of 2 x 32 steps: at most
+    kMaxLinesPerStep (64) lines a step are issued, the rest left unfetched; without the cap
+    the count overflowed, or the GEMM walked 2^31 lines a step (minutes, not microseconds).
+    Prefetches never fault, so the addresses past x need not be mapped."""
+    cpu = PackedCpuDense(cpu_isa)
+    packed = cpu.prepare(torch.randn(96, 64))
+    x = torch.randn(4, 64)
+    spans = torch.tensor([[x.data_ptr(), 1 << 40]] * 8, dtype=torch.int64)
+    assert torch.equal(cpu.forward(x, packed, 96, None, spans), cpu.forward(x, packed, 96, None))
+
+
 def test_prefetch_hint_is_checked(cpu_isa):
     ext = PackedCpuDense(cpu_isa).ext
     packed = ext.pack(torch.randn(96, 32))
