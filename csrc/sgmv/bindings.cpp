@@ -214,8 +214,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
         py::arg("max_rank"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
-  m.def("expand_rounds_v", [] { return punica_x::simd::kBf16Dot; },
-        "whether the bf16 CPU expand rounds v to bf16 first (vdpbf16ps builds: expand_dot.h), "
-        "as HF + PEFT and vLLM do; float32 is never rounded");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
 }

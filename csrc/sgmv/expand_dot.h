@@ -2,12 +2,12 @@
 //   y[m, c] += sum_i v[m, i] * b[i, c]
 // The fp32 tile widens every B vector (two instructions) and spends one FMA per rank row; here
 // rows i and i + 1 of B are interleaved into (b[i, c], b[i + 1, c]) pairs with one unpack per
-// 16 pairs, and one vdpbf16ps adds both rows' products into 16 columns: about a third of the
-// instructions per byte of B.
+// 16 pairs, and two vdpbf16ps (v's hi and lo parts) add both rows' products into 16 columns:
+// about half the instructions per byte of B.
 //
-// v is rounded to bf16 first (per row, once per item: ExpandPairs), as HF + PEFT does in bf16
-// (its lora_A output is a bf16 tensor); products are exact and sums float32, and y is rounded
-// once, after the whole sum, as in the fp32 tile.
+// v is split into two bf16 parts first (per row, once per item: ExpandPairs), so the products
+// keep float32 v's precision; products are exact and sums float32, and y is rounded once, after
+// the whole sum, as in the fp32 tile.
 //
 // Column order: unpacklo/hi work within 128-bit lanes, so accumulator `lo` holds columns
 // 8L + j and `hi` columns 8L + 4 + j in its lane 4L + j (L < 4, j < 4); the store permutes
@@ -34,28 +34,39 @@ using simd::bf16;
 using simd::vbh;
 using simd::vf;
 
-// v rows [rows, r] float32 rounded to bf16 pairs: rows x even(r), the odd tail padded with 0.
+// v rows [rows, r] float32 as two bf16 parts, hi = bf16(v) and lo = bf16(v - hi), each rows x
+// even(r) with the odd tail padded with 0; hi + lo carries 16 of v's 24 significant bits (a
+// relative error of at most 2^-17, far below the output's bf16 rounding), so the expand adds
+// two vdpbf16ps per pair of rank rows and keeps float32 v's precision. (Rounding v to bf16
+// alone, as HF + PEFT's bf16 lora_A output does, doubled the error against HF float32 of a
+// tiny Qwen2 with random rank-8 adapters, past bf16's own: tests/punica_x/models.)
+// Row m: hi at m * stride(), lo at m * stride() + lo_offset().
 class ExpandPairs {
  public:
   const bf16* convert(const float* v, int64_t vs, int rows, int r) {
-    stride_ = (r + 1) & ~1;
-    buf_.resize(size_t(rows) * stride_);
+    half_ = (r + 1) & ~1;
+    buf_.assign(size_t(rows) * 2 * half_, bf16{0});
     for (int m = 0; m < rows; ++m) {
-      bf16* out = buf_.data() + int64_t(m) * stride_;
+      bf16* hi = buf_.data() + int64_t(m) * 2 * half_;
+      bf16* lo = hi + half_;
       for (int k = 0; k < r; k += 16) {
         const __mmask16 mask = __mmask16((1u << std::min(16, r - k)) - 1);
         const __m512 f = _mm512_maskz_loadu_ps(mask, v + m * vs + k);
-        _mm256_mask_storeu_epi16(out + k, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
+        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_mask_storeu_epi16(hi + k, mask, h);
+        _mm256_mask_storeu_epi16(lo + k, mask,
+                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
       }
-      if (r & 1) out[r] = bf16{0};
     }
     return buf_.data();
   }
-  int stride() const { return stride_; }
+  int stride() const { return 2 * half_; }
+  int lo_offset() const { return half_; }
 
  private:
   std::vector<bf16> buf_;
-  int stride_ = 0;
+  int half_ = 0;
 };
 
 inline __mmask32 unit_mask(int cols, int u) {
@@ -63,20 +74,24 @@ inline __mmask32 unit_mask(int cols, int u) {
   return n >= 32 ? ~__mmask32(0) : __mmask32((uint32_t(1) << n) - 1);
 }
 
-// y[m, 0:cols] += vb[m, 0:r] @ b[0:r, 0:cols] for m < MB; cols <= 32 * U (the last unit of 32
-// columns may be partial: masked). vb: bf16 pairs (ExpandPairs), row stride vbs.
+// y[m, 0:cols] += v[m, 0:r] @ b[0:r, 0:cols] for m < MB; cols <= 32 * U (the last unit of 32
+// columns may be partial: masked). vb: v's hi and lo bf16 parts (ExpandPairs), row stride vbs,
+// lo at vb + lo_off.
 template <int MB, int U>
-void tile(const bf16* vb, int vbs, int r, const bf16* b, int64_t ld, bf16* y, int64_t ys, int cols,
-          PrefetchCursor* pf, int pf_step) {
+void tile(const bf16* vb, int vbs, int lo_off, int r, const bf16* b, int64_t ld, bf16* y, int64_t ys,
+          int cols, PrefetchCursor* pf, int pf_step) {
   vf lo[MB][U] = {}, hi[MB][U] = {};
   const __mmask32 tail = unit_mask(cols, U - 1);  // units before the last are full
   auto mask = [tail](int u) { return u + 1 < U ? ~__mmask32(0) : tail; };
   // the loops over m and u are unrolled so the accumulators stay in registers
   for (int i = 0; i < r; i += 2) {
     if (pf) pf->issue(2 * pf_step);
-    vbh s[MB];
+    vbh s[MB], t[MB];
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) s[m] = simd::splat_pair(vb + m * vbs + i);
+    for (int m = 0; m < MB; ++m) {
+      s[m] = simd::splat_pair(vb + m * vbs + i);
+      t[m] = simd::splat_pair(vb + m * vbs + lo_off + i);
+    }
     const bf16* b0 = b + i * ld;
 #pragma GCC unroll 16
     for (int u = 0; u < U; ++u) {
@@ -86,8 +101,8 @@ void tile(const bf16* vb, int vbs, int r, const bf16* b, int64_t ld, bf16* y, in
       const vbh pl = (vbh)_mm512_unpacklo_epi16(r0, r1), ph = (vbh)_mm512_unpackhi_epi16(r0, r1);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
-        lo[m][u] = simd::dot_pairs(lo[m][u], pl, s[m]);
-        hi[m][u] = simd::dot_pairs(hi[m][u], ph, s[m]);
+        lo[m][u] = simd::dot_pairs(simd::dot_pairs(lo[m][u], pl, s[m]), pl, t[m]);
+        hi[m][u] = simd::dot_pairs(simd::dot_pairs(hi[m][u], ph, s[m]), ph, t[m]);
       }
     }
   }
@@ -110,16 +125,18 @@ void tile(const bf16* vb, int vbs, int r, const bf16* b, int64_t ld, bf16* y, in
       }
 }
 
-using TileFn = void (*)(const bf16*, int, int, const bf16*, int64_t, bf16*, int64_t, int, PrefetchCursor*, int);
+using TileFn = void (*)(const bf16*, int, int, int, const bf16*, int64_t, bf16*, int64_t, int, PrefetchCursor*,
+                        int);
 
 template <int MB, int... U>
 constexpr std::array<TileFn, sizeof...(U)> units(std::integer_sequence<int, U...>) {
   return {&tile<MB, U + 1>...};
 }
 
-// Widest tiles: one row x kWideUnits (256 columns: B read from memory, 16 accumulators);
-// several rows x kNarrowUnits (64 columns: MB x 4 accumulators).
-constexpr int kWideUnits = 8, kNarrowUnits = 2;
+// Tiles of several rows x kNarrowUnits (64 columns: MB x 4 accumulators), the items of
+// segments of several rows (sgmv_cpu.cpp; a one-row segment keeps the widening tile); the
+// last row block of such a segment may have one row.
+constexpr int kNarrowUnits = 2;
 
 template <int... M>
 constexpr auto narrow_table(std::integer_sequence<int, M...>) {
@@ -127,13 +144,11 @@ constexpr auto narrow_table(std::integer_sequence<int, M...>) {
       units<M + 1>(std::make_integer_sequence<int, kNarrowUnits>{})...};
 }
 
-// The tile for mb rows x `cols` columns (cols <= 32 * (mb == 1 ? kWideUnits : kNarrowUnits)).
+// The tile for mb rows x `cols` columns (cols <= 32 * kNarrowUnits).
 template <int kMB>
 TileFn kernel(int mb, int cols) {
-  static const auto wide = units<1>(std::make_integer_sequence<int, kWideUnits>{});
   static const auto narrow = narrow_table(std::make_integer_sequence<int, kMB>{});
-  const int u = (cols + 31) / 32;
-  return mb == 1 ? wide[u - 1] : narrow[mb - 1][u - 1];
+  return narrow[mb - 1][(cols + 31) / 32 - 1];
 }
 
 }  // namespace expand_dot

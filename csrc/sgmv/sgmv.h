@@ -8,8 +8,8 @@
 // and the ops compute, for rows t in [seg[s], seg[s+1]):
 //   shrink: v[t, 0:R_s]                        = x[t, :] @ A_s[layer]^T
 //   expand: y[t, yoff_j : yoff_j + h_out_j]   += v[t, voff_j : voff_j + r_j] @ B_s,j[layer]
-// with voff_j = sum_{i<j} r_i and yoff_j = sum_{i<j} h_out_i. v is always float32; the bf16
-// expand of the avx512_bf16 build reads it rounded to bf16 (expand_dot.h), as HF + PEFT does.
+// with voff_j = sum_{i<j} r_i and yoff_j = sum_{i<j} h_out_i. v is always float32 (the bf16
+// expand of the avx512_bf16 build reads it as two bf16 parts, hi + lo: expand_dot.h).
 #pragma once
 
 #include <cstdint>

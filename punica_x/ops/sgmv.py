@@ -21,8 +21,7 @@ Weight layouts (per adapter, all layers in one tensor so the kernel offsets by `
 Backends: ``cpu`` (compiled C++, float32 or bfloat16), ``cuda`` (compiled CUDA, float32,
 float16 or bfloat16), ``torch_ref`` (pure PyTorch, any dtype). x, y and the adapters' weights
 share one dtype; ``v`` is float32 and every sum is accumulated in float32 (the bf16 expand of
-the ``avx512_bf16`` CPU build reads ``v`` rounded to bf16, as HF + PEFT and vLLM do: the
-module's ``expand_rounds_v()``).
+the ``avx512_bf16`` CPU build reads ``v`` as two bf16 parts, within 2^-17 of it).
 The default is chosen by device and never silently replaced: a failed build raises.
 """
 

@@ -4,12 +4,11 @@ last multiplies bf16 pairs with vdpbf16ps in the dense GEMM and the SGMV shrink)
 
 The kernels read bf16, compute in float32 and round each output once. The reference runs in
 float32 on the same bf16-rounded inputs, so the only difference left is that one rounding
-(at most 2^-9 of the value, ~0.2%) plus float32 summation order; the SGMV expand of the
-avx512_bf16 build also rounds its float32 input v to bf16 (as HF + PEFT and vLLM do), and its
-reference does the same. Stated tolerance: rtol 8e-3
-(2x a bf16 ulp) with an atol of 1e-3 x the output's scale for values near zero. The fused
-layers round intermediate results where the reference (the model in bf16, as HF runs it)
-rounds them, and are compared with that bf16 reference at one bf16 ulp.
+(at most 2^-9 of the value, ~0.2%) plus float32 summation order (the SGMV expand of the
+avx512_bf16 build reads its float32 input v as two bf16 parts, within 2^-17 of v). Stated
+tolerance: rtol 8e-3 (2x a bf16 ulp) with an atol of 1e-3 x the output's scale for values
+near zero. The fused layers round intermediate results where the reference (the model in
+bf16, as HF runs it) rounds them, and are compared with that bf16 reference at one bf16 ulp.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ import torch
 from punica_x.attention import cpu as cpu_attention
 from punica_x.attention.cpu import CpuAttention
 from punica_x.attention.paged import SeqSpan
-from punica_x.ops import _ref
 from punica_x.ops.dense import PackedCpuDense
 from punica_x.ops.fused import CpuFused, TorchFused
-from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, cpu_backend
+from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, cpu_backend, get_backend
 
 BF16 = torch.bfloat16
 RTOL = 8e-3
@@ -59,34 +57,21 @@ def test_dense_bf16(m, k, n, bias, cpu_isa):
     assert_bf16_close(cpu.forward(x, packed, n, b), ref)
 
 
-def sgmv_reference(y0, x, w32: SgmvWeights, layer: int, round_v: bool) -> torch.Tensor:
-    """y0 + x @ A @ B in float32, v = x @ A rounded to bf16 first when the build does so
-    (the vdpbf16ps expand, as HF + PEFT and vLLM in bf16)."""
-    v = torch.zeros(x.shape[0], w32.max_rank)
-    _ref.shrink(v, x.float(), w32, layer)
-    if round_v:
-        v = v.to(BF16).float()
-    y = y0.float().clone()
-    _ref.expand(y, v, w32, layer)
-    return y
-
-
-def test_sgmv_bf16_expand_rounds_v_where_it_says(cpu_isa):
-    """v = 1 + 2^-8 + 2^-10 (bf16: 1 + 2^-7) and v' = 1 against B rows 256 and -256: the
-    output is 256 * (v - v') = 1.25 from a float32 v and 2.0 from a bf16 one, both exact in
-    bf16, so the build's claim (expand_rounds_v) is checked, not assumed."""
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 2, 5: the multi-row tiles (and a 1-row block)
+def test_sgmv_bf16_expand_keeps_v_float32_precise(rows, cpu_isa):
+    """v = 1 + 2^-8 + 2^-10 and v' = 1 against B rows 256 and -256: the output is
+    256 * (v - v') = 1.25 from v as computed (float32, or the avx512_bf16 build's hi + lo bf16
+    split, exact here) and 2.0 from v rounded to bf16 (1 + 2^-7), both exact in bf16."""
     h_in, h_out = 32, 40  # 40: a masked tail of 8 columns after a full 32
-    x = torch.zeros(1, h_in, dtype=BF16)
-    x[0, :3] = 1
+    x = torch.zeros(rows, h_in, dtype=BF16)
+    x[:, :3] = 1
     a = torch.zeros(1, 2, h_in, dtype=BF16)
     a[0, 0, :3] = torch.tensor([1, 2**-8, 2**-10])
     a[0, 1, 0] = 1
     b = torch.cat([torch.full((h_out,), 256.0), torch.full((h_out,), -256.0)]).to(BF16)[None]
-    w = SgmvWeights.build([0, 1], [a], [b], [[2]], [h_out], "cpu")
-    backend = cpu_backend(cpu_isa)
-    y = add_lora_sgmv(torch.zeros(1, h_out, dtype=BF16), x, w, 0, backend=backend)
-    want = 2.0 if backend.module.expand_rounds_v() else 1.25
-    assert torch.equal(y, torch.full((1, h_out), want, dtype=BF16))
+    w = SgmvWeights.build([0, rows], [a], [b], [[2]], [h_out], "cpu")
+    y = add_lora_sgmv(torch.zeros(rows, h_out, dtype=BF16), x, w, 0, backend=cpu_backend(cpu_isa))
+    assert torch.equal(y, torch.full((rows, h_out), 1.25, dtype=BF16))
 
 
 @pytest.mark.parametrize("slices", [[576], [576, 192, 192]])
@@ -112,9 +97,9 @@ def test_sgmv_bf16(slices, lens, h_in, cpu_isa):
         "cpu",
     )
     x, y0 = bf16_randn(g, seg[-1], h_in), bf16_randn(g, seg[-1], sum(slices))
-    backend = cpu_backend(cpu_isa)
-    ours = add_lora_sgmv(y0.clone(), x, w, 1, backend=backend)
-    assert_bf16_close(ours, sgmv_reference(y0, x, w32, 1, backend.module.expand_rounds_v()))
+    ours = add_lora_sgmv(y0.clone(), x, w, 1, backend=cpu_backend(cpu_isa))
+    ref = add_lora_sgmv(y0.float(), x.float(), w32, 1, backend=get_backend("cpu", "torch_ref"))
+    assert_bf16_close(ours, ref)
     if len(lens) > 1:  # rows without an adapter are left exactly as they were
         assert torch.equal(ours[seg[1] : seg[2]], y0[seg[1] : seg[2]])
 
