@@ -30,7 +30,7 @@ def edge_digest(weight: torch.Tensor) -> str:
     float32 checkpoint and a bfloat16 copy of it agree)."""
     h = hashlib.sha256(str(tuple(weight.shape)).encode())
     for chunk in weight.detach().reshape(-1).split(1 << 24):
-        h.update(chunk.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        h.update(chunk.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
     return h.hexdigest()
 
 
