@@ -29,6 +29,9 @@ else float32) and, unless --peer-dtype names another, vLLM's too, so the two col
 one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay float32. When
 punica-x serves another dtype than float32, a float32 punica-x engine runs the same workloads
 in the same run (column ours_fp32_tok_s; x_fp32 = the served dtype over float32).
+
+--device cuda: one GPU, a Llama-3-8B-shaped model by default, 32 and 128 requests, HF
+beside it (common/gpu_generate.py; figures in benchmarks/results/cuda/).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from pathlib import Path
 import torch
 from common.args import add_dtype, add_engine_workload, parser
 from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.gpu_generate import add_gpu_args
+from common.gpu_generate import main as main_gpu
 from common.hf_baselines import HFBaselines
 from common.peers import run as run_peer
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
@@ -118,6 +123,7 @@ def parse_args():
         help="also measure tok/s with this many more live Python objects (0: skip)",
     )
     add_dtype(ap, help="punica-x's serving dtype (auto: its own default on this CPU)")
+    add_gpu_args(ap)
     ap.add_argument(
         "--peer-dtype",
         default=None,
@@ -133,6 +139,8 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cuda":
+        return main_gpu(args)
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests

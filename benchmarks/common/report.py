@@ -97,7 +97,9 @@ def write_json(name: str, payload: dict, group: str | None = None) -> Path:
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     if not _RUN["written"]:
         atexit.register(update_readmes)
-    _RUN["written"].setdefault(folder, []).append(name)
+    written = _RUN["written"].setdefault(folder, [])
+    if name not in written:  # a run may rewrite its JSON as it goes
+        written.append(name)
     return path
 
 

@@ -2,12 +2,14 @@
 the default SmolLM2 (no model hub is reachable here; for speed only the shapes matter).
 
 random_model("qwen2.5-0.5b") builds, once, a HF folder in the punica-x cache: transformers'
-own config class with the real model's sizes, weights drawn by HF's initialiser and stored
-in bfloat16, and SmolLM2's tokenizer files (its ids are a subset of the model's vocabulary;
+own config class with the real model's sizes, bfloat16 weights drawn N(0,
+initializer_range) tensor by tensor (on the GPU where there is one), and SmolLM2's tokenizer
+files (its ids are a subset of the model's vocabulary;
 ids past the tokenizer's decode to nothing, which the benchmarks do not read)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,11 +40,34 @@ SHAPES = {
             eos_token_id=2,
         ),
     ),
+    # meta-llama/Meta-Llama-3-8B's config.json (the shape of Llama-3.1-8B too, bar RoPE scaling)
+    "llama-3-8b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=128000,
+            eos_token_id=128001,
+        ),
+    ),
 }
 
 
-def random_model(shape: str) -> Path:
-    """The folder of a random-weight model of `shape` (a key of SHAPES), built on first use."""
+def random_model(shape: str, tokenizer: str | None = None) -> Path:
+    """The folder of a random-weight model of `shape` (a key of SHAPES), built on first use:
+    bfloat16 weights drawn N(0, initializer_range) (norms 1, biases 0) tensor by tensor, on
+    the GPU where there is one (an 8B model in seconds, never the whole model in host
+    memory), saved in shards of ~2 GB with HF's index. tokenizer: a folder with tokenizer
+    files (default: SmolLM2's, from the default model)."""
     import transformers
 
     config_cls, model_cls, fields = SHAPES[shape]
@@ -51,18 +76,52 @@ def random_model(shape: str) -> Path:
         return target
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        torch.manual_seed(0)
         config = getattr(transformers, config_cls)(**fields)
-        model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None))
-        tokenizer.save_pretrained(tmp)
+        with torch.device("meta"):
+            model = getattr(transformers, model_cls)(config)
+        config.dtype = torch.bfloat16
+        config.save_pretrained(tmp)
+        _write_random_weights(model, config.initializer_range, tmp)
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir(None))
+        tok.save_pretrained(tmp)
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def model_path(name: str | None) -> str | None:
+def _write_random_weights(model, std: float, folder: Path, shard_bytes: int = 2 << 30) -> None:
+    """Every tensor of `model` (on the meta device) drawn and saved into folder's shards."""
+    from safetensors.torch import save_file
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(0)
+    params = dict(model.named_parameters())  # a tied head is one parameter, saved once
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, meta in params.items():
+        t = torch.empty(meta.shape, dtype=torch.bfloat16, device=dev)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith(".bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, std, generator=gen)
+        if size + t.nbytes > shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu()
+        size += t.nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, fname)
+        total += sum(t.nbytes for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def model_path(name: str | None, tokenizer: str | None = None) -> str | None:
     """--model: None (the default SmolLM2), a SHAPES key (its random model) or a path."""
-    return str(random_model(name)) if name in SHAPES else name
+    return str(random_model(name, tokenizer)) if name in SHAPES else name

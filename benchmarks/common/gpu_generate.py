@@ -1,0 +1,343 @@
+"""bench_generate --device cuda: one runner on one GPU, end to end.
+
+A random-weight model of a real shape (default llama-3-8b, common/shapes.py), rank-r
+adapters on all 7 projections written straight in PEFT's format (random; what a GPU reads
+per step depends on the shapes only), bfloat16. For each --gpu-requests count (32 and 128):
+tokens/s of a whole generation and the median decode step (every request decoding) for the
+backbone and the Distinct / Uniform / Skewed / Identical workloads, with the LoRA overhead
+of each = its step / the backbone's step - 1. Beside them in the same run: HF transformers
+(bfloat16 on the same GPU, sdpa attention) generating the same prompts without adapters,
+and HF + PEFT with a mixed-adapter batch (adapter_names=) on --hf-workloads at the smallest
+request count. Then the first token of an adapter nobody has loaded yet: registration (read,
+validated, placed) plus the first request's first token, on an idle engine."""
+
+from __future__ import annotations
+
+import gc
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.shapes import model_path
+from common.workload import TARGETS, make_prompts, workload_names
+from punica_x import LLM, SamplingParams
+from punica_x.config import GiB, dtype_name
+
+COLUMNS = [
+    "requests",
+    "workload",
+    "adapters",
+    "tok_s",
+    "step_ms",
+    "lora_overhead",
+    "kernel_ms",
+    "gpu_busy",
+    "hf_tok_s",
+    "x_hf",
+]
+
+
+def add_gpu_args(ap) -> None:
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--gpu-requests", default="32,128", help="with --device cuda: request counts to run"
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="with --device cuda: flashinfer (the default where it has a kernel) or torch",
+    )
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+
+
+def write_random_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
+    """n PEFT adapters (rank `rank`, alpha = rank, all 7 projections, bfloat16 random:
+    A ~ U(-1/sqrt(in), 1/sqrt(in)), B ~ N(0, 0.01)) saved as root/a0 .. root/a{n-1}, without
+    building a PEFT model (minutes on an 8B model; this takes a second per adapter)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {
+        name: (mod.in_features, mod.out_features)
+        for name, mod in model.named_modules()
+        if name.rsplit(".", 1)[-1] in TARGETS
+    }
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(1000)
+    paths = []
+    for i in range(n):
+        tensors = {}
+        for name, (fan_in, fan_out) in shapes.items():
+            a = torch.empty(rank, fan_in, device=dev, dtype=torch.bfloat16)
+            a.uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
+            b = torch.empty(fan_out, rank, device=dev, dtype=torch.bfloat16)
+            b.normal_(0.0, 0.01, generator=gen)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a.cpu()
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b.cpu()
+        path = root / f"a{i}"
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS).save_pretrained(path)
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        paths.append(path)
+    return paths
+
+
+def main(args) -> None:
+    """The whole GPU run: see the module's docstring. Each phase prints its figures as it
+    ends, and the JSON is written once ours are in and again at the end (a run stopped by
+    SIGTERM, e.g. timeout, still writes what it has)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    print(describe_machine(), flush=True)
+    counts = [int(c) for c in args.gpu_requests.split(",") if c]
+    llm, summary = _load(args, counts)
+    engine = llm.engine
+    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-cuda-"))
+    paths = write_random_adapters(engine.loaded.model_dir, max(counts) + 1, args.rank, tmp)
+    for i, p in enumerate(paths[:-1]):
+        llm.load_adapter(f"a{i}", str(p))
+    _log(f"{len(paths)} adapters written, {len(paths) - 1} registered")
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for n in counts:
+        rows += _rows_for(llm, n, sp, args)
+    summary["new_adapter"] = _new_adapter_ttft(llm, paths[-1])
+    _log(f"a new adapter: {summary['new_adapter']}")
+    _save(args, rows, summary)
+    model_dir, prompts = engine.loaded.model_dir, make_prompts(llm.tokenizer, max(counts))
+    del llm, engine  # HF needs the memory our engine planned for itself
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    summary |= _hf_columns(rows, model_dir, paths, prompts, counts, args)
+    _report(args, rows, summary)
+    _save(args, rows, summary)
+
+
+def _log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _load(args, counts) -> tuple[LLM, dict]:
+    """The engine on the model (built first if a shape), and the summary's first fields."""
+    started = time.perf_counter()
+    model = model_path(args.model or "llama-3-8b", args.tokenizer)
+    _log(f"model at {model} ({time.perf_counter() - started:.0f} s)")
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_batch_size=max(counts),
+        max_batched_tokens=max(2048, 64 * max(counts)),
+        kv_fraction=0.5,
+        host_bytes=64 * GiB,
+    )
+    engine = llm.engine
+    summary = {
+        "model": f"{args.model or 'llama-3-8b'} (random weights)",
+        "dtype": dtype_name(engine.dtype),
+        "attention": engine.planner.attention.name,
+        "sgmv": engine.sgmv.name,
+        "load_s": time.perf_counter() - t0,
+        "kv_blocks": engine.cache.kv.shape[0],
+    }
+    _log(f"engine: {summary}")
+    return llm, summary
+
+
+def _rows_for(llm: LLM, n: int, sp, args) -> list[dict]:
+    prompts = make_prompts(llm.tokenizer, n)
+    names = {"backbone": [None] * n, **workload_names(n)}
+    warm_up(llm, prompts)
+    tps = {w: run_ours(llm, prompts, a, sp) for w, a in names.items()}
+    _log(f"{n} requests, tok/s: {tps}")
+    steps: dict[str, list[float]] = {w: [] for w in names}
+    for _ in range(args.rounds):  # interleaved: the GPU's clocks move over a run
+        for w, a in names.items():
+            steps[w].append(decode_step_time(llm, prompts, a, sp, args.decode_steps))
+    step = {w: statistics.median(s) for w, s in steps.items()}
+    rows = [
+        {
+            "requests": n,
+            "workload": w,
+            "adapters": len({x for x in a if x is not None}),
+            "tok_s": tps[w],
+            "step_ms": step[w] * 1e3,
+            "lora_overhead": step[w] / step["backbone"] - 1,
+        }
+        for w, a in names.items()
+    ]
+    for row, a in zip(rows, names.values()):
+        kernel_ms = _kernel_ms(llm, prompts, a, sp)
+        row["kernel_ms"] = kernel_ms
+        if isinstance(kernel_ms, float):
+            row["gpu_busy"] = kernel_ms / row["step_ms"]
+        _log(json.dumps(row))
+    return rows
+
+
+def _kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:
+    """Milliseconds of CUDA kernels in a decode step (torch.profiler, mean over `steps`
+    steps, every request decoding). Over the step's unprofiled wall time (gpu_busy): near 1,
+    the step is the GPU's; far below, the host's launches and Python are the step (what
+    CUDA graphs cut). The profiler's error text where it cannot say (a diagnostic, never a
+    reason to stop the run)."""
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for p, a in zip(prompts, adapters):
+        engine.add_request(p, sp, a)
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # kernels and copies
+        return busy_us / 1e3 / steps
+    except Exception as exc:  # noqa: BLE001 - reported in the table instead
+        return f"profiler: {exc}"
+    finally:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+
+
+def _new_adapter_ttft(llm: LLM, path: Path) -> dict:
+    """Seconds from registering an adapter nobody loaded to its first request's first
+    token, the engine otherwise idle: {"register_s", "first_token_s", "total_s"}."""
+    engine = llm.engine
+    t0 = time.perf_counter()
+    llm.load_adapter("fresh", str(path))
+    t1 = time.perf_counter()
+    prompt = make_prompts(llm.tokenizer, 1)[0]
+    req = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), "fresh")
+    while not req.output_token_ids:
+        engine.step()
+    t2 = time.perf_counter()
+    while engine.requests:
+        engine.step()
+    return {"register_s": t1 - t0, "first_token_s": t2 - t1, "total_s": t2 - t0}
+
+
+def _hf_columns(rows, model_dir: Path, paths, prompts, counts, args) -> dict:
+    """HF's tok/s beside ours in the rows: the backbone at every count, then PEFT wrapped
+    around that same model (one copy in GPU memory) with a mixed batch on --hf-workloads at
+    the smallest count; returns what goes in the summary."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to(args.device).eval()
+    by = {(r["requests"], r["workload"]): r for r in rows}
+    _hf_tok_s(model, tok, prompts[:4], 4)  # warm-up
+    for n in counts:
+        by[n, "backbone"]["hf_tok_s"] = _hf_tok_s(model, tok, prompts[:n], args.max_tokens)
+        _log(f"HF backbone, {n} requests: {by[n, 'backbone']['hf_tok_s']:.1f} tok/s")
+    small = min(counts)
+    hf_workloads = [w for w in args.hf_workloads.split(",") if w]
+    needed = sorted({a for w in hf_workloads for a in workload_names(small)[w]})
+    if needed:
+        model = PeftModel.from_pretrained(model, paths[int(needed[0][1:])], adapter_name=needed[0])
+        for name in needed[1:]:
+            model.load_adapter(paths[int(name[1:])], adapter_name=name)
+        model.eval()
+    for w in hf_workloads:
+        names = workload_names(small)[w]
+        row = by[small, w]
+        row["hf_tok_s"] = _hf_tok_s(model, tok, prompts[:small], args.max_tokens, names)
+        _log(f"HF + PEFT mixed batch, {w}, {small} requests: {row['hf_tok_s']:.1f} tok/s")
+    for row in rows:
+        if "hf_tok_s" in row:
+            row["x_hf"] = row["tok_s"] / row["hf_tok_s"]
+    return {"hf": "transformers bfloat16 (+ PEFT adapter_names=), sdpa", "hf_adapters": needed}
+
+
+def _hf_tok_s(model, tok, prompts, n: int, adapter_names=None) -> float:
+    """Generated tokens/s of HF's greedy generate, n new tokens for every prompt."""
+    extra = {"adapter_names": adapter_names} if adapter_names else {}
+    t0 = time.perf_counter()
+    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            **extra,
+        )
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (out.shape[1] - enc.input_ids.shape[1]) * len(prompts) / (time.perf_counter() - t0)
+
+
+def _report(args, rows, summary) -> None:
+    print(
+        f"\n{summary['model']}, {summary['dtype']}, rank {args.rank} on all 7 projections, "
+        f"{args.max_tokens} tokens a request, attention {summary['attention']}, "
+        f"SGMV {summary['sgmv']}"
+    )
+    print_table(rows, COLUMNS, "Generated tokens/s, decode step ms, LoRA overhead vs backbone")
+    for row in rows:
+        if row["workload"] == "distinct":
+            print(
+                f"distinct at {row['requests']} requests: LoRA overhead "
+                f"{row['lora_overhead']:.1%} of the backbone step (target <= 15%)"
+            )
+    fresh = summary["new_adapter"]
+    print(
+        f"a new adapter's first token: {fresh['total_s'] * 1e3:.0f} ms "
+        f"(registration {fresh['register_s'] * 1e3:.0f} ms, first token "
+        f"{fresh['first_token_s'] * 1e3:.0f} ms)"
+    )
+    print(json.dumps(summary))
+
+
+def _save(args, rows, summary) -> None:
+    """JSON and PNG in benchmarks/results/cuda/ (again at each call: the latest wins)."""
+    name = "bench_generate_cuda_" + Path(args.model or "llama-3-8b").name.replace(".", "_")
+    path = write_json(name, {"args": vars(args), "summary": summary, "rows": rows}, "cuda")
+    _plot(rows, summary, name)
+    _log(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _plot(rows, summary, name: str) -> None:
+    plt = pyplot()
+    counts = sorted({r["requests"] for r in rows})
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        mine = [r for r in rows if r["requests"] == n]
+        labels = [r["workload"] for r in mine]
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], [r["tok_s"] for r in mine], 0.4, label="punica-x")
+        hf = [r.get("hf_tok_s", 0) for r in mine]
+        ax.bar([x + 0.2 for x in xs], hf, 0.4, label="HF (+ PEFT mixed batch)")
+        ax.set_xticks(list(xs), labels)
+        ax.set_title(f"{n} requests")
+        ax.set_ylabel("generated tokens / s")
+        ax.legend()
+    fig.suptitle(f"{summary['model']}, {summary['dtype']}, rank-16 LoRA ({_gpu_name()})")
+    save_plot(name, fig, "cuda")
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
