@@ -5,9 +5,9 @@
 // 16 pairs, and two vdpbf16ps (v's hi and lo parts) add both rows' products into 16 columns:
 // about half the instructions per byte of B.
 //
-// v is split into two bf16 parts first (per row, once per item: ExpandPairs), so the products
-// keep float32 v's precision; products are exact and sums float32, and y is rounded once, after
-// the whole sum, as in the fp32 tile.
+// v is split into two bf16 parts first (split_pairs, once a launch per segment and slice), so
+// the products keep float32 v's precision; products are exact and sums float32, and y is
+// rounded once, after the whole sum, as in the fp32 tile.
 //
 // Column order: unpacklo/hi work within 128-bit lanes, so accumulator `lo` holds columns
 // 8L + j and `hi` columns 8L + 4 + j in its lane 4L + j (L < 4, j < 4); the store permutes
@@ -22,7 +22,6 @@
 #include <array>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "../common/prefetch.h"
 #include "../common/simd.h"
@@ -34,40 +33,34 @@ using simd::bf16;
 using simd::vbh;
 using simd::vf;
 
-// v rows [rows, r] float32 as two bf16 parts, hi = bf16(v) and lo = bf16(v - hi), each rows x
-// even(r) with the odd tail padded with 0; hi + lo carries 16 of v's 24 significant bits (a
+// v rows [rows, r] float32 as two bf16 parts, hi = bf16(v) and lo = bf16(v - hi), each even(r)
+// long with the odd tail padded with 0; hi + lo carries 16 of v's 24 significant bits (a
 // relative error of at most 2^-17, far below the output's bf16 rounding), so the expand adds
 // two vdpbf16ps per pair of rank rows and keeps float32 v's precision. (Rounding v to bf16
 // alone, as HF + PEFT's bf16 lora_A output does, doubled the error against HF float32 of a
 // tiny Qwen2 with random rank-8 adapters, past bf16's own: tests/punica_x/models.)
-// Row m: hi at m * stride(), lo at m * stride() + lo_offset().
-class ExpandPairs {
- public:
-  const bf16* convert(const float* v, int64_t vs, int rows, int r) {
-    half_ = (r + 1) & ~1;
-    buf_.assign(size_t(rows) * 2 * half_, bf16{0});
-    for (int m = 0; m < rows; ++m) {
-      bf16* hi = buf_.data() + int64_t(m) * 2 * half_;
-      bf16* lo = hi + half_;
-      for (int k = 0; k < r; k += 16) {
-        const __mmask16 mask = __mmask16((1u << std::min(16, r - k)) - 1);
-        const __m512 f = _mm512_maskz_loadu_ps(mask, v + m * vs + k);
-        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_mask_storeu_epi16(hi + k, mask, h);
-        _mm256_mask_storeu_epi16(lo + k, mask,
-                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
-      }
-    }
-    return buf_.data();
-  }
-  int stride() const { return 2 * half_; }
-  int lo_offset() const { return half_; }
+// Row m of a block: hi at m * pair_stride(r), lo at m * pair_stride(r) + half(r).
+inline int half(int r) { return (r + 1) & ~1; }
+inline int pair_stride(int r) { return 2 * half(r); }
 
- private:
-  std::vector<bf16> buf_;
-  int half_ = 0;
-};
+// dst[rows x pair_stride(r)] = v[rows, 0:r] (row stride vs) split into hi and lo parts.
+inline void split_pairs(bf16* dst, const float* v, int64_t vs, int rows, int r) {
+  const int h = half(r);
+  for (int m = 0; m < rows; ++m) {
+    bf16* hi = dst + int64_t(m) * 2 * h;
+    bf16* lo = hi + h;
+    if (r < h) hi[r] = lo[r] = bf16{0};  // the pad pairs with B's zero row; garbage could be NaN
+    for (int k = 0; k < r; k += 16) {
+      const __mmask16 mask = __mmask16((1u << std::min(16, r - k)) - 1);
+      const __m512 f = _mm512_maskz_loadu_ps(mask, v + m * vs + k);
+      const __m256i h16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
+      _mm256_mask_storeu_epi16(hi + k, mask, h16);
+      _mm256_mask_storeu_epi16(lo + k, mask,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
+    }
+  }
+}
 
 inline __mmask32 unit_mask(int cols, int u) {
   const int n = cols - 32 * u;
@@ -75,7 +68,7 @@ inline __mmask32 unit_mask(int cols, int u) {
 }
 
 // y[m, 0:cols] += v[m, 0:r] @ b[0:r, 0:cols] for m < MB; cols <= 32 * U (the last unit of 32
-// columns may be partial: masked). vb: v's hi and lo bf16 parts (ExpandPairs), row stride vbs,
+// columns may be partial: masked). vb: v's hi and lo bf16 parts (split_pairs), row stride vbs,
 // lo at vb + lo_off.
 template <int MB, int U>
 void tile(const bf16* vb, int vbs, int lo_off, int r, const bf16* b, int64_t ld, bf16* y, int64_t ys,

@@ -168,12 +168,21 @@ ShrinkFn<T> shrink_kernel(int mb, int jb) {
   return table[mb - 1][jb - 1];
 }
 
+// bf16 segments of several rows run expand_dot.h's tiles on the avx512_bf16 build
+template <typename T>
+constexpr bool kDotExpand = std::is_same_v<T, bf16> && kBf16Dot;
+
 template <typename T>
 ExpandFn<T> expand_kernel(int mb, int nb) {
   static const std::array<ExpandFn<T>, kExpandWideNB> wide =
       expand_row<T, 1>(std::make_integer_sequence<int, kExpandWideNB>{});
-  static const auto narrow_tiles = expand_table<T>(std::make_integer_sequence<int, kMB>{});
-  return mb == 1 ? wide[nb - 1] : narrow_tiles[mb - 1][nb - 1];
+  if (mb == 1) return wide[nb - 1];
+  if constexpr (kDotExpand<T>) {
+    return nullptr;  // never asked for: the item plan sends these rows to expand_dot
+  } else {
+    static const auto narrow_tiles = expand_table<T>(std::make_integer_sequence<int, kMB>{});
+    return narrow_tiles[mb - 1][nb - 1];
+  }
 }
 
 struct ShrinkItem {
@@ -182,6 +191,7 @@ struct ShrinkItem {
 
 struct ExpandItem {
   int seg, slice, c0, cn;
+  int64_t pairs;  // where v's bf16 pairs (expand_dot.h) start in the launch's buffer; -1: none
 };
 
 int rank_sum(const SgmvSegments& p, int s) {
@@ -227,14 +237,25 @@ template <typename T>
 void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p) {
   std::vector<ExpandItem> items;
+  int64_t pair_elems = 0;  // bf16 elements of every dot item's v pairs
   for (int s = 0; s < p.num_segments; ++s) {
     const int rows = p.seg[s + 1] - p.seg[s];
     if (p.w_ptr[s] == 0 || rows == 0) continue;
     const int width = kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
-      if (p.ranks[s * p.num_slices + j] == 0) continue;
+      const int r = p.ranks[s * p.num_slices + j];
+      if (r == 0) continue;
+      int64_t pairs = -1;
+#if defined(__AVX512BF16__)
+      // several rows: two rank rows per vdpbf16ps; one row reads B from memory, where the
+      // widening tile measured faster (1.06x warm, 1.03x cold for the dot tile)
+      if (kDotExpand<T> && rows > 1) {
+        pairs = pair_elems;
+        pair_elems += int64_t(rows) * expand_dot::pair_stride(r);
+      }
+#endif
       for (int c0 = 0; c0 < h_out[j]; c0 += width)
-        items.push_back({s, j, c0, std::min(width, h_out[j] - c0)});
+        items.push_back({s, j, c0, std::min(width, h_out[j] - c0), pairs});
     }
   }
   struct Place {  // where an item reads B and v and writes y
@@ -255,6 +276,23 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
     const T* b = reinterpret_cast<const T*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off + it.c0;
     return Place{b, v_off, y_off};
   };
+  const bf16* pair_base = nullptr;
+#if defined(__AVX512BF16__)
+  // v split once per (segment, slice) here, not per column item (a segment's items are
+  // consecutive); the calling thread's buffer, reused across launches
+  thread_local std::vector<bf16> pair_buf;
+  if (pair_elems > 0) {
+    if (int64_t(pair_buf.size()) < pair_elems) pair_buf.resize(pair_elems);
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ExpandItem& it = items[i];
+      if (it.pairs < 0 || (i > 0 && items[i - 1].pairs == it.pairs)) continue;
+      const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
+      expand_dot::split_pairs(pair_buf.data() + it.pairs, v + row0 * v_stride + place(it).v_off, v_stride,
+                              rows, p.ranks[it.seg * p.num_slices + it.slice]);
+    }
+    pair_base = pair_buf.data();  // read by every thread: not the thread_local itself
+  }
+#endif
   const int64_t n = int64_t(items.size());
   parallel_items(n, [&](int64_t i) {
     {  // one expand column block, all rows of its segment
@@ -272,16 +310,14 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       const int64_t ld = h_out[it.slice];
       const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
 #if defined(__AVX512BF16__)
-      // several rows: two rank rows per vdpbf16ps (expand_dot.h); one row reads B from memory,
-      // where the widening tile measured faster (1.06x warm, 1.03x cold for the dot tile)
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (rows > 1) {
-          thread_local expand_dot::ExpandPairs pairs;
-          const bf16* vb = pairs.convert(v + row0 * v_stride + v_off, v_stride, rows, r);
+      if constexpr (kDotExpand<T>) {
+        if (it.pairs >= 0) {
+          const bf16* vb = pair_base + it.pairs;
+          const int stride = expand_dot::pair_stride(r);
           for (int m0 = 0; m0 < rows; m0 += kMB) {
             const int mb = std::min(kMB, rows - m0);
-            expand_dot::kernel<kMB>(mb, it.cn)(vb + m0 * pairs.stride(), pairs.stride(), pairs.lo_offset(), r,
-                                              b, ld, y + (row0 + m0) * y_stride + y_off + it.c0, y_stride,
+            expand_dot::kernel<kMB>(mb, it.cn)(vb + m0 * stride, stride, expand_dot::half(r), r, b, ld,
+                                              y + (row0 + m0) * y_stride + y_off + it.c0, y_stride,
                                               it.cn, pf, pf_step);
           }
           return;
@@ -301,6 +337,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       }
     }
   });
+  (void)pair_base;
 }
 
 template void sgmv_shrink_cpu<float>(float*, int64_t, const float*, int64_t, int,
