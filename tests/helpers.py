@@ -298,3 +298,29 @@ def llm_with_adapters(adapters: dict, **kwargs):
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
     return llm
+
+
+# Sampling cases a moved request must continue exactly (test_resume, the CUDA engine tests).
+RESUME_CASES = {
+    "greedy": dict(temperature=0),
+    "seeded": dict(temperature=1.0, top_p=0.9, seed=1234),
+    "logprobs": dict(temperature=0.8, seed=7, logprobs=3, prompt_logprobs=2),
+    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
+}
+
+
+def random_micro_plan(ids: tuple[int, ...], rng, block: int):
+    """DistKV's micro-attention plan over lent block ids: a decode row (a request on ids[:3])
+    and a chunk of new rows (on ids[3:], K/V written for the chunk's tokens); returns
+    (MicroPlan, query rows, written rows)."""
+    from punica_x.attention.paged import SeqSpan
+    from punica_x.kv.rmanager import MicroPlan
+
+    a, b = ids[:3], ids[3:]
+    len_a = rng.randint(2 * block + 1, 3 * block)
+    chunk = rng.randint(1, block)
+    len_b = rng.randint(chunk, len(b) * block)
+    spans = (SeqSpan(0, 1, len_a, list(a)), SeqSpan(1, chunk, len_b, list(b)))
+    slots = [(b[t // block], t % block) for t in range(len_b - chunk, len_b)]
+    plan = MicroPlan(("ra", "rb"), spans, tuple(s[0] for s in slots), tuple(s[1] for s in slots))
+    return plan, 1 + chunk, chunk

@@ -18,16 +18,15 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
-from helpers import tiny_llm
+from helpers import RESUME_CASES, random_micro_plan, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.attention import get_attention_backend
-from punica_x.attention.paged import SeqSpan
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.engine import Engine
 from punica_x.kv.blocks import KVCache, KVCacheSpec
-from punica_x.kv.rmanager import LendCaps, MicroPlan, RManager
+from punica_x.kv.rmanager import LendCaps, RManager
 from punica_x.models.loader import load_model
 from punica_x.sampling.structured import canonical_schema
 from scheduler.distkv.channel import KVChannel, KVChannelServer
@@ -237,12 +236,6 @@ def test_mlfq_swapping_gives_the_cpu_engines_tokens(pair, tiny_model_dir, tiny_a
 
 
 MOVE_PROMPT = "hello world, the migration"
-MOVE_CASES = {
-    "greedy": dict(temperature=0),
-    "seeded": dict(temperature=1.0, top_p=0.9, seed=1234),
-    "logprobs": dict(temperature=0.8, seed=7, logprobs=3, prompt_logprobs=2),
-    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
-}
 
 
 @pytest.fixture(scope="module")
@@ -267,12 +260,12 @@ def streamed(outs):  # the tokens and text a client was sent
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(MOVE_CASES))
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
 @pytest.mark.parametrize("move", ["recompute", "live-kv", "live-kv-to-cpu"])
 def test_a_request_moved_from_the_device_continues_exactly(movers, case, move):
     first, second, ref = movers
     target = ref if move == "live-kv-to-cpu" else second
-    sp = SamplingParams(max_tokens=14, ignore_eos=True, **MOVE_CASES[case])
+    sp = SamplingParams(max_tokens=14, ignore_eos=True, **RESUME_CASES[case])
     reference, _ = run_one(ref, sp)
     unmoved, _ = run_one(first, sp)
     assert streamed(unmoved) == streamed(reference)
@@ -304,19 +297,6 @@ def creditor(device: str, dtype: torch.dtype, seed: int) -> RManager:
     return RManager("c", cache, get_attention_backend(device, "torch"), LendCaps(12, 4))
 
 
-def random_plan(ids: tuple[int, ...], rng: random.Random) -> tuple[MicroPlan, int, int]:
-    """test_channel's plan: a decode row and a chunk of new rows (K/V written) over the lent
-    blocks; returns (plan, query rows, written rows)."""
-    a, b = ids[:3], ids[3:]
-    len_a = rng.randint(2 * BLOCK + 1, 3 * BLOCK)
-    chunk = rng.randint(1, BLOCK)
-    len_b = rng.randint(chunk, len(b) * BLOCK)
-    spans = (SeqSpan(0, 1, len_a, list(a)), SeqSpan(1, chunk, len_b, list(b)))
-    slots = [(b[t // BLOCK], t % BLOCK) for t in range(len_b - chunk, len_b)]
-    plan = MicroPlan(("ra", "rb"), spans, tuple(s[0] for s in slots), tuple(s[1] for s in slots))
-    return plan, 1 + chunk, chunk
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_channel_to_a_device_creditor_returns_what_its_rmanager_returns(dtype):
@@ -333,7 +313,7 @@ def test_a_channel_to_a_device_creditor_returns_what_its_rmanager_returns(dtype)
     same = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-5, rtol=8e-3)
     try:
         for step in range(3):
-            plan, rows, written = random_plan(ids, rng)
+            plan, rows, written = random_micro_plan(ids, rng, BLOCK)
             micros = (ch.prepare("d", plan), direct.prepare("d", plan), host.prepare("d", plan))
             for layer in range(LAYERS):
                 g = torch.Generator().manual_seed(100 * step + layer)

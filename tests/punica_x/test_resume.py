@@ -7,18 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_llm
+from helpers import RESUME_CASES, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.core import FinishReason, Resume
 
 PROMPT = "hello world, the migration"
-CASES = {
-    "greedy": dict(temperature=0),
-    "seeded": dict(temperature=1.0, top_p=0.9, seed=1234),
-    "logprobs": dict(temperature=0.8, seed=7, logprobs=3, prompt_logprobs=2),
-    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
-}
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +52,10 @@ def streamed(outs):
     return [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
 @pytest.mark.parametrize("k", [1, 6])
 def test_resumed_request_continues_exactly(engines, case, k):
-    sp = SamplingParams(max_tokens=14, ignore_eos=True, **CASES[case])
+    sp = SamplingParams(max_tokens=14, ignore_eos=True, **RESUME_CASES[case])
     reference, _ = run(engines[0], sp)
     before, after = migrated(engines, sp, k)
     assert streamed(before + after) == streamed(reference)
@@ -80,7 +74,7 @@ def test_resumed_request_continues_exactly(engines, case, k):
 
 @pytest.mark.parametrize("case", ["greedy", "seeded", "logprobs"])
 def test_live_kv_copy_continues_exactly_without_recomputing(engines, case):
-    sp = SamplingParams(max_tokens=14, ignore_eos=True, **CASES[case])
+    sp = SamplingParams(max_tokens=14, ignore_eos=True, **RESUME_CASES[case])
     reference, _ = run(engines[0], sp)
     first, second = engines
     before, req = run(first, sp, "r8", steps=5)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from helpers import random_micro_plan
 
 from punica_x.attention import get_attention_backend
 from punica_x.attention.paged import SeqSpan
@@ -30,19 +31,6 @@ def creditor(dtype: torch.dtype, seed: int) -> RManager:
     return RManager("c", cache, get_attention_backend("cpu", "torch"), LendCaps(12, 4))
 
 
-def random_plan(ids: tuple[int, ...], rng: random.Random) -> tuple[MicroPlan, int, int]:
-    """Two requests over the lent blocks: a decode row and a chunk of new rows, with K/V
-    written for the chunk's tokens; returns (plan, query rows, written rows)."""
-    a, b = ids[:3], ids[3:]
-    len_a = rng.randint(2 * BLOCK + 1, 3 * BLOCK)
-    chunk = rng.randint(1, BLOCK)
-    len_b = rng.randint(chunk, len(b) * BLOCK)
-    spans = (SeqSpan(0, 1, len_a, list(a)), SeqSpan(1, chunk, len_b, list(b)))
-    slots = [(b[t // BLOCK], t % BLOCK) for t in range(len_b - chunk, len_b)]
-    plan = MicroPlan(("ra", "rb"), spans, tuple(s[0] for s in slots), tuple(s[1] for s in slots))
-    return plan, 1 + chunk, chunk
-
-
 @pytest.mark.parametrize("family", ["unix", "tcp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_channel_returns_what_the_rmanager_returns(family, dtype):
@@ -55,7 +43,7 @@ def test_a_channel_returns_what_the_rmanager_returns(family, dtype):
     ch = KVChannel("c", server.address, "d", "here" if family == "unix" else "elsewhere", KEY)
     try:
         for step in range(3):
-            plan, rows, written = random_plan(ids, rng)
+            plan, rows, written = random_micro_plan(ids, rng, BLOCK)
             micro_ch, micro = ch.prepare("d", plan), direct.prepare("d", plan)
             for layer in range(LAYERS):
                 g = torch.Generator().manual_seed(100 * step + layer)
