@@ -168,9 +168,11 @@ def load_peft_adapter(
     edge_ranks, edge_tensors = edge_groups(tensors, dtype)
     ranks.update(edge_ranks)
     groups.update(edge_tensors)
-    sha = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+    sha = hashlib.sha256(config_bytes)  # of config + NUL + weights, without joining their bytes
+    sha.update(b"\0")
+    sha.update(weights_bytes)
     top = max(t.shape[0] for (_, _, ab), t in tensors.items() if ab == "A")
-    return LoraAdapter(top, alpha, scaling, declared, ranks, groups, sha, stored)
+    return LoraAdapter(top, alpha, scaling, declared, ranks, groups, sha.hexdigest(), stored)
 
 
 def _options(config: dict, rank: int, alpha: float, target: LoraTarget, max_rank: int):

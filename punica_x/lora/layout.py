@@ -15,20 +15,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _padded(t: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
-    """t [r, cols] zero-padded to [rows, cols] (a layer without this module: all zeros):
-    zero rows of A and B add nothing, so a slice's rank is its largest over the layers."""
-    out = torch.zeros(rows, cols)
-    if t is not None:
-        out[: t.shape[0]] = t
-    return out
-
-
 def to_sgmv_layout(tensors, modules, target, dtype: torch.dtype):
     """Scaled float32 tensors (_scaled) in the SGMV layout of LoraAdapter.groups."""
     ranks: dict[str, tuple[int, ...]] = {}
     groups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    layers = range(target.num_layers)
     for group, slices in GROUPS.items():
         present = [m for m in slices if m in modules]
         if not present:
@@ -38,34 +28,27 @@ def to_sgmv_layout(tensors, modules, target, dtype: torch.dtype):
             for m in present
         }
         ranks[group] = tuple(top.get(m, 0) for m in slices)
-        a_layers, b_layers = [], []
-        for layer in layers:
-            # A^T of every targeted slice stacked: [R_g, h_in]
-            a_layers.append(
-                torch.cat(
-                    [
-                        _padded(tensors.get((layer, m, "A")), top[m], target.shapes[m][0])
-                        for m in present
-                    ]
-                )
-            )
-            # each slice's B as [r, h_out] (PEFT stores [h_out, r]), flattened
-            b_layers.append(
-                torch.cat(
-                    [
-                        _padded(
-                            _t(tensors.get((layer, m, "B"))), top[m], target.shapes[m][1]
-                        ).reshape(-1)
-                        for m in present
-                    ]
-                )
-            )
-        groups[group] = (
-            torch.stack(a_layers).to(dtype).contiguous(),
-            torch.stack(b_layers).to(dtype).contiguous(),
-        )
+        groups[group] = _group_buffers(tensors, present, top, target, dtype)
     return ranks, groups
 
 
-def _t(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.t()
+def _group_buffers(tensors, present, top: dict, target, dtype: torch.dtype):
+    """(A [L, R_g, h_in], B [L, sum_m r_m * h_out_m]) in `dtype`: per layer, the A^T of every
+    targeted slice stacked and each slice's B as [r, h_out] (PEFT stores [h_out, r]),
+    flattened; each slice at its largest rank `top` over the layers, zero-padded (zero rows of
+    A and B add nothing; a layer without the module is all zeros). Each float32 tensor is
+    copied into place once, rounded to `dtype` there (as a float32 stack then .to(dtype))."""
+    layers, h_in = target.num_layers, target.shapes[present[0]][0]
+    a = torch.zeros(layers, sum(top[m] for m in present), h_in, dtype=dtype)
+    b = torch.zeros(layers, sum(top[m] * target.shapes[m][1] for m in present), dtype=dtype)
+    for layer in range(layers):
+        row = col = 0
+        for m in present:
+            rank, h_out = top[m], target.shapes[m][1]
+            ta, tb = tensors.get((layer, m, "A")), tensors.get((layer, m, "B"))
+            if ta is not None:
+                a[layer, row : row + ta.shape[0]] = ta
+            if tb is not None:
+                b[layer, col : col + rank * h_out].view(rank, h_out)[: tb.shape[1]] = tb.t()
+            row, col = row + rank, col + rank * h_out
+    return a, b

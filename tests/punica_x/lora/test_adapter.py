@@ -221,3 +221,50 @@ def test_stored_dtype_is_the_uploads_and_the_tensors_are_in_the_serving_dtype(
             pool.release(ref)
         finally:
             pool.shutdown()
+
+
+def test_digest_is_the_sha256_of_config_nul_weights(tiny_model_dir, tiny_adapters):
+    """The adapter's sha256 is what a client computes from its two files (hashed without
+    joining them in memory: an 8B model's adapters are hundreds of MB)."""
+    import hashlib
+
+    from punica_x.config import ModelConfig
+    from punica_x.lora.adapter import LoraTarget, load_peft_adapter
+    from punica_x.models.loader import describe_model
+
+    dims = describe_model(ModelConfig(model=str(tiny_model_dir))).dims
+    target = LoraTarget(dims.num_layers, dims.lora_shapes())
+    folder = tiny_adapters["r16"]
+    raw = (folder / "adapter_config.json").read_bytes()
+    raw += b"\0" + (folder / "adapter_model.safetensors").read_bytes()
+    got = load_peft_adapter(folder, target, 64, torch.float32).sha256
+    assert got == hashlib.sha256(raw).hexdigest()
+
+
+def test_sgmv_layout_puts_each_slice_at_its_top_rank_and_zero_pads():
+    """Per group and layer: the targeted slices' A stacked at each slice's largest rank over
+    the layers, B transposed and flattened slice after slice; a smaller rank or a layer
+    without the module leaves zeros; rounded once to the serving dtype."""
+    from types import SimpleNamespace
+
+    from punica_x.lora.layout import to_sgmv_layout
+
+    shapes = {"q_proj": (6, 6), "k_proj": (6, 2), "v_proj": (6, 2)}
+    target = SimpleNamespace(num_layers=2, shapes=shapes)
+    g = torch.Generator().manual_seed(3)
+    qa0, qb0 = torch.randn(3, 6, generator=g), torch.randn(6, 3, generator=g)
+    qa1, qb1 = torch.randn(1, 6, generator=g), torch.randn(6, 1, generator=g)
+    va1, vb1 = torch.randn(2, 6, generator=g), torch.randn(2, 2, generator=g)
+    tensors = {(0, "q_proj", "A"): qa0, (0, "q_proj", "B"): qb0}
+    tensors |= {(1, "q_proj", "A"): qa1, (1, "q_proj", "B"): qb1}
+    tensors |= {(1, "v_proj", "A"): va1, (1, "v_proj", "B"): vb1}
+    ranks, groups = to_sgmv_layout(tensors, ("q_proj", "v_proj"), target, torch.bfloat16)
+    assert ranks == {"qkv": (3, 0, 2)}
+    a, b = groups["qkv"]
+    assert a.shape == (2, 5, 6) and b.shape == (2, 3 * 6 + 2 * 2)
+    want_a, want_b = torch.zeros(2, 5, 6), torch.zeros(2, 22)
+    want_a[0, :3], want_a[1, :1], want_a[1, 3:5] = qa0, qa1, va1
+    want_b[0, :18] = qb0.t().reshape(-1)
+    want_b[1, :6] = qb1.t().reshape(-1)  # rank 1 of q's top 3: two zero rows follow
+    want_b[1, 18:] = vb1.t().reshape(-1)
+    assert torch.equal(a, want_a.to(torch.bfloat16)) and torch.equal(b, want_b.to(torch.bfloat16))
