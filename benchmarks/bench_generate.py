@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from common.args import add_dtype, add_engine_workload, parser
 from common.engine_timing import decode_step_time, run_ours, warm_up
-from common.gpu_generate import add_gpu_args
+from common.gpu_generate import add_gpu_args, check_gpu_args
 from common.gpu_generate import main as main_gpu
 from common.hf_baselines import HFBaselines
 from common.peers import run as run_peer
@@ -134,7 +134,7 @@ def parse_args():
         default="all,auto",
         help="vLLM thread binding(s): all (OpenMP on all --threads cores), auto (its default)",
     )
-    return ap.parse_args()
+    return check_gpu_args(ap, ap.parse_args())
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -48,7 +49,7 @@ COLUMNS = [
 def add_gpu_args(ap) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
-        "--gpu-requests", default="32,128", help="with --device cuda: request counts to run"
+        "--gpu-requests", default=None, help="with --device cuda: request counts (32,128)"
     )
     ap.add_argument(
         "--attention-backend",
@@ -56,6 +57,23 @@ def add_gpu_args(ap) -> None:
         help="with --device cuda: flashinfer (the default where it has a kernel) or torch",
     )
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+
+
+def check_gpu_args(ap, args):
+    """args, after refusing (ap.error: exit 2, naming the flag) GPU flags without --device
+    cuda and request counts that are not positive integers."""
+    if args.device != "cuda":
+        given = [f for f in ("gpu_requests", "attention_backend", "tokenizer") if getattr(args, f)]
+        if given:
+            ap.error(f"--{given[0].replace('_', '-')} needs --device cuda")
+        return args
+    try:
+        counts = [int(c) for c in args.gpu_requests.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        ap.error(f"--gpu-requests must be positive integers, got {args.gpu_requests!r}")
+    return args
 
 
 def write_random_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
@@ -99,10 +117,17 @@ def main(args) -> None:
     SIGTERM, e.g. timeout, still writes what it has)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     print(describe_machine(), flush=True)
-    counts = [int(c) for c in args.gpu_requests.split(",") if c]
+    counts = [int(c) for c in (args.gpu_requests or "32,128").split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-cuda-"))
+    try:
+        _run(args, counts, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # an 8B model's 129 adapters: 10.8 GB
+
+
+def _run(args, counts: list[int], tmp: Path) -> None:
     llm, summary = _load(args, counts)
     engine = llm.engine
-    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-cuda-"))
     paths = write_random_adapters(engine.loaded.model_dir, max(counts) + 1, args.rank, tmp)
     for i, p in enumerate(paths[:-1]):
         llm.load_adapter(f"a{i}", str(p))

@@ -71,3 +71,27 @@ def test_random_adapters_match_peft_keys_and_load_in_both(tmp_path, tiny_model_d
     info = llm.load_adapter("a0", str(path))
     assert info.rank == 4 and set(info.target_modules) == set(TARGETS)
     assert llm.generate(["hi"], ["a0"])[0].token_ids
+
+
+def test_gpu_flags_are_refused_without_cuda_and_request_counts_must_be_positive():
+    import argparse
+
+    import pytest
+    from common.gpu_generate import add_gpu_args, check_gpu_args
+
+    ap = argparse.ArgumentParser()
+    add_gpu_args(ap)
+    for bad in (
+        ["--tokenizer", "x"],
+        ["--gpu-requests", "32"],
+        ["--attention-backend", "torch"],
+        ["--device", "cuda", "--gpu-requests", "0"],
+        ["--device", "cuda", "--gpu-requests", "32,-1"],
+        ["--device", "cuda", "--gpu-requests", "1e9x"],
+        ["--device", "cuda", "--gpu-requests", ""],
+    ):
+        with pytest.raises(SystemExit) as info:
+            check_gpu_args(ap, ap.parse_args(bad))
+        assert info.value.code == 2, bad
+    ok = check_gpu_args(ap, ap.parse_args(["--device", "cuda", "--gpu-requests", "8,16"]))
+    assert ok.gpu_requests == "8,16"
