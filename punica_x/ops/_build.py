@@ -58,7 +58,7 @@ EXTENSIONS = {
     "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h", "sgmv/expand_dot.h")),
     "sgmv_cuda": (
         ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp", "sgmv/sgmv_cuda.cu"),
-        ("sgmv/sgmv.h",),
+        ("sgmv/sgmv.h", "sgmv/expand_dot.h"),
     ),
     "attention_cpu": (
         ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp"),

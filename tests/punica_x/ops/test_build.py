@@ -130,3 +130,24 @@ def test_extensions_export_only_their_module_init():
     exported = [line for line in symbols.splitlines() if "punica_x::" in line]
     assert not exported, exported[:5]
     assert "PyInit_" in symbols
+
+
+@pytest.mark.parametrize("kind", sorted(_build.EXTENSIONS))
+def test_every_header_a_build_includes_is_in_its_build_key(kind):
+    """A header missing from an extension's list leaves its build key unchanged when the
+    header changes: a warm cache would keep running the old code (sgmv_cuda compiled
+    sgmv_cpu.cpp without expand_dot.h in its key)."""
+    import re
+
+    sources, headers = _build.EXTENSIONS[kind]
+    keyed = set(headers) | set(_build.COMMON_HEADERS)
+    todo, seen = list(sources), set()
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        text = (_build.CSRC_ROOT / rel).read_text()
+        for inc in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE):
+            todo.append(os.path.normpath(os.path.join(os.path.dirname(rel), inc)))
+    assert seen - set(sources) <= keyed, sorted(seen - set(sources) - keyed)
