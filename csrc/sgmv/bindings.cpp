@@ -3,6 +3,9 @@
 // Weight addresses cannot be checked: punica_x.ops.sgmv.SgmvWeights owns the tensors they point to.
 #include <torch/extension.h>
 
+#include <climits>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../common/simd.h"
@@ -191,6 +194,74 @@ void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Ten
   sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank);
 }
 
+// y += x @ A_s @ B_s for one fixed set of segments and weights on the CPU (one
+// punica_x.ops.sgmv_weights.SgmvWeights, built once per step plan and called by every layer):
+// the metadata is checked once here, so a call checks only its own tensors and takes four
+// arguments instead of eleven (a decode step makes 4 calls per layer).
+class CpuLaunch {
+ public:
+  CpuLaunch(torch::Tensor a_ptr, torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
+            std::vector<int64_t> h_out, int64_t max_rows, int64_t max_rank, py::object keep)
+      : a_ptr_(std::move(a_ptr)), b_ptr_(std::move(b_ptr)), ranks_(std::move(ranks)),
+        seg_(std::move(seg)), max_rank_(max_rank), keep_(std::move(keep)) {
+    const torch::Device cpu(torch::kCPU);
+    CHECK_ARG(seg_.device().is_cpu(), "a CPU launch needs its segments on the CPU, got ", seg_.device());
+    // the batch's rows are checked per call (against where the segments end)
+    check_segments(a_ptr_, ranks_, seg_, 0, INT64_MAX, max_rows, max_rank, cpu);
+    check_segments(b_ptr_, ranks_, seg_, 0, INT64_MAX, max_rows, max_rank, cpu);
+    rows_ = seg_.data_ptr<int32_t>()[seg_.size(0) - 1];
+    CHECK_ARG(static_cast<int64_t>(h_out.size()) == ranks_.size(1), "h_out has ", h_out.size(),
+              " slices, ranks has ", ranks_.size(1));
+    for (size_t j = 0; j < h_out.size(); ++j) {
+      CHECK_ARG(h_out[j] > 0 && h_out[j] <= INT32_MAX, "h_out[", j, "] must be in 1..2^31-1, got ", h_out[j]);
+      h_out_[j] = static_cast<int32_t>(h_out[j]);
+      total_ += h_out[j];
+    }
+  }
+
+  void add_lora(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& v, int64_t layer) {
+    check_rows(x, "x");
+    check_rows(y, "y");
+    check_rows(v, "v");
+    CHECK_ARG(x.device().is_cpu() && y.device().is_cpu() && v.device().is_cpu(),
+              "a CPU launch needs x, y and v on the CPU");
+    check_cpu_dtype(x, "x");
+    CHECK_ARG(y.scalar_type() == x.scalar_type(), "y must be x's dtype ", x.scalar_type(), ", got ",
+              y.scalar_type());
+    CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
+    CHECK_ARG(y.size(0) == x.size(0) && v.size(0) == x.size(0), "x, y and v must have the same rows, got x ",
+              x.sizes(), " y ", y.sizes(), " v ", v.sizes());
+    CHECK_ARG(rows_ <= x.size(0), "segments must lie in [0, ", x.size(0), "), they end at ", rows_);
+    CHECK_ARG(y.size(1) >= total_, "y has ", y.size(1), " columns, the slices need ", total_);
+    CHECK_ARG(v.size(1) >= max_rank_, "v has ", v.size(1), " columns, the segments need ", max_rank_);
+    CHECK_ARG(layer >= 0 && layer <= INT32_MAX, "layer must be in 0..2^31-1, got ", layer);
+    const SgmvSegments a = segments(a_ptr_, layer), b = segments(b_ptr_, layer);
+    const int h_in = static_cast<int>(x.size(1));
+    pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
+    if (x.scalar_type() == at::kFloat) {
+      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(), x.stride(0), h_in, a);
+      punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(), v.stride(0), h_out_, b);
+    } else {
+      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), static_cast<const bf16*>(x.data_ptr()),
+                                x.stride(0), h_in, a);
+      punica_x::sgmv_expand_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), v.data_ptr<float>(), v.stride(0),
+                                h_out_, b);
+    }
+  }
+
+ private:
+  SgmvSegments segments(const torch::Tensor& w_ptr, int64_t layer) const {
+    return SgmvSegments{w_ptr.data_ptr<int64_t>(), ranks_.data_ptr<int32_t>(), seg_.data_ptr<int32_t>(),
+                        static_cast<int>(seg_.size(0) - 1), static_cast<int>(ranks_.size(1)),
+                        static_cast<int>(layer)};
+  }
+
+  torch::Tensor a_ptr_, b_ptr_, ranks_, seg_;
+  int64_t max_rank_ = 0, rows_ = 0, total_ = 0;
+  int32_t h_out_[kMaxSlices] = {};
+  py::object keep_;  // the weights' tensors, which a_ptr_ and b_ptr_ point into
+};
+
 bool has_cuda() {
 #ifdef PUNICA_X_WITH_CUDA
   return true;
@@ -213,6 +284,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("v"), py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"),
         py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
         py::arg("max_rank"));
+  py::class_<CpuLaunch>(m, "CpuLaunch", "add_lora for fixed CPU segments and weights, checked once")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, std::vector<int64_t>, int64_t,
+                    int64_t, py::object>(),
+           py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
+           py::arg("max_rows"), py::arg("max_rank"), py::arg("keep"))
+      .def("add_lora", &CpuLaunch::add_lora, "y += x @ A_s @ B_s at `layer` (v: float32 workspace)",
+           py::arg("y"), py::arg("x"), py::arg("v"), py::arg("layer"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
 }

@@ -100,7 +100,10 @@ class LoraLinear(Dense):
         w = lora.groups.get(self.group) if lora is not None else None
         if w is None or not w.max_rank:
             return self.dense(x)
-        spans = w.prefetch_spans if self.prefetches and x.device.type == "cpu" else None
+        spans = w.prefetch_spans if self.prefetches else None  # a CPU backend's
         y = self.dense(x, None if spans is None else spans[layer])
-        add_lora_sgmv(y, x, w, layer, lora.workspace, backend)
+        if backend is None:
+            add_lora_sgmv(y, x, w, layer, lora.workspace)
+        else:
+            w.launch(backend)(y, x, lora.workspace, layer)
         return y

@@ -27,6 +27,7 @@ The default is chosen by device and never silently replaced: a failed build rais
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -49,6 +50,21 @@ class SgmvBackend(Protocol):
         self, y: torch.Tensor, x: torch.Tensor, v: torch.Tensor, w: SgmvWeights, layer: int
     ) -> None: ...
 
+    def bind(self, w: SgmvWeights) -> Launch:
+        """add_lora with ``w`` fixed: launch(y, x, v, layer). Use SgmvWeights.launch, which
+        keeps one per weights."""
+        ...
+
+
+Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+def _bound(backend: SgmvBackend, w: SgmvWeights) -> Launch:
+    def launch(y, x, v, layer) -> None:
+        backend.add_lora(y, x, v, w, layer)
+
+    return launch
+
 
 class CompiledBackend:
     """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
@@ -70,6 +86,16 @@ class CompiledBackend:
             y, x, v, w.a_ptr, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank
         )
 
+    def bind(self, w) -> Launch:
+        """On the CPU a C++ launch object that checked the metadata once (a call then checks
+        only y, x and v and skips ~10 Python attribute reads and pybind conversions)."""
+        if w.seg.device.type != "cpu":
+            return _bound(self, w)
+        launch = self.module.CpuLaunch(
+            w.a_ptr, w.b_ptr, w.ranks, w.seg, list(w.h_out), w.max_rows, w.max_rank, (w.a, w.b)
+        )
+        return launch.add_lora
+
 
 class TorchRefBackend:
     """Pure PyTorch, one matmul per segment: the reference every kernel is tested against."""
@@ -85,6 +111,9 @@ class TorchRefBackend:
     def add_lora(self, y, x, v, w, layer) -> None:
         _ref.shrink(v, x, w, layer)
         _ref.expand(y, v, w, layer)
+
+    def bind(self, w) -> Launch:
+        return _bound(self, w)
 
 
 def _compiled(name: str, with_cuda: bool, isa: str | None = None) -> SgmvBackend:

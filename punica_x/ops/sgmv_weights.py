@@ -46,6 +46,16 @@ class SgmvWeights:
     def num_segments(self) -> int:
         return len(self.seg_host) - 1
 
+    def launch(self, backend):
+        """backend.bind(self), made on first use and kept for the next calls with this backend
+        (a step plan's weights serve every layer of every step the plan is reused):
+        launch(y, x, v, layer) adds the LoRA of this launch's segments at `layer`."""
+        kept = self.__dict__.get("_launch")
+        if kept is None or kept[0] is not backend:
+            kept = (backend, backend.bind(self))
+            self.__dict__["_launch"] = kept
+        return kept[1]
+
     @cached_property
     def prefetch_spans(self) -> torch.Tensor | None:
         """[L, 2 * A, 2] int64 on the CPU: per layer, the (address, bytes) of the A rows and

@@ -220,6 +220,117 @@ def test_binding_checks_inputs():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launch_matches_add_lora_and_the_reference(dtype, cpu_isa):
+    """SgmvWeights.launch(backend): the compiled backend's C++ launch object (metadata checked
+    once) computes exactly what add_lora computes, at every layer, and the torch_ref launch
+    what the reference does; one launch per weights and backend."""
+    gen, seed = fresh_generator()
+    h_in, h_out = 576, [576, 192, 192]
+    slice_ranks = [[8, 8, 8], [16, 0, 16], None, [4, 4, 0], [16, 16, 16], [16, 16, 16]]
+    w = make_weights(gen, [3, 1, 2, 5, 1, 1], slice_ranks, h_in, h_out, layers=3)
+    w = SgmvWeights.build(
+        w.seg_host,
+        [None if a is None else a.to(dtype) for a in w.a],
+        [None if b is None else b.to(dtype) for b in w.b],
+        w.ranks_host,
+        h_out,
+        "cpu",
+    )
+    backend = compiled(cpu_isa)
+    launch = w.launch(backend)
+    assert w.launch(backend) is launch and w.launch(REF) is not launch
+    rows = w.seg_host[-1]
+    x = torch.randn(rows, h_in, generator=gen).to(dtype)
+    y = torch.randn(rows, sum(h_out), generator=gen).to(dtype)
+    for layer in range(3):
+        ours, theirs, ref = y.clone(), y.clone(), y.clone()
+        launch(ours, x, torch.zeros(rows, w.max_rank), layer)
+        backend.add_lora(theirs, x, torch.zeros(rows, w.max_rank), w, layer)
+        w.launch(REF)(ref, x, torch.zeros(rows, w.max_rank), layer)
+        assert torch.equal(ours, theirs), f"seed={seed} layer {layer}"
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            ours.float(), ref.float(), rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}"
+        )
+
+
+def test_launch_keeps_its_weights_alive():
+    """The launch points into the adapters' tensors: it holds them, so it stays valid when
+    the SgmvWeights it came from is gone."""
+    import gc
+
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 3], [[16], [8]], 64, [96], layers=2)
+    x, y = torch.randn(5, 64, generator=gen), torch.randn(5, 96, generator=gen)
+    want = add_lora_sgmv(y.clone(), x, w, 1, backend=REF)
+    launch = w.launch(compiled())
+    del w
+    gc.collect()
+    torch.randn(1 << 20)  # reuse freed memory, if any was freed
+    got = y.clone()
+    launch(got, x, torch.zeros(5, 16), 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
+    ext = compiled().module
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 2], [[16], [16]], 64, [32], layers=2)
+
+    def make(**change):
+        args = dict(
+            a_ptr=w.a_ptr,
+            b_ptr=w.b_ptr,
+            ranks=w.ranks,
+            seg=w.seg,
+            h_out=[32],
+            max_rows=w.max_rows,
+            max_rank=w.max_rank,
+            keep=(w.a, w.b),
+        )
+        return ext.CpuLaunch(**{**args, **change})
+
+    bad_metadata = {
+        "seg must be non-decreasing": dict(seg=torch.tensor([0, 3, 1], dtype=torch.int32)),
+        "seg must be 1-D": dict(seg=torch.zeros(0, dtype=torch.int32)),
+        "w_ptr must have shape": dict(a_ptr=w.a_ptr[:1]),
+        "w_ptr must be Long": dict(b_ptr=w.b_ptr.int()),
+        "has rank 16 > max_rank 8": dict(max_rank=8),
+        "has 2 rows > max_rows 1": dict(max_rows=1),
+        "ranks must be >= 0": dict(ranks=-w.ranks),
+        "h_out has 2 slices": dict(h_out=[32, 32]),
+        r"h_out\[0\] must be in 1..2\^31-1": dict(h_out=[0]),
+        r"h_out\[0\] must be in": dict(h_out=[1 << 40]),
+    }
+    for message, change in bad_metadata.items():
+        with pytest.raises(RuntimeError, match=message):
+            make(**change)
+    with pytest.raises(TypeError):
+        make(h_out=[float("nan")])
+
+    launch = make().add_lora
+    x, y, v = torch.randn(4, 64), torch.zeros(4, 32), torch.zeros(4, 16)
+    bad_calls = {
+        "x must be 2-D": (y, x[None], v, 0),
+        "x must have contiguous rows": (y, torch.randn(64, 4).t(), v, 0),
+        "y must be x's dtype": (y.bfloat16(), x, v, 0),
+        "x must be float32 or bfloat16": (y.double(), x.double(), v, 0),
+        "v must be float32": (y, x, v.double(), 0),
+        "must have the same rows": (y[:3], x, v, 0),
+        "segments must lie in": (y[:3], x[:3], v[:3], 0),
+        "y has 16 columns": (torch.zeros(4, 16), x, v, 0),
+        "v has 8 columns": (y, x, torch.zeros(4, 8), 0),
+        "layer must be in": (y, x, v, -1),
+        "layer must be in ": (y, x, v, 1 << 40),
+    }
+    for message, args in bad_calls.items():
+        with pytest.raises(RuntimeError, match=message):
+            launch(*args)
+    launch(y, x, v, 1)  # and the launch still works
+    assert torch.equal(y, add_lora_sgmv(torch.zeros(4, 32), x, w, 1, backend=compiled()))
+
+
 def test_weights_builder_checks_shapes():
     a = torch.zeros(2, 16, 64)
     with pytest.raises(ValueError, match="b must be contiguous"):
