@@ -43,18 +43,27 @@ void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY*
   if (bias)
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < kNB; ++n) acc[m][n] = load(bias + n * kLanes);
-#pragma GCC unroll 4
-  for (int kk = 0; kk < k; ++kk) {
+  auto step = [&](int kk) {
     for (int off = 0; off < kDensePanel; off += 64 / int(sizeof(TW)))
       __builtin_prefetch(w + (kk + kPrefetchRows) * kDensePanel + off);
-    if constexpr (PF) pf->issue(pf_step);
     vf wv[kNB];
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {
       const vf xv = splat(x[m * xs + kk]);
       for (int n = 0; n < kNB; ++n) acc[m][n] += xv * wv[n];
     }
+  };
+  int k0 = 0;
+  if constexpr (PF) {  // the hint's lines every kIssueEvery steps, outside the unrolled loop
+    for (; k0 < k && pf->left() > 0; k0 += kIssueEvery) {
+      pf->issue(kIssueEvery * pf_step);
+      const int k1 = std::min(k, k0 + kIssueEvery);
+#pragma GCC unroll 4
+      for (int kk = k0; kk < k1; ++kk) step(kk);
+    }
   }
+#pragma GCC unroll 4
+  for (int kk = k0; kk < k; ++kk) step(kk);  // once the hint is spent, the plain loop
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
@@ -96,12 +105,21 @@ void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias
       for (int n = 0; n < kNB; ++n) acc[m][n] = dot_pairs(acc[m][n], xv, wv[n]);
     }
   };
-#pragma GCC unroll 2
-  for (int kk = 0; kk < pairs; ++kk) {
+  auto pair_step = [&](int kk) {
     for (int off = 0; off < kRow; off += 32) __builtin_prefetch(w + (kk + kPrefetchRows) * kRow + off);
-    if constexpr (PF) pf->issue(pf_step);
     step(kk, [](const bf16* p) { return splat_pair(p); });
+  };
+  int k0 = 0;
+  if constexpr (PF) {  // as in tile(): the hint's lines outside the unrolled loop
+    for (; k0 < pairs && pf->left() > 0; k0 += kIssueEvery) {
+      pf->issue(kIssueEvery * pf_step);
+      const int k1 = std::min(pairs, k0 + kIssueEvery);
+#pragma GCC unroll 2
+      for (int kk = k0; kk < k1; ++kk) pair_step(kk);
+    }
   }
+#pragma GCC unroll 2
+  for (int kk = k0; kk < pairs; ++kk) pair_step(kk);
   if (k & 1) step(pairs, [](const bf16* p) { return splat_pair(p, false); });
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
