@@ -10,11 +10,16 @@
 //         per row block. One-row segments take wide column blocks for long sequential reads.
 //         bf16 on the avx512_bf16 build, segments of several rows: vdpbf16ps on two rank rows
 //         at a time (expand_dot.h).
-// Prefetch: the item before a one-row item fetches that item's weights over its own inner steps
-// (common/prefetch.h: Lookahead; a burst of them at the item's start, as before, stalled on the
-// few misses a core keeps in flight: the distinct launch from memory took 0.76x the time), and
-// the dense GEMM before a launch pulls in one-row segments' weights while it computes
-// (LoraLinear, SgmvWeights.prefetch_spans).
+// Prefetch: an item fetches its successor's weights over its own inner steps when the
+// successor is the first to read them (common/prefetch.h: Lookahead; a burst of them at the
+// item's start, as before, stalled on the few misses a core keeps in flight: the distinct
+// launch from memory took 0.76x the time): every expand item (each reads its own B block),
+// and the shrink items of a segment's first row block (the later row blocks read the same A
+// rows from cache). Segments of several rows gained it on 2026-11-26: the LoRA part of a
+// step of 6 adapters behind the dense GEMM 0.90-0.92x, of one adapter 0.90-0.96x (Zen 4,
+// avx512_bf16, shuffled-order runs). The dense GEMM before a launch also pulls in one-row
+// segments' weights while it computes (LoraLinear, SgmvWeights.prefetch_spans); for segments
+// of several rows that hint cost the GEMM more than it saved.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -222,11 +227,13 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
   const int64_t n = int64_t(items.size());
   constexpr int kShrinkK = std::is_same_v<T, bf16> && kBf16Dot ? 2 * kLanes : kLanes;
   const int k_steps = (h_in + kShrinkK - 1) / kShrinkK;
+  // an item in the first row block of its segment is the first to read its A rows
+  auto first_read = [&](const ShrinkItem& it) { return it.row0 == p.seg[it.seg]; };
   parallel_items(n, [&](int64_t i) {
     const ShrinkItem& it = items[i];
-    thread_local Lookahead ahead;  // a one-row successor's A rows, over this item's K steps
+    thread_local Lookahead ahead;  // a successor's A rows, over this item's K steps
     PrefetchCursor* pf = nullptr;
-    if (i + 1 < n && items[i + 1].rows == 1)
+    if (i + 1 < n && first_read(items[i + 1]))
       pf = ahead.plan(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T), k_steps);
     shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
                                      v + it.row0 * v_stride + it.j0, v_stride, pf, pf ? ahead.step() : 0);
@@ -299,9 +306,9 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       const ExpandItem& it = items[i];
       const auto [b, v_off, y_off] = place(it);
       const int r = p.ranks[it.seg * p.num_slices + it.slice];
-      thread_local Lookahead ahead;  // a one-row successor's B block, over this item's rank rows
+      thread_local Lookahead ahead;  // the successor's B block, over this item's rank rows
       PrefetchCursor* pf = nullptr;
-      if (i + 1 < n && p.seg[items[i + 1].seg + 1] - p.seg[items[i + 1].seg] == 1) {
+      if (i + 1 < n) {
         const ExpandItem& nx = items[i + 1];
         pf = ahead.plan(place(nx).b, p.ranks[nx.seg * p.num_slices + nx.slice],
                         int64_t(h_out[nx.slice]) * sizeof(T), int64_t(nx.cn) * sizeof(T), r);
