@@ -57,6 +57,7 @@ class SgmvBackend(Protocol):
 
 
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+_NO_LAYERS = 2**31 - 1  # a launch without adapters reads no weights at any layer
 
 
 def _bound(backend: SgmvBackend, w: SgmvWeights) -> Launch:
@@ -88,11 +89,21 @@ class CompiledBackend:
 
     def bind(self, w) -> Launch:
         """On the CPU a C++ launch object that checked the metadata once (a call then checks
-        only y, x and v and skips ~10 Python attribute reads and pybind conversions)."""
+        only y, x, v and the layer, below every adapter's layer count, and skips ~10 Python
+        attribute reads and pybind conversions)."""
         if w.seg.device.type != "cpu":
             return _bound(self, w)
+        layers = min((a.shape[0] for a in w.a if a is not None), default=_NO_LAYERS)
         launch = self.module.CpuLaunch(
-            w.a_ptr, w.b_ptr, w.ranks, w.seg, list(w.h_out), w.max_rows, w.max_rank, (w.a, w.b)
+            w.a_ptr,
+            w.b_ptr,
+            w.ranks,
+            w.seg,
+            list(w.h_out),
+            w.max_rows,
+            w.max_rank,
+            layers,
+            (w.a, w.b),
         )
         return launch.add_lora
 

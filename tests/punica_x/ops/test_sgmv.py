@@ -273,6 +273,22 @@ def test_launch_keeps_its_weights_alive():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_launch_bounds_the_layer_by_its_adapters():
+    """The kernels offset the weights' addresses by the layer: a layer past the adapters'
+    tensors is refused, not read; a launch without adapters reads nothing at any layer."""
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 2], [[16], None], 64, [32], layers=3)
+    launch = w.launch(compiled())
+    x, y, v = torch.randn(4, 64), torch.zeros(4, 32), torch.zeros(4, 16)
+    launch(y, x, v, 2)
+    with pytest.raises(RuntimeError, match="layer must be in 0..2, got 3"):
+        launch(y, x, v, 3)
+    none = make_weights(gen, [4], [None], 64, [32], layers=1)
+    y = torch.ones(4, 32)
+    none.launch(compiled())(y, x, torch.zeros(4, 1), 1000)
+    assert torch.equal(y, torch.ones(4, 32))
+
+
 def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
     ext = compiled().module
     gen, _ = fresh_generator()
@@ -287,6 +303,7 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
             h_out=[32],
             max_rows=w.max_rows,
             max_rank=w.max_rank,
+            layers=2,
             keep=(w.a, w.b),
         )
         return ext.CpuLaunch(**{**args, **change})
@@ -302,6 +319,8 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
         "h_out has 2 slices": dict(h_out=[32, 32]),
         r"h_out\[0\] must be in 1..2\^31-1": dict(h_out=[0]),
         r"h_out\[0\] must be in": dict(h_out=[1 << 40]),
+        "layers must be in": dict(layers=-1),
+        "layers must be in ": dict(layers=1 << 40),
     }
     for message, change in bad_metadata.items():
         with pytest.raises(RuntimeError, match=message):
@@ -321,8 +340,9 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
         "segments must lie in": (y[:3], x[:3], v[:3], 0),
         "y has 16 columns": (torch.zeros(4, 16), x, v, 0),
         "v has 8 columns": (y, x, torch.zeros(4, 8), 0),
-        "layer must be in": (y, x, v, -1),
-        "layer must be in ": (y, x, v, 1 << 40),
+        "layer must be in 0..1, got -1": (y, x, v, -1),
+        "layer must be in 0..1, got 2": (y, x, v, 2),
+        "layer must be in 0..1, got 1099511627776": (y, x, v, 1 << 40),
     }
     for message, args in bad_calls.items():
         with pytest.raises(RuntimeError, match=message):
