@@ -38,11 +38,6 @@ inline int lines_per_step(int64_t lines, int64_t steps) {
   return int(std::min<int64_t>((std::max<int64_t>(lines, 0) + steps - 1) / steps, kMaxLinesPerStep));
 }
 
-// A compute loop with a hint issues its lines every kIssueEvery steps (kIssueEvery times its
-// per-step count), outside its unrolled inner loop: the cursor lives in memory, and walking it
-// on every step cost the dense GEMM 4-8% whatever the hint's size (its K loop lost its
-// unrolling and stored the cursor back on every step; AMD EPYC Zen 4).
-constexpr int kIssueEvery = 8;
 
 // Walks lines [first, first + count) of the spans' concatenation.
 class PrefetchCursor {
@@ -110,6 +105,27 @@ class PrefetchCursor {
   int i_ = 0;
   int64_t line_ = 0, lines_ = 0, left_ = 0;
 };
+
+// A compute loop with a hint issues its lines every kIssueEvery steps (kIssueEvery times its
+// per-step count), outside its unrolled inner loop: walking the cursor on every step cost the
+// dense GEMM 5-13% whatever the hint's size (its K loop lost its unrolling and stored the
+// cursor back on every step; AMD EPYC Zen 4).
+constexpr int kIssueEvery = 8;
+
+// run(k0, k1) (the caller's unrolled loop over steps [k0, k1)) over steps [0, steps), with
+// the hint's lines (pf_step a step) between runs of kIssueEvery steps while it lasts, then
+// the rest in one run. PF false: one run, no hint.
+template <bool PF, typename Run>
+__attribute__((always_inline)) inline void hinted_steps(int steps, PrefetchCursor* pf, int pf_step, Run&& run) {
+  int k0 = 0;
+  if constexpr (PF) {
+    for (; k0 < steps && pf->left() > 0; k0 += kIssueEvery) {
+      pf->issue(kIssueEvery * pf_step);
+      run(k0, std::min(steps, k0 + kIssueEvery));
+    }
+  }
+  run(k0, steps);
+}
 
 // A kernel's next work item, prefetched over the current item's steps: SGMV's items read a few
 // KB each from a different adapter, too short for the hardware prefetchers to ramp up on, and

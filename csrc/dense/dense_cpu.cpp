@@ -53,17 +53,10 @@ void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY*
       for (int n = 0; n < kNB; ++n) acc[m][n] += xv * wv[n];
     }
   };
-  int k0 = 0;
-  if constexpr (PF) {  // the hint's lines every kIssueEvery steps, outside the unrolled loop
-    for (; k0 < k && pf->left() > 0; k0 += kIssueEvery) {
-      pf->issue(kIssueEvery * pf_step);
-      const int k1 = std::min(k, k0 + kIssueEvery);
+  hinted_steps<PF>(k, pf, pf_step, [&](int k0, int k1) {
 #pragma GCC unroll 4
-      for (int kk = k0; kk < k1; ++kk) step(kk);
-    }
-  }
-#pragma GCC unroll 4
-  for (int kk = k0; kk < k; ++kk) step(kk);  // once the hint is spent, the plain loop
+    for (int kk = k0; kk < k1; ++kk) step(kk);
+  });
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);
 }
@@ -109,17 +102,10 @@ void tile_dot(const bf16* x, int64_t xs, const bf16* w, int k, const float* bias
     for (int off = 0; off < kRow; off += 32) __builtin_prefetch(w + (kk + kPrefetchRows) * kRow + off);
     step(kk, [](const bf16* p) { return splat_pair(p); });
   };
-  int k0 = 0;
-  if constexpr (PF) {  // as in tile(): the hint's lines outside the unrolled loop
-    for (; k0 < pairs && pf->left() > 0; k0 += kIssueEvery) {
-      pf->issue(kIssueEvery * pf_step);
-      const int k1 = std::min(pairs, k0 + kIssueEvery);
+  hinted_steps<PF>(pairs, pf, pf_step, [&](int k0, int k1) {
 #pragma GCC unroll 2
-      for (int kk = k0; kk < k1; ++kk) pair_step(kk);
-    }
-  }
-#pragma GCC unroll 2
-  for (int kk = k0; kk < pairs; ++kk) pair_step(kk);
+    for (int kk = k0; kk < k1; ++kk) pair_step(kk);
+  });
   if (k & 1) step(pairs, [](const bf16* p) { return splat_pair(p, false); });
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < kNB; ++n) store(y + m * ys + n * kLanes, acc[m][n]);

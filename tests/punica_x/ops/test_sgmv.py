@@ -44,6 +44,18 @@ def make_weights(rng, seg_lens, slice_ranks, h_in, h_out, layers, device="cpu"):
     return SgmvWeights.build(seg, a, b, ranks, h_out, device)
 
 
+def cast(w: SgmvWeights, dtype: torch.dtype) -> SgmvWeights:
+    """The same segments with every adapter's tensors in `dtype` (on the CPU)."""
+    return SgmvWeights.build(
+        w.seg_host,
+        [None if t is None else t.to(dtype) for t in w.a],
+        [None if t is None else t.to(dtype) for t in w.b],
+        w.ranks_host,
+        w.h_out,
+        "cpu",
+    )
+
+
 def fresh_generator():
     seed = int.from_bytes(os.urandom(4), "little")
     return torch.Generator().manual_seed(seed), seed
@@ -125,14 +137,7 @@ def test_one_row_segments_with_wide_outputs_and_odd_ranks(dtype, cpu_isa):
     gen, seed = fresh_generator()
     h_in, h_out = 100, [4100, 33]
     w32 = make_weights(gen, [1, 1, 1, 2], [[5, 3], [16, 16], None, [1, 7]], h_in, h_out, 2)
-    w = SgmvWeights.build(
-        w32.seg_host,
-        [None if t is None else t.to(dtype) for t in w32.a],
-        [None if t is None else t.to(dtype) for t in w32.b],
-        w32.ranks_host,
-        h_out,
-        "cpu",
-    )
+    w = cast(w32, dtype)
     rows = w.seg_host[-1]
     x = torch.randn(rows, h_in, generator=gen).to(dtype)
     y = torch.randn(rows, sum(h_out), generator=gen).to(dtype)
@@ -229,14 +234,7 @@ def test_launch_matches_add_lora_and_the_reference(dtype, cpu_isa):
     h_in, h_out = 576, [576, 192, 192]
     slice_ranks = [[8, 8, 8], [16, 0, 16], None, [4, 4, 0], [16, 16, 16], [16, 16, 16]]
     w = make_weights(gen, [3, 1, 2, 5, 1, 1], slice_ranks, h_in, h_out, layers=3)
-    w = SgmvWeights.build(
-        w.seg_host,
-        [None if a is None else a.to(dtype) for a in w.a],
-        [None if b is None else b.to(dtype) for b in w.b],
-        w.ranks_host,
-        h_out,
-        "cpu",
-    )
+    w = cast(w, dtype)
     backend = compiled(cpu_isa)
     launch = w.launch(backend)
     assert w.launch(backend) is launch and w.launch(REF) is not launch
