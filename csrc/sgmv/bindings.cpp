@@ -200,13 +200,16 @@ void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Ten
 // arguments instead of eleven (a decode step makes 4 calls per layer).
 class CpuLaunch {
  public:
-  // layers: how many layers every adapter's tensors hold (a call's layer must be below it:
-  // the kernels offset the weight addresses by it)
-  CpuLaunch(torch::Tensor a_ptr, torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
-            std::vector<int64_t> h_out, int64_t max_rows, int64_t max_rank, int64_t layers, py::object keep)
-      : a_ptr_(std::move(a_ptr)), b_ptr_(std::move(b_ptr)), ranks_(std::move(ranks)),
-        seg_(std::move(seg)), max_rank_(max_rank), layers_(layers), keep_(std::move(keep)) {
+  // layers and h_in: every adapter's layer count and input width (a call's layer must be
+  // below the one and its x as wide as the other: the kernels read the weights at addresses
+  // they compute from both). The metadata is copied: the caller's tensors may change later.
+  CpuLaunch(const torch::Tensor& a_ptr, const torch::Tensor& b_ptr, const torch::Tensor& ranks,
+            const torch::Tensor& seg, std::vector<int64_t> h_out, int64_t max_rows, int64_t max_rank,
+            int64_t layers, int64_t h_in, py::object keep)
+      : a_ptr_(a_ptr.clone()), b_ptr_(b_ptr.clone()), ranks_(ranks.clone()), seg_(seg.clone()),
+        max_rank_(max_rank), layers_(layers), h_in_(h_in), keep_(std::move(keep)) {
     CHECK_ARG(layers >= 0 && layers <= INT32_MAX, "layers must be in 0..2^31-1, got ", layers);
+    CHECK_ARG(h_in >= 0 && h_in <= INT32_MAX, "h_in must be in 0..2^31-1, got ", h_in);
     const torch::Device cpu(torch::kCPU);
     CHECK_ARG(seg_.device().is_cpu(), "a CPU launch needs its segments on the CPU, got ", seg_.device());
     // the batch's rows are checked per call (against where the segments end)
@@ -238,6 +241,8 @@ class CpuLaunch {
     CHECK_ARG(y.size(1) >= total_, "y has ", y.size(1), " columns, the slices need ", total_);
     CHECK_ARG(v.size(1) >= max_rank_, "v has ", v.size(1), " columns, the segments need ", max_rank_);
     CHECK_ARG(layer >= 0 && layer < layers_, "layer must be in 0..", layers_ - 1, ", got ", layer);
+    CHECK_ARG(x.size(1) == h_in_ || max_rank_ == 0, "x must have the adapters' ", h_in_, " columns, got ",
+              x.size(1));
     const SgmvSegments a = segments(a_ptr_, layer), b = segments(b_ptr_, layer);
     const int h_in = static_cast<int>(x.size(1));
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
@@ -260,7 +265,7 @@ class CpuLaunch {
   }
 
   torch::Tensor a_ptr_, b_ptr_, ranks_, seg_;
-  int64_t max_rank_ = 0, layers_ = 0, rows_ = 0, total_ = 0;
+  int64_t max_rank_ = 0, layers_ = 0, h_in_ = 0, rows_ = 0, total_ = 0;
   int32_t h_out_[kMaxSlices] = {};
   py::object keep_;  // the weights' tensors, which a_ptr_ and b_ptr_ point into
 };
@@ -288,10 +293,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
         py::arg("max_rank"));
   py::class_<CpuLaunch>(m, "CpuLaunch", "add_lora for fixed CPU segments and weights, checked once")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, std::vector<int64_t>, int64_t,
-                    int64_t, int64_t, py::object>(),
+      .def(py::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                    std::vector<int64_t>, int64_t,
+                    int64_t, int64_t, int64_t, py::object>(),
            py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
-           py::arg("max_rows"), py::arg("max_rank"), py::arg("layers"), py::arg("keep"))
+           py::arg("max_rows"), py::arg("max_rank"), py::arg("layers"), py::arg("h_in"), py::arg("keep"))
       .def("add_lora", &CpuLaunch::add_lora, "y += x @ A_s @ B_s at `layer` (v: float32 workspace)",
            py::arg("y"), py::arg("x"), py::arg("v"), py::arg("layer"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");

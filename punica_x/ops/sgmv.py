@@ -89,11 +89,15 @@ class CompiledBackend:
 
     def bind(self, w) -> Launch:
         """On the CPU a C++ launch object that checked the metadata once (a call then checks
-        only y, x, v and the layer, below every adapter's layer count, and skips ~10 Python
-        attribute reads and pybind conversions)."""
+        only y, x, v and the layer against the adapters' layer count and width, and skips ~10
+        Python attribute reads and pybind conversions). Raises ValueError when the adapters
+        differ in layer count or input width (no kernel could read them all)."""
         if w.seg.device.type != "cpu":
             return _bound(self, w)
-        layers = min((a.shape[0] for a in w.a if a is not None), default=_NO_LAYERS)
+        shapes = {tuple(a.shape[::2]) for a in w.a if a is not None}  # (layers, h_in)
+        if len(shapes) > 1:
+            raise ValueError(f"one launch's adapters must share layers and h_in, got {shapes}")
+        layers, h_in = shapes.pop() if shapes else (_NO_LAYERS, 0)
         launch = self.module.CpuLaunch(
             w.a_ptr,
             w.b_ptr,
@@ -103,6 +107,7 @@ class CompiledBackend:
             w.max_rows,
             w.max_rank,
             layers,
+            h_in,
             (w.a, w.b),
         )
         return launch.add_lora

@@ -287,6 +287,30 @@ def test_launch_bounds_the_layer_by_its_adapters():
     assert torch.equal(y, torch.ones(4, 32))
 
 
+def test_launch_keeps_its_own_copy_of_the_metadata():
+    """Segments changed after the launch was made (they were checked then) change nothing."""
+    gen, _ = fresh_generator()
+    w = make_weights(gen, [2, 2], [[16], [16]], 64, [32], layers=1)
+    x = torch.randn(4, 64, generator=gen)
+    want = add_lora_sgmv(torch.zeros(4, 32), x, w, 0, backend=REF)
+    launch = w.launch(compiled())
+    w.seg[1] = 9  # past the rows: the launch would read and write out of bounds
+    w.ranks.fill_(1 << 20)
+    got = torch.zeros(4, 32)
+    launch(got, x, torch.zeros(4, 16), 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_launch_refuses_adapters_of_different_widths_or_depths():
+    gen, _ = fresh_generator()
+    for other in (dict(h_in=32, layers=2), dict(h_in=64, layers=3)):
+        a = make_weights(gen, [1], [[16]], 64, [32], layers=2)
+        b = make_weights(gen, [1], [[16]], other["h_in"], [32], layers=other["layers"])
+        w = SgmvWeights.build([0, 1, 2], [*a.a, *b.a], [*a.b, *b.b], [[16], [16]], [32], "cpu")
+        with pytest.raises(ValueError, match="must share layers and h_in"):
+            w.launch(compiled())
+
+
 def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
     ext = compiled().module
     gen, _ = fresh_generator()
@@ -302,6 +326,7 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
             max_rows=w.max_rows,
             max_rank=w.max_rank,
             layers=2,
+            h_in=64,
             keep=(w.a, w.b),
         )
         return ext.CpuLaunch(**{**args, **change})
@@ -319,6 +344,8 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
         r"h_out\[0\] must be in": dict(h_out=[1 << 40]),
         "layers must be in": dict(layers=-1),
         "layers must be in ": dict(layers=1 << 40),
+        "h_in must be in": dict(h_in=-1),
+        "h_in must be in ": dict(h_in=1 << 40),
     }
     for message, change in bad_metadata.items():
         with pytest.raises(RuntimeError, match=message):
@@ -341,6 +368,8 @@ def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
         "layer must be in 0..1, got -1": (y, x, v, -1),
         "layer must be in 0..1, got 2": (y, x, v, 2),
         "layer must be in 0..1, got 1099511627776": (y, x, v, 1 << 40),
+        "x must have the adapters' 64 columns, got 65": (y, torch.randn(4, 65), v, 0),
+        "x must have the adapters' 64 columns, got 32": (y, torch.randn(4, 32), v, 0),
     }
     for message, args in bad_calls.items():
         with pytest.raises(RuntimeError, match=message):
