@@ -100,7 +100,7 @@ class LoraLinear(Dense):
         w = lora.groups.get(self.group) if lora is not None else None
         if w is None or not w.max_rank:
             return self.dense(x)
-        spans = w.prefetch_spans if self.prefetches else None  # a CPU backend's
+        spans = w.prefetch_layers if self.prefetches else None  # a CPU backend's
         y = self.dense(x, None if spans is None else spans[layer])
         if backend is None:
             add_lora_sgmv(y, x, w, layer, lora.workspace)

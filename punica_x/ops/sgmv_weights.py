@@ -79,6 +79,13 @@ class SgmvWeights:
         spans[:, :, 0] += torch.arange(layers, dtype=torch.int64).unsqueeze(1) * base[:, 1]
         return spans
 
+    @cached_property
+    def prefetch_layers(self) -> tuple[torch.Tensor, ...] | None:
+        """prefetch_spans split by layer ([2 * A, 2] each; a tuple, indexed by every LoRA
+        projection of every layer, where indexing the tensor made a new view per call)."""
+        spans = self.prefetch_spans
+        return None if spans is None else tuple(spans.unbind(0))
+
     @classmethod
     def build(
         cls,

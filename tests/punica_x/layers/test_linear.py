@@ -45,7 +45,10 @@ def test_prefetch_spans_are_each_adapters_layer():
                     [b[layer].data_ptr(), b[layer].nbytes],
                 ]
         assert spans[layer].tolist() == want
+        assert torch.equal(w.prefetch_layers[layer], spans[layer])
+    assert isinstance(w.prefetch_layers, tuple) and len(w.prefetch_layers) == LAYERS
     assert _weights(g, [None, None], torch.bfloat16).prefetch_spans is None
+    assert _weights(g, [None, None], torch.bfloat16).prefetch_layers is None
     a, b = w.a[0], w.b[0]
     rows = PREFETCH_MAX_ROWS + 1
     many = SgmvWeights.build([0, rows, rows + 1], [a, a], [b, b], [[RANK, RANK]] * 2, SLICES, "cpu")
