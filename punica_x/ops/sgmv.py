@@ -90,14 +90,12 @@ class CompiledBackend:
     def bind(self, w) -> Launch:
         """On the CPU a C++ launch object that checked the metadata once (a call then checks
         only y, x, v and the layer against the adapters' layer count and width, and skips ~10
-        Python attribute reads and pybind conversions). Raises ValueError when the adapters
-        differ in layer count or input width (no kernel could read them all)."""
+        Python attribute reads and pybind conversions)."""
         if w.seg.device.type != "cpu":
             return _bound(self, w)
-        shapes = {tuple(a.shape[::2]) for a in w.a if a is not None}  # (layers, h_in)
-        if len(shapes) > 1:
-            raise ValueError(f"one launch's adapters must share layers and h_in, got {shapes}")
-        layers, h_in = shapes.pop() if shapes else (_NO_LAYERS, 0)
+        # SgmvWeights.build made every adapter's (layers, h_in) the same
+        first = next((a for a in w.a if a is not None), None)
+        layers, h_in = (_NO_LAYERS, 0) if first is None else (first.shape[0], first.shape[2])
         launch = self.module.CpuLaunch(
             w.a_ptr,
             w.b_ptr,

@@ -107,6 +107,9 @@ class SgmvWeights:
             if seg[s + 1] < seg[s]:
                 raise ValueError(f"seg must be non-decreasing, got {list(seg)}")
         with_adapter = [s for s in range(n) if a[s] is not None]
+        shapes = {(a[s].shape[0], a[s].shape[2]) for s in with_adapter}  # (layers, h_in)
+        if len(shapes) > 1:
+            raise ValueError(f"one launch's adapters must share layers and h_in, got {shapes}")
         max_rows = max((seg[s + 1] - seg[s] for s in with_adapter), default=0)
         max_rank = max((sum(ranks[s]) for s in with_adapter), default=0)
         rank_rows = ranks if n else ((0,) * len(h_out),)

@@ -302,13 +302,14 @@ def test_launch_keeps_its_own_copy_of_the_metadata():
 
 
 def test_a_launch_refuses_adapters_of_different_widths_or_depths():
+    """One x and one layer index serve every segment: the weights builder refuses adapters
+    that differ in either (for every backend, before any launch is made)."""
     gen, _ = fresh_generator()
     for other in (dict(h_in=32, layers=2), dict(h_in=64, layers=3)):
         a = make_weights(gen, [1], [[16]], 64, [32], layers=2)
         b = make_weights(gen, [1], [[16]], other["h_in"], [32], layers=other["layers"])
-        w = SgmvWeights.build([0, 1, 2], [*a.a, *b.a], [*a.b, *b.b], [[16], [16]], [32], "cpu")
         with pytest.raises(ValueError, match="must share layers and h_in"):
-            w.launch(compiled())
+            SgmvWeights.build([0, 1, 2], [*a.a, *b.a], [*a.b, *b.b], [[16], [16]], [32], "cpu")
 
 
 def test_launch_checks_its_metadata_once_and_its_tensors_per_call():
