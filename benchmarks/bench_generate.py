@@ -154,7 +154,7 @@ def main() -> None:
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    model = model_path(args.model)
+    model = model_path(args.model, args.tokenizer)
     llm = LLM(dtype=args.dtype, model=model)
     ours_dtype = dtype_name(llm.engine.dtype)
     args.peer_dtype = args.peer_dtype or ours_dtype

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from common.args import add_rank, add_requests, add_threads, parser
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.shapes import SHAPES, model_path
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
 from punica_x import LLM, SamplingParams
@@ -107,14 +108,20 @@ def main() -> None:
     add_rank(ap)
     add_threads(ap)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: this CPU's default)")
+    ap.add_argument("--model", default=None, help=f"a shape ({', '.join(SHAPES)}) or a path")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
     args = ap.parse_args()
+    if args.tokenizer and args.model not in SHAPES:
+        ap.error("--tokenizer needs --model naming a shape")
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, model=model_path(args.model, args.tokenizer))
     dtype = dtype_name(llm.engine.dtype)
     name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
+    if args.model in SHAPES:
+        name += f"_{args.model.replace('.', '_')}"
     prompts = make_prompts(llm.tokenizer, n)
     tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
     load_adapters(llm, make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp))
@@ -133,7 +140,8 @@ def main() -> None:
         }
         for p in [*parts, "step"]
     ]
-    print(f"SmolLM2-135M {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
+    what = args.model or "SmolLM2-135M"
+    print(f"{what} {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
     print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
     path = write_json(name, {"args": vars(args), "dtype": dtype, "rows": rows})
     print(f"wrote {path} and {plot(results, list(configs), parts, n, dtype, name)}")

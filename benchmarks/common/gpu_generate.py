@@ -27,7 +27,7 @@ import torch
 
 from common.engine_timing import decode_step_time, run_ours, warm_up
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
-from common.shapes import model_path
+from common.shapes import SHAPES, model_path
 from common.workload import TARGETS, make_prompts, workload_names
 from punica_x import LLM, SamplingParams
 from punica_x.config import GiB, dtype_name
@@ -61,9 +61,13 @@ def add_gpu_args(ap) -> None:
 
 def check_gpu_args(ap, args):
     """args, after refusing (ap.error: exit 2, naming the flag) GPU flags without --device
-    cuda and request counts that are not positive integers."""
+    cuda (--tokenizer serves a CPU run of a --model shape too) and request counts that are
+    not positive integers."""
     if args.device != "cuda":
-        given = [f for f in ("gpu_requests", "attention_backend", "tokenizer") if getattr(args, f)]
+        flags = ["gpu_requests", "attention_backend"]
+        if getattr(args, "model", None) not in SHAPES:  # a random model's tokenizer folder
+            flags.append("tokenizer")
+        given = [f for f in flags if getattr(args, f)]
         if given:
             ap.error(f"--{given[0].replace('_', '-')} needs --device cuda")
         return args

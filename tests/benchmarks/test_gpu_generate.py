@@ -80,9 +80,11 @@ def test_gpu_flags_are_refused_without_cuda_and_request_counts_must_be_positive(
     from common.gpu_generate import add_gpu_args, check_gpu_args
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
     add_gpu_args(ap)
     for bad in (
         ["--tokenizer", "x"],
+        ["--model", "some/path", "--tokenizer", "x"],
         ["--gpu-requests", "32"],
         ["--attention-backend", "torch"],
         ["--device", "cuda", "--gpu-requests", "0"],
@@ -95,3 +97,6 @@ def test_gpu_flags_are_refused_without_cuda_and_request_counts_must_be_positive(
         assert info.value.code == 2, bad
     ok = check_gpu_args(ap, ap.parse_args(["--device", "cuda", "--gpu-requests", "8,16"]))
     assert ok.gpu_requests == "8,16"
+    # a CPU run of a random model's shape takes its tokenizer folder
+    ok = check_gpu_args(ap, ap.parse_args(["--model", "smollm2-135m", "--tokenizer", "t"]))
+    assert ok.tokenizer == "t"
