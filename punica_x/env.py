@@ -51,6 +51,12 @@ CPU_ISA = EnvVar(
     "instruction set the CPU kernels are built for: native (best this CPU runs), avx2, avx512, "
     "avx512_bf16",
 )
+SGMV_AMX = EnvVar(
+    "PUNICA_X_SGMV_AMX",
+    "0",
+    "1 runs bfloat16 LoRA segments of 8 rows or more on AMX-BF16 tiles (csrc/sgmv/amx.h; "
+    "experimental, off by default; refused at start where the CPU has no AMX)",
+)
 AUTOTUNE = EnvVar(
     "PUNICA_X_AUTOTUNE",
     "1",

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../common/simd.h"
+#include "amx.h"
 #include "sgmv.h"
 
 #ifdef PUNICA_X_WITH_CUDA
@@ -270,6 +271,43 @@ class CpuLaunch {
   py::object keep_;  // the weights' tensors, which a_ptr_ and b_ptr_ point into
 };
 
+// (mode, min_rows) of the AMX tiles path (amx.h) before the call; mode -1 or min_rows 0 leave
+// that one as it is. Modes: 0 off, 1 hardware (refused where there is no usable AMX), 2
+// emulated (the same code on scalar tiles, for tests; avx512_bf16 builds only).
+std::pair<int, int> sgmv_amx(int mode, int min_rows) {
+#if defined(PUNICA_X_AMX)
+  namespace amx = punica_x::amx;
+  CHECK_ARG(mode >= -1 && mode <= amx::kEmulated, "amx mode must be -1, 0, 1 or 2, got ", mode);
+  CHECK_ARG(min_rows >= 0, "amx min_rows must be >= 1 (0: unchanged), got ", min_rows);
+  CHECK_ARG(mode != amx::kHardware || amx::hardware_available(),
+            "amx mode 1 (hardware): this CPU or OS gives no AMX-BF16 tiles");
+  const std::pair<int, int> before{amx::mode(), amx::settings().min_rows.load()};
+  if (mode >= 0) amx::settings().mode.store(mode);
+  if (min_rows > 0) amx::settings().min_rows.store(min_rows);
+  return before;
+#else
+  CHECK_ARG(mode <= 0 && min_rows >= 0, "amx: this build (", punica_x::simd::kIsa,
+            ") has no AMX tiles path; only mode 0 or -1");
+  return {0, 0};
+#endif
+}
+
+int64_t amx_items() {
+#if defined(PUNICA_X_AMX)
+  return punica_x::amx::settings().items.load();
+#else
+  return 0;
+#endif
+}
+
+bool amx_available() {
+#if defined(PUNICA_X_AMX)
+  return punica_x::amx::hardware_available();
+#else
+  return false;
+#endif
+}
+
 bool has_cuda() {
 #ifdef PUNICA_X_WITH_CUDA
   return true;
@@ -301,5 +339,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_lora", &CpuLaunch::add_lora, "y += x @ A_s @ B_s at `layer` (v: float32 workspace)",
            py::arg("y"), py::arg("x"), py::arg("v"), py::arg("layer"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
+  m.def("sgmv_amx", &sgmv_amx, "set the AMX tiles path's (mode, min_rows); returns the previous",
+        py::arg("mode") = -1, py::arg("min_rows") = 0);
+  m.def("amx_items", &amx_items, "shrink and expand items run on AMX tiles so far (tests)");
+  m.def("amx_available", &amx_available, "whether this CPU, OS and build run AMX-BF16 tiles");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
 }

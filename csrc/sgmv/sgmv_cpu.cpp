@@ -19,7 +19,8 @@
 // step of 6 adapters behind the dense GEMM 0.90-0.92x, of one adapter 0.90-0.96x (Zen 4,
 // avx512_bf16, shuffled-order runs). The dense GEMM before a launch also pulls in one-row
 // segments' weights while it computes (LoraLinear, SgmvWeights.prefetch_spans); for segments
-// of several rows that hint cost the GEMM more than it saved.
+// of several rows that hint cost the GEMM more than it saved. bf16 segments of several rows
+// may run on AMX tiles instead (amx.h; off unless asked for).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -32,6 +33,7 @@
 #include "../common/parallel.h"
 #include "../common/prefetch.h"
 #include "../common/simd.h"
+#include "amx.h"
 #include "expand_dot.h"
 #include "sgmv.h"
 
@@ -192,12 +194,27 @@ ExpandFn<T> expand_kernel(int mb, int nb) {
 
 struct ShrinkItem {
   int seg, row0, rows, j0, jn;
+  bool tiles;  // on AMX tiles (amx.h): all rows of the segment, up to 64 rank rows
 };
 
 struct ExpandItem {
   int seg, slice, c0, cn;
   int64_t pairs;  // where v's bf16 pairs (expand_dot.h) start in the launch's buffer; -1: none
+  bool tiles;     // on AMX tiles (amx.h): v split in chunks (amx::split_chunks) at `pairs`
 };
+
+constexpr int kTileWidth = 64;  // rank rows of a tiles shrink item, columns of an expand item
+
+// Whether T's segments of `rows` rows run on AMX tiles (h_in: the shrink's, 0 for expand).
+template <typename T>
+bool on_tiles(int rows, int h_in) {
+#if defined(PUNICA_X_AMX)
+  if constexpr (std::is_same_v<T, bf16>) return amx::takes(rows, h_in);
+#endif
+  (void)rows, (void)h_in;
+  return false;
+}
+
 
 int rank_sum(const SgmvSegments& p, int s) {
   int r = 0;
@@ -215,10 +232,15 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
     const int rows = p.seg[s + 1] - p.seg[s];
     const int rank = rank_sum(p, s);
     if (p.w_ptr[s] == 0 || rows == 0 || rank == 0) continue;
+    if (on_tiles<T>(rows, h_in)) {
+      for (int j0 = 0; j0 < rank; j0 += kTileWidth)
+        items.push_back({s, p.seg[s], rows, j0, std::min(kTileWidth, rank - j0), true});
+      continue;
+    }
     const int jb = rows == 1 ? kShrinkMaxJB : kShrinkJB;
     for (int r0 = 0; r0 < rows; r0 += kMB)
       for (int j0 = 0; j0 < rank; j0 += jb)
-        items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0)});
+        items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0), false});
   }
   auto weights = [&](const ShrinkItem& it) {  // the item's jn rows of A^T, contiguous
     return reinterpret_cast<const T*>(p.w_ptr[it.seg]) +
@@ -231,6 +253,17 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
   auto first_read = [&](const ShrinkItem& it) { return it.row0 == p.seg[it.seg]; };
   parallel_items(n, [&](int64_t i) {
     const ShrinkItem& it = items[i];
+#if defined(PUNICA_X_AMX)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (it.tiles) {
+        amx::with_tiles([&](auto tiles) {
+          amx::shrink<decltype(tiles)>(v + it.row0 * v_stride + it.j0, v_stride, x + it.row0 * x_stride,
+                                       x_stride, it.rows, weights(it), it.jn, h_in);
+        });
+        return;
+      }
+    }
+#endif
     thread_local Lookahead ahead;  // a successor's A rows, over this item's K steps
     PrefetchCursor* pf = nullptr;
     if (i + 1 < n && first_read(items[i + 1]))
@@ -248,21 +281,28 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
   for (int s = 0; s < p.num_segments; ++s) {
     const int rows = p.seg[s + 1] - p.seg[s];
     if (p.w_ptr[s] == 0 || rows == 0) continue;
-    const int width = kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
+    const bool tiles = on_tiles<T>(rows, 0);
+    const int width = tiles ? kTileWidth : kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
       const int r = p.ranks[s * p.num_slices + j];
       if (r == 0) continue;
       int64_t pairs = -1;
+#if defined(PUNICA_X_AMX)
+      if (tiles) {
+        pairs = pair_elems;
+        pair_elems += int64_t(rows) * amx::chunks(r) * 32;
+      }
+#endif
 #if defined(__AVX512BF16__)
       // several rows: two rank rows per vdpbf16ps; one row reads B from memory, where the
       // widening tile measured faster (1.06x warm, 1.03x cold for the dot tile)
-      if (kDotExpand<T> && rows > 1) {
+      if (kDotExpand<T> && rows > 1 && !tiles) {
         pairs = pair_elems;
         pair_elems += int64_t(rows) * expand_dot::pair_stride(r);
       }
 #endif
       for (int c0 = 0; c0 < h_out[j]; c0 += width)
-        items.push_back({s, j, c0, std::min(width, h_out[j] - c0), pairs});
+        items.push_back({s, j, c0, std::min(width, h_out[j] - c0), pairs, tiles});
     }
   }
   struct Place {  // where an item reads B and v and writes y
@@ -294,8 +334,15 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       const ExpandItem& it = items[i];
       if (it.pairs < 0 || (i > 0 && items[i - 1].pairs == it.pairs)) continue;
       const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
-      expand_dot::split_pairs(pair_buf.data() + it.pairs, v + row0 * v_stride + place(it).v_off, v_stride,
-                              rows, p.ranks[it.seg * p.num_slices + it.slice]);
+      const float* vrows = v + row0 * v_stride + place(it).v_off;
+      const int r = p.ranks[it.seg * p.num_slices + it.slice];
+#if defined(PUNICA_X_AMX)
+      if (it.tiles) {
+        amx::split_chunks(pair_buf.data() + it.pairs, vrows, v_stride, rows, r);
+        continue;
+      }
+#endif
+      expand_dot::split_pairs(pair_buf.data() + it.pairs, vrows, v_stride, rows, r);
     }
     pair_base = pair_buf.data();  // read by every thread: not the thread_local itself
   }
@@ -306,6 +353,18 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       const ExpandItem& it = items[i];
       const auto [b, v_off, y_off] = place(it);
       const int r = p.ranks[it.seg * p.num_slices + it.slice];
+#if defined(PUNICA_X_AMX)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (it.tiles) {
+          const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
+          amx::with_tiles([&](auto tiles) {
+            amx::expand<decltype(tiles)>(y + row0 * y_stride + y_off + it.c0, y_stride, pair_base + it.pairs,
+                                         rows, r, b, h_out[it.slice], it.cn);
+          });
+          return;
+        }
+      }
+#endif
       thread_local Lookahead ahead;  // the successor's B block, over this item's rank rows
       PrefetchCursor* pf = nullptr;
       if (i + 1 < n) {

@@ -55,10 +55,13 @@ CUDA_ARCHS = ("80", "90")
 COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h")
 # kind: (sources, headers), paths relative to csrc/
 EXTENSIONS = {
-    "sgmv_cpu": (("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"), ("sgmv/sgmv.h", "sgmv/expand_dot.h")),
+    "sgmv_cpu": (
+        ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"),
+        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h"),
+    ),
     "sgmv_cuda": (
         ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp", "sgmv/sgmv_cuda.cu"),
-        ("sgmv/sgmv.h", "sgmv/expand_dot.h"),
+        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h"),
     ),
     "attention_cpu": (
         ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp"),
