@@ -75,6 +75,7 @@ def test_cuda_float32_generation_equals_cpu(tiny_model_dir, tiny_adapters):
 
 @pytest.mark.gpu
 def test_cuda_bfloat16_default_backends_match_references(head64_model):
+    pytest.importorskip("flashinfer", reason="needs the [gpu] extra (flashinfer-python)")
     model_dir, adapters = head64_model
     llm = tiny_llm(model_dir, device="cuda", dtype="bfloat16")
     assert llm.engine.planner.attention.name == "flashinfer"

@@ -181,6 +181,7 @@ def test_cpu_kernel_checks_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_flashinfer_matches_torch_backend(dtype):
+    pytest.importorskip("flashinfer", reason="needs the [gpu] extra (flashinfer-python)")
     from punica_x.attention.flashinfer_backend import FlashInferAttention
 
     dev = torch.device("cuda")
