@@ -65,7 +65,7 @@ inline bool hardware_available() {
 }
 
 // Off unless asked for (PUNICA_X_SGMV_AMX=1, punica_x/ops/sgmv.py; or the binding's sgmv_amx):
-// measured on one lent machine's host only (benchmarks/results/avx512_bf16/README.md, 2026-11-26).
+// measured on one lent machine's host only (benchmarks/results/amx/README.md, 2026-11-26).
 struct Settings {
   std::atomic<int> mode{kOff};
   std::atomic<int> min_rows{kDefaultMinRows};
