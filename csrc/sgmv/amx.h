@@ -79,10 +79,10 @@ inline Settings& settings() {
 
 inline int mode() { return settings().mode.load(std::memory_order_relaxed); }
 
-// Whether a bf16 segment of `rows` rows runs on tiles (h_in: the shrink's width, 0 for expand).
+// Whether a bf16 segment of `rows` rows suits tiles (h_in: the shrink's width, 0 for expand),
+// the mode aside.
 inline bool takes(int rows, int h_in) {
-  return rows >= settings().min_rows.load(std::memory_order_relaxed) && h_in % 32 == 0 &&
-         mode() != kOff;
+  return rows >= settings().min_rows.load(std::memory_order_relaxed) && h_in % 32 == 0;
 }
 
 struct alignas(64) TileConfig {
@@ -175,10 +175,10 @@ struct Emulated {
   }
 };
 
-// fn(Hardware{}) or fn(Emulated{}), by mode() (for the items takes() sent here)
+// fn(Hardware{}) or fn(Emulated{}), by `mode` (mode() when the launch planned its items)
 template <typename F>
-void with_tiles(const F& fn) {
-  if (mode() == kHardware)
+void with_tiles(int mode, const F& fn) {
+  if (mode == kHardware)
     fn(Hardware{});
   else
     fn(Emulated{});
@@ -376,3 +376,31 @@ void expand(bf16* y, int64_t ys, const bf16* vsplit, int rows, int r, const bf16
 }  // namespace punica_x
 
 #endif  // __AVX512BF16__ && __x86_64__
+
+#include <type_traits>
+
+#include "../common/simd.h"
+
+namespace punica_x {
+namespace amx {
+
+// amx::mode() for bf16 on the avx512_bf16 build, else 0 (off); a launch reads it once.
+template <typename T>
+int tiles_mode() {
+#if defined(PUNICA_X_AMX)
+  if constexpr (std::is_same_v<T, simd::bf16>) return mode();
+#endif
+  return 0;
+}
+
+// Whether a segment of `rows` rows runs on tiles in `mode` (h_in: the shrink's, 0 for expand).
+inline bool on_tiles(int mode, int rows, int h_in) {
+#if defined(PUNICA_X_AMX)
+  return mode != kOff && takes(rows, h_in);
+#else
+  return (void)mode, (void)rows, (void)h_in, false;
+#endif
+}
+
+}  // namespace amx
+}  // namespace punica_x

@@ -205,17 +205,6 @@ struct ExpandItem {
 
 constexpr int kTileWidth = 64;  // rank rows of a tiles shrink item, columns of an expand item
 
-// Whether T's segments of `rows` rows run on AMX tiles (h_in: the shrink's, 0 for expand).
-template <typename T>
-bool on_tiles(int rows, int h_in) {
-#if defined(PUNICA_X_AMX)
-  if constexpr (std::is_same_v<T, bf16>) return amx::takes(rows, h_in);
-#endif
-  (void)rows, (void)h_in;
-  return false;
-}
-
-
 int rank_sum(const SgmvSegments& p, int s) {
   int r = 0;
   for (int j = 0; j < p.num_slices; ++j) r += p.ranks[s * p.num_slices + j];
@@ -228,11 +217,12 @@ template <typename T>
 void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, int h_in,
                      const SgmvSegments& p) {
   std::vector<ShrinkItem> items;
+  const int tile_mode = amx::tiles_mode<T>();  // read once: a launch's items agree on it
   for (int s = 0; s < p.num_segments; ++s) {
     const int rows = p.seg[s + 1] - p.seg[s];
     const int rank = rank_sum(p, s);
     if (p.w_ptr[s] == 0 || rows == 0 || rank == 0) continue;
-    if (on_tiles<T>(rows, h_in)) {
+    if (amx::on_tiles(tile_mode, rows, h_in)) {
       for (int j0 = 0; j0 < rank; j0 += kTileWidth)
         items.push_back({s, p.seg[s], rows, j0, std::min(kTileWidth, rank - j0), true});
       continue;
@@ -256,7 +246,7 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
 #if defined(PUNICA_X_AMX)
     if constexpr (std::is_same_v<T, bf16>) {
       if (it.tiles) {
-        amx::with_tiles([&](auto tiles) {
+        amx::with_tiles(tile_mode, [&](auto tiles) {
           amx::shrink<decltype(tiles)>(v + it.row0 * v_stride + it.j0, v_stride, x + it.row0 * x_stride,
                                        x_stride, it.rows, weights(it), it.jn, h_in);
         });
@@ -278,10 +268,11 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p) {
   std::vector<ExpandItem> items;
   int64_t pair_elems = 0;  // bf16 elements of every dot item's v pairs
+  const int tile_mode = amx::tiles_mode<T>();
   for (int s = 0; s < p.num_segments; ++s) {
     const int rows = p.seg[s + 1] - p.seg[s];
     if (p.w_ptr[s] == 0 || rows == 0) continue;
-    const bool tiles = on_tiles<T>(rows, 0);
+    const bool tiles = amx::on_tiles(tile_mode, rows, 0);
     const int width = tiles ? kTileWidth : kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
       const int r = p.ranks[s * p.num_slices + j];
@@ -357,7 +348,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       if constexpr (std::is_same_v<T, bf16>) {
         if (it.tiles) {
           const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
-          amx::with_tiles([&](auto tiles) {
+          amx::with_tiles(tile_mode, [&](auto tiles) {
             amx::expand<decltype(tiles)>(y + row0 * y_stride + y_off + it.c0, y_stride, pair_base + it.pairs,
                                          rows, r, b, h_out[it.slice], it.cn);
           });
