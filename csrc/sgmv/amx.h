@@ -1,6 +1,6 @@
 // SGMV on AMX tiles (AMX-BF16: Intel Xeon 4th generation and later) for bf16 segments of
 // several rows, on the avx512_bf16 build. One tdpbf16ps multiplies a 16 x 32 bf16 tile by a
-// 32 x 16 one into 16 x 16 float32 sums (16 x 16 x 32 multiply-adds per instruction, 16 for
+// 32 x 16 one into 16 x 16 float32 sums (16 x 16 x 32 multiply-adds per instruction, 32 for
 // vdpbf16ps), so a segment of many rows (one adapter for the whole batch, issue 29's
 // Identical) costs its tiles' loads, not its multiply-adds. One-row segments stay on the
 // vector kernels: they are bound by reading the weights, which tiles do not change.
@@ -45,7 +45,7 @@ using simd::bf16;
 
 enum Mode : int { kOff = 0, kHardware = 1, kEmulated = 2 };
 constexpr int kDefaultMinRows = 8;  // segments of at least this many rows run on tiles
-// C0..C3 hold an item's sums: at most 64 rank rows (shrink) or columns (expand) per item
+// (C0..C3 hold an item's sums: at most 64 rank rows (shrink) or columns (expand) an item.)
 
 // CPUID says AMX-TILE and AMX-BF16, the OS enabled tile state, and Linux let this process use
 // it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; a no-op if oneDNN already asked).
