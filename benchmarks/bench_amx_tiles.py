@@ -22,7 +22,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common.args import add_decode_steps, add_max_tokens, add_rounds, add_threads, parser
+from common.args import (
+    add_decode_steps,
+    add_max_tokens,
+    add_rounds,
+    add_shape_model,
+    add_threads,
+    check_shape_model,
+    parser,
+)
 from common.engine_timing import decode_step_time, paired_ratio, warm_up
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.shapes import SHAPES, model_path
@@ -41,18 +49,14 @@ def parse_args():
     add_rounds(ap, default=6)
     add_decode_steps(ap)
     add_max_tokens(ap, default=32)
-    ap.add_argument(
-        "--model", default=None, help=f"default SmolLM2-135M; a shape ({', '.join(SHAPES)})"
-    )
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+    add_shape_model(ap)
     ap.add_argument("--min-rows", type=int, default=8, help="segments of this many rows take tiles")
     ap.add_argument("--emulated", action="store_true", help="scalar tiles (no AMX needed; slow)")
     args = ap.parse_args()
     for name in ("threads", "rounds", "decode_steps", "max_tokens", "min_rows"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.tokenizer and args.model not in SHAPES:
-        ap.error("--tokenizer needs --model naming a shape")
+    check_shape_model(ap, args)
     module = cpu_backend().module
     if not args.emulated and not module.amx_available():
         ap.error(

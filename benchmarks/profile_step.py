@@ -21,7 +21,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from common.args import add_rank, add_requests, add_threads, parser
+from common.args import (
+    add_rank,
+    add_requests,
+    add_shape_model,
+    add_threads,
+    check_shape_model,
+    parser,
+)
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.shapes import SHAPES, model_path
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
@@ -108,11 +115,9 @@ def main() -> None:
     add_rank(ap)
     add_threads(ap)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: this CPU's default)")
-    ap.add_argument("--model", default=None, help=f"a shape ({', '.join(SHAPES)}) or a path")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+    add_shape_model(ap)
     args = ap.parse_args()
-    if args.tokenizer and args.model not in SHAPES:
-        ap.error("--tokenizer needs --model naming a shape")
+    check_shape_model(ap, args)
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests

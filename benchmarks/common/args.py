@@ -84,3 +84,24 @@ def add_tenant_load(
     """--flood 160 (tenant A's requests) and --light 6 (tenant B's)."""
     ap.add_argument("--flood", type=int, default=160, help=flood_help)
     ap.add_argument("--light", type=int, default=6, help=light_help)
+
+
+def add_shape_model(ap: argparse.ArgumentParser) -> None:
+    """--model (default SmolLM2-135M; a key of common.shapes.SHAPES, a random-weight model of
+    that shape, or a path) and --tokenizer (a random model's tokenizer folder, for machines
+    without the default model); check_shape_model refuses a tokenizer without a shape."""
+    from common.shapes import SHAPES
+
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"default SmolLM2-135M; a shape ({', '.join(SHAPES)}) or a path",
+    )
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+
+
+def check_shape_model(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from common.shapes import SHAPES
+
+    if args.tokenizer and args.model not in SHAPES:
+        ap.error("--tokenizer needs --model naming a shape")

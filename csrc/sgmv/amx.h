@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "../common/simd.h"
+#include "expand_dot.h"
 
 namespace punica_x {
 namespace amx {
@@ -304,14 +305,8 @@ inline void split_chunks(bf16* dst, const float* v, int64_t vs, int rows, int r)
   const int nc = chunks(r);
   for (int m = 0; m < rows; ++m)
     for (int c = 0; c < nc; ++c) {
-      const int n = std::min(16, r - 16 * c);
-      const __m512 f = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), v + m * vs + 16 * c);
-      const __m256i h16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
       bf16* out = dst + (int64_t(m) * nc + c) * 32;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
+      expand_dot::split16(out, out + 16, v + m * vs + 16 * c, std::min(16, r - 16 * c), true);
     }
 }
 

@@ -43,6 +43,18 @@ using simd::vf;
 inline int half(int r) { return (r + 1) & ~1; }
 inline int pair_stride(int r) { return 2 * half(r); }
 
+// hi[0:n] = bf16(v[0:n]) and lo[0:n] = bf16(v - hi) for n <= 16; with `full`, 16 of each
+// (zeros past n). Also amx.h's split of v.
+inline void split16(bf16* hi, bf16* lo, const float* v, int n, bool full) {
+  const __mmask16 mask = __mmask16((1u << n) - 1);
+  const __m512 f = _mm512_maskz_loadu_ps(mask, v);
+  const __m256i h16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
+  const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
+  const __mmask16 out = full ? __mmask16(0xFFFF) : mask;
+  _mm256_mask_storeu_epi16(hi, out, h16);
+  _mm256_mask_storeu_epi16(lo, out, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
+}
+
 // dst[rows x pair_stride(r)] = v[rows, 0:r] (row stride vs) split into hi and lo parts.
 inline void split_pairs(bf16* dst, const float* v, int64_t vs, int rows, int r) {
   const int h = half(r);
@@ -50,15 +62,7 @@ inline void split_pairs(bf16* dst, const float* v, int64_t vs, int rows, int r) 
     bf16* hi = dst + int64_t(m) * 2 * h;
     bf16* lo = hi + h;
     if (r < h) hi[r] = lo[r] = bf16{0};  // the pad pairs with B's zero row; garbage could be NaN
-    for (int k = 0; k < r; k += 16) {
-      const __mmask16 mask = __mmask16((1u << std::min(16, r - k)) - 1);
-      const __m512 f = _mm512_maskz_loadu_ps(mask, v + m * vs + k);
-      const __m256i h16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
-      _mm256_mask_storeu_epi16(hi + k, mask, h16);
-      _mm256_mask_storeu_epi16(lo + k, mask,
-                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(f, back))));
-    }
+    for (int k = 0; k < r; k += 16) split16(hi + k, lo + k, v + m * vs + k, std::min(16, r - k), false);
   }
 }
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_sgmv import REF, make_weights
+from test_sgmv import REF, cast, make_weights
 
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, cpu_backend
@@ -39,15 +39,7 @@ def amx(mode: int, min_rows: int):
 
 
 def bf16_weights(gen, seg_lens, slice_ranks, h_in, h_out, layers=3) -> SgmvWeights:
-    w = make_weights(gen, seg_lens, slice_ranks, h_in, h_out, layers)
-    return SgmvWeights.build(
-        w.seg_host,
-        [None if t is None else t.bfloat16() for t in w.a],
-        [None if t is None else t.bfloat16() for t in w.b],
-        w.ranks_host,
-        w.h_out,
-        "cpu",
-    )
+    return cast(make_weights(gen, seg_lens, slice_ranks, h_in, h_out, layers), torch.bfloat16)
 
 
 def run(w: SgmvWeights, x, y0, layer, be):
