@@ -18,8 +18,6 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 from common.args import (
@@ -33,6 +31,7 @@ from common.args import (
 )
 from common.engine_timing import decode_step_time, paired_ratio, warm_up
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
@@ -130,7 +129,7 @@ def main() -> None:
     llm = LLM(dtype="bfloat16", model=model_path(args.model, args.tokenizer))
     n = 32
     prompts = make_prompts(llm.tokenizer, n)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-amx-"))
+    tmp = scratch_dir("bench-amx-")
     load_adapters(llm, make_adapters(llm.engine.loaded.model_dir, n, 16, tmp))
     names = workload_names(n)
     warm_up(llm, prompts)

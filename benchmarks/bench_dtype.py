@@ -14,13 +14,12 @@ memory traffic it saves minus the widening it costs.
 from __future__ import annotations
 
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 from common.args import add_engine_workload, parser
 from common.engine_timing import decode_step_time, run_ours, warm_up
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
 from punica_x import LLM, SamplingParams
@@ -41,7 +40,7 @@ def main() -> None:
     auto = dtype_name(ModelConfig().torch_dtype())
     first = llms["float32"]
     prompts = make_prompts(first.tokenizer, n)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-dtype-"))
+    tmp = scratch_dir("bench-dtype-")
     paths = make_adapters(first.engine.loaded.model_dir, n, args.rank, tmp)
     for llm in llms.values():
         load_adapters(llm, paths)

@@ -39,7 +39,6 @@ beside it (common/gpu_generate.py; figures in benchmarks/results/cuda/).
 from __future__ import annotations
 
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -55,6 +54,7 @@ from common.gpu_generate import add_gpu_args, check_gpu_args
 from common.gpu_generate import main as main_gpu
 from common.hf_baselines import HFBaselines
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
 from common.timing import copy_bandwidth, read_bandwidth
 from common.vllm_rows import add_vllm
@@ -160,7 +160,7 @@ def main() -> None:
     args.peer_dtype = args.peer_dtype or ours_dtype
     print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
     prompts = make_prompts(llm.tokenizer, n)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    tmp = scratch_dir("bench-generate-")
     paths = make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp)
     infos = load_adapters(llm, paths)
     names = workload_names(n)

@@ -43,12 +43,11 @@ def child(args) -> dict:
     """One configuration, in this process: build the heap, start punica-x, measure."""
     import gc
     import statistics
-    import tempfile
-    from pathlib import Path
 
     import torch
     from common.engine_timing import run_ours, warm_up
     from common.hf_baselines import HFBaselines
+    from common.scratch import scratch_dir
     from common.workload import load_adapters, make_adapters, make_prompts, workload_names
     from transformers import AutoTokenizer
 
@@ -58,7 +57,7 @@ def child(args) -> dict:
     torch.set_num_threads(args.threads)
     n = args.requests
     model_dir = resolve_model_dir(None)
-    paths = make_adapters(model_dir, args.adapters, 16, Path(tempfile.mkdtemp(prefix="heap-")))
+    paths = make_adapters(model_dir, args.adapters, 16, scratch_dir("heap-"))
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n)
     names = workload_names(n, WORKLOADS)
     kept = None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from common.args import (
 )
 from common.oracle import OracleBatcher
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.timing import percentile
 from common.workload import load_adapters, make_adapters, make_prompts, with_base_model
 
@@ -192,7 +192,7 @@ def workload(args) -> tuple[list[Path], LLM, list[tuple], list[int]]:
     sampling) and their output lengths: --adapters slots drawn Zipf 1.5 (the last one the
     base model), heavy-tailed lengths, all from --seed."""
     rng = random.Random(args.seed)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-mlfq-"))
+    tmp = scratch_dir("bench-mlfq-")
     probe = LLM(policy="fcfs")
     paths = make_adapters(probe.engine.loaded.model_dir, args.adapters, args.rank, tmp)
     del probe

@@ -25,7 +25,6 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import httpx
 from common import peers
 from common.args import add_adapters, add_dtype, add_rank, add_seed, add_threads, parser
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.server import bench_server, free_port
 from common.workload import TOPICS, make_adapters
 
@@ -218,7 +218,7 @@ def run(args) -> None:
     meta = describe_model(ModelConfig())
     args.served_dtype = dtype_name(ModelConfig(dtype=args.dtype).torch_dtype())
     tokenizer = AutoTokenizer.from_pretrained(meta.model_dir)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    tmp = scratch_dir("bench-prefix-")
     paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:

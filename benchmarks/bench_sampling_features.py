@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 from common.args import add_requests, add_rounds, add_threads
 from common.engine_timing import decode_step_time
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.workload import load_adapters, make_adapters, make_prompts
 
 from punica_x import LLM, SamplingParams
@@ -64,7 +63,7 @@ def main() -> None:
     llm = LLM()
     n = args.requests
     prompts = make_prompts(llm.tokenizer, n)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-sampling-"))
+    tmp = scratch_dir("bench-sampling-")
     paths = make_adapters(llm.engine.loaded.model_dir, 8, 16, tmp)
     load_adapters(llm, paths)
     adapters = [f"a{i % 8}" if i % 9 else None for i in range(n)]

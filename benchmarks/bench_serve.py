@@ -33,13 +33,13 @@ import random
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from common.args import add_adapters, add_max_tokens, add_rank, add_requests, add_rounds, parser
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.server import bench_server
 from common.timing import percentile
 from common.workload import load_adapters, make_adapters, make_prompts, with_base_model
@@ -208,7 +208,7 @@ def closed_loop(args) -> None:
     """Server and offline engine on the same requests, --rounds rounds alternating (the
     machine's speed drifts over minutes); the server process idles while the offline engine
     runs in this one. Reports the round of the median ratio."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    tmp = scratch_dir("bench-serve-")
     llm = LLM()
     prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
 
@@ -389,7 +389,7 @@ async def open_loop_rate(
 def open_loop(args) -> None:
     """TTFT and inter-token latency against the arrival rate (Poisson), one server."""
     rates = [float(r) for r in args.open_loop.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-open-"))
+    tmp = scratch_dir("bench-serve-open-")
     from punica_x.config import ModelConfig
     from punica_x.models.loader import describe_model
 
@@ -443,7 +443,7 @@ def features(args) -> None:
     logprobs with 5 alternatives, 1 in 8 is constrained by FEATURE_SCHEMA). The plain
     requests are the same in both and every request runs to max_tokens, so elapsed(plain) /
     elapsed(mixed) is the throughput the plain requests keep (target >= 0.95)."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-features-"))
+    tmp = scratch_dir("bench-serve-features-")
     llm = LLM()
     prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
     del llm

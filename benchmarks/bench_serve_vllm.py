@@ -23,12 +23,12 @@ lower mean TTFT at every rate; 64 of 64 completed at 2 req/s with default settin
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from common import peers
 from common.args import add_adapters, add_dtype, add_rank, add_threads, parser
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.server import bench_server, free_port
 from common.workload import make_adapters
 
@@ -121,7 +121,7 @@ def run(args) -> None:
     args.served_dtype = dtype_name(ModelConfig(dtype=args.dtype).torch_dtype())
     print(f"both servers serve {args.served_dtype} (--dtype {args.dtype})", flush=True)
     extra = () if args.dtype == "auto" else ("--dtype", args.dtype)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-vllm-"))
+    tmp = scratch_dir("bench-serve-vllm-")
     paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
     peers.ensure_venv()
     rows: list[dict] = []

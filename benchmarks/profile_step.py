@@ -15,10 +15,8 @@ CPU kernels are synchronous, so the wall time of a call is its cost. The model's
 from __future__ import annotations
 
 import functools
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from common.args import (
@@ -29,7 +27,9 @@ from common.args import (
     check_shape_model,
     parser,
 )
+from common.engine_timing import unique_salts
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
 
@@ -88,8 +88,8 @@ def profile(llm: LLM, timers: Timers, prompts, adapters, steps: int) -> dict[str
     """Milliseconds per decode step of each component, over `steps` steps."""
     engine = llm.engine
     sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for p, a in zip(prompts, adapters):
-        engine.add_request(p, sp, a)
+    for p, a, salt in zip(prompts, adapters, unique_salts("profile", len(prompts))):
+        engine.add_request(p, sp, a, cache_salt=salt)  # no KV shared: decode_step_time
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
     timers.seconds.clear()
@@ -128,7 +128,7 @@ def main() -> None:
     if args.model in SHAPES:
         name += f"_{args.model.replace('.', '_')}"
     prompts = make_prompts(llm.tokenizer, n)
-    tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
+    tmp = scratch_dir("profile-step-")
     load_adapters(llm, make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp))
     timers = Timers()
     instrument(llm, timers, llm.engine.model.lm_head.out_features)

@@ -19,7 +19,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 
 from common.engine_timing import decode_step_time, run_ours, warm_up
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
 from common.workload import TARGETS, make_prompts, workload_names
 from punica_x import LLM, SamplingParams
@@ -122,7 +122,7 @@ def main(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     print(describe_machine(), flush=True)
     counts = [int(c) for c in (args.gpu_requests or "32,128").split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-cuda-"))
+    tmp = scratch_dir("bench-generate-cuda-")
     try:
         _run(args, counts, tmp)
     finally:

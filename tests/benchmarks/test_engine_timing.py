@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common.engine_timing import interleaved_rounds, paired_ratio  # noqa: E402
+from common.engine_timing import (  # noqa: E402
+    decode_step_time,
+    interleaved_rounds,
+    paired_ratio,
+    unique_salts,
+)
 
 
 def test_rounds_interleave_the_configs_and_reverse_their_order():
@@ -48,3 +53,34 @@ def test_paired_ratio_reports_the_spread_of_the_rounds():
 def test_paired_ratio_refuses_rounds_that_do_not_pair(num, den):
     with pytest.raises(ValueError, match="one value of each per round"):
         paired_ratio(num, den)
+
+
+class _Engine:
+    """Records add_request; every request is decoding at once (the wait loop ends)."""
+
+    def __init__(self):
+        self.added, self.requests, self.steps = [], {}, 0
+
+    def add_request(self, prompt, sampling, adapter, **kwargs):
+        self.added.append((prompt, adapter, kwargs))
+
+    def step(self):
+        self.steps += 1
+
+    def abort(self, rid):
+        del self.requests[rid]
+
+
+def test_decode_step_time_gives_every_request_its_own_cache_salt():
+    # the same prompt on the base model four times: unsalted, the four would share KV blocks
+    # that requests of four distinct adapters cannot, and the backbone's step would be cheaper
+    llm = type("LLM", (), {"engine": _Engine()})()
+    decode_step_time(llm, ["p"] * 4, [None] * 4, object(), steps=3)
+    salts = [kwargs["cache_salt"] for _, _, kwargs in llm.engine.added]
+    assert len(set(salts)) == 4 and all(salts)
+    assert llm.engine.steps == 3
+
+
+def test_unique_salts_are_stable_across_batches():
+    assert unique_salts("decode-step", 3) == ["decode-step-0", "decode-step-1", "decode-step-2"]
+    assert unique_salts("x", 0) == []
