@@ -48,9 +48,10 @@ enum Mode : int { kOff = 0, kHardware = 1, kEmulated = 2 };
 constexpr int kDefaultMinRows = 8;  // segments of at least this many rows run on tiles
 // (C0..C3 hold an item's sums: at most 64 rank rows (shrink) or columns (expand) an item.)
 
-// CPUID says AMX-TILE and AMX-BF16, the OS enabled tile state, and Linux let this process use
-// it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; a no-op if oneDNN already asked).
-inline bool hardware_available() {
+// CPUID says AMX-TILE and AMX-BF16, the OS enabled tile state, and Linux can grant tile data
+// (ARCH_GET_XCOMP_SUPP lists XTILEDATA). A probe: it asks the kernel for nothing, so checking
+// (a test's skip condition, a start-up check) leaves the process as it was.
+inline bool hardware_supported() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -59,8 +60,22 @@ inline bool hardware_available() {
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG, XTILEDATA enabled
+    constexpr long kGetXcompSupp = 0x1021;
+    unsigned long long features = 0;
+    return syscall(SYS_arch_prctl, kGetXcompSupp, &features) == 0 && ((features >> 18) & 1u);
+  }();
+  return ok;
+}
+
+// Asks Linux to let this process use tile data (ARCH_REQ_XCOMP_PERM for XTILEDATA; a no-op if
+// oneDNN already asked), once, when the hardware mode is turned on and not before: from then
+// on every thread's signal frames carry the 8 KB of tile state. A lent AMX host crashed three
+// workers whose tests threw C++ exceptions after a probe had made this request (2026-11-26,
+// cause not settled), so probes no longer make it.
+inline bool hardware_permitted() {
+  static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return hardware_supported() && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
   return ok;
 }

@@ -279,7 +279,7 @@ std::pair<int, int> sgmv_amx(int mode, int min_rows) {
   namespace amx = punica_x::amx;
   CHECK_ARG(mode >= -1 && mode <= amx::kEmulated, "amx mode must be -1, 0, 1 or 2, got ", mode);
   CHECK_ARG(min_rows >= 0, "amx min_rows must be >= 1 (0: unchanged), got ", min_rows);
-  CHECK_ARG(mode != amx::kHardware || amx::hardware_available(),
+  CHECK_ARG(mode != amx::kHardware || amx::hardware_permitted(),
             "amx mode 1 (hardware): this CPU or OS gives no AMX-BF16 tiles");
   const std::pair<int, int> before{amx::mode(), amx::settings().min_rows.load()};
   if (mode >= 0) amx::settings().mode.store(mode);
@@ -302,7 +302,7 @@ int64_t amx_items() {
 
 bool amx_available() {
 #if defined(PUNICA_X_AMX)
-  return punica_x::amx::hardware_available();
+  return punica_x::amx::hardware_supported();
 #else
   return false;
 #endif
@@ -342,6 +342,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgmv_amx", &sgmv_amx, "set the AMX tiles path's (mode, min_rows); returns the previous",
         py::arg("mode") = -1, py::arg("min_rows") = 0);
   m.def("amx_items", &amx_items, "shrink and expand items run on AMX tiles so far (tests)");
-  m.def("amx_available", &amx_available, "whether this CPU, OS and build run AMX-BF16 tiles");
+  m.def("amx_available", &amx_available,
+        "whether this CPU, OS and build can run AMX-BF16 tiles (a probe: asks Linux for nothing; sgmv_amx(1) asks)");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");
 }
