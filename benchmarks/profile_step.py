@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct, --requests requests all decoding (prompts of ~40 tokens plus a few
 generated ones), without adapters and with rank-16 adapters on all 7 projections
-(Distinct: one adapter per request; Identical: one adapter for all). Every backend call of
+(Distinct: one adapter per request; Identical: one adapter for all), each request with its
+own cache salt (no KV blocks shared, as in common/engine_timing). Every backend call of
 the engine (dense projections, lm_head, SGMV, attention, KV writes, fused element-wise ops)
 and every step phase (scheduling, planning, the model call, sampling, post-processing) is
 wrapped with a timer;

@@ -280,7 +280,8 @@ std::pair<int, int> sgmv_amx(int mode, int min_rows) {
   CHECK_ARG(mode >= -1 && mode <= amx::kEmulated, "amx mode must be -1, 0, 1 or 2, got ", mode);
   CHECK_ARG(min_rows >= 0, "amx min_rows must be >= 1 (0: unchanged), got ", min_rows);
   CHECK_ARG(mode != amx::kHardware || amx::hardware_permitted(),
-            "amx mode 1 (hardware): this CPU or OS gives no AMX-BF16 tiles");
+            "amx mode 1 (hardware): this CPU or OS gives no AMX-BF16 tiles, or Linux refused this "
+            "process the tile state");
   const std::pair<int, int> before{amx::mode(), amx::settings().min_rows.load()};
   if (mode >= 0) amx::settings().mode.store(mode);
   if (min_rows > 0) amx::settings().min_rows.store(min_rows);
