@@ -104,10 +104,20 @@ def random_model(shape: str, tokenizer: str | None = None) -> Path:
         _write_random_weights(model, config.initializer_range, tmp)
         tok = transformers.AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir(None))
         tok.save_pretrained(tmp)
-        tmp.rename(target)
+        _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the finished folder into place; if another process finished first (benchmarks
+    started together on a fresh cache), keep its copy: both drew the same weights (seed 0)."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
 
 
 def _write_random_weights(model, std: float, folder: Path, shard_bytes: int = 2 << 30) -> None:
