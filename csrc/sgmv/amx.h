@@ -16,22 +16,21 @@
 // Sums are float32 in the tiles' own order, so results differ from the vector kernels' in
 // float32 rounding only (tests/punica_x/ops/test_sgmv_amx.py compares both to the reference).
 //
-// Tiles: C0..C3 = tmm0..3 (sums), tmm4 the left operand, tmm5..7 right operands in turn. Every
-// item loads its own tile configuration (oneDNN's AMX GEMMs reconfigure the same threads) and
-// releases the tiles after. `Emulated` runs the same code on any avx512_bf16 machine with
+// Tiles: C0..C3 = tmm0..3 (sums), tmm4 the left operand, tmm5..7 right operands in turn. A
+// thread loads a tile configuration once per launch phase and row count (configure: the items
+// of a phase reuse it) and releases the tiles when its last item of the phase is done
+// (release), so oneDNN's AMX GEMMs, which configure the same threads for themselves, find
+// them released. `Emulated` runs the same code on any avx512_bf16 machine with
 // scalar tiles, so the packing and indexing are tested where there is no AMX.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__x86_64__)
-#define PUNICA_X_AMX 1
+#include "amx_machine.h"
 
-#include <cpuid.h>
+#if defined(PUNICA_X_AMX)
+
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -43,162 +42,6 @@ namespace punica_x {
 namespace amx {
 
 using simd::bf16;
-
-enum Mode : int { kOff = 0, kHardware = 1, kEmulated = 2 };
-constexpr int kDefaultMinRows = 8;  // segments of at least this many rows run on tiles
-// (C0..C3 hold an item's sums: at most 64 rank rows (shrink) or columns (expand) an item.)
-
-// CPUID says AMX-TILE and AMX-BF16, the OS enabled tile state, and Linux can grant tile data
-// (ARCH_GET_XCOMP_SUPP lists XTILEDATA). A probe: it asks the kernel for nothing, so checking
-// (a test's skip condition, a start-up check) leaves the process as it was.
-inline bool hardware_supported() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return false;  // OSXSAVE
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG, XTILEDATA enabled
-    constexpr long kGetXcompSupp = 0x1021;
-    unsigned long long features = 0;
-    return syscall(SYS_arch_prctl, kGetXcompSupp, &features) == 0 && ((features >> 18) & 1u);
-  }();
-  return ok;
-}
-
-// Asks Linux to let this process use tile data (ARCH_REQ_XCOMP_PERM for XTILEDATA; a no-op if
-// oneDNN already asked), once, when the hardware mode is turned on and not before: from then
-// on every thread's signal frames carry the 8 KB of tile state. A lent AMX host crashed three
-// workers whose tests threw C++ exceptions after a probe had made this request (2026-11-26,
-// cause not settled), so probes no longer make it.
-inline bool hardware_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return hardware_supported() && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-// Off unless asked for (PUNICA_X_SGMV_AMX=1, punica_x/ops/sgmv.py; or the binding's sgmv_amx):
-// measured on one lent machine's host only (benchmarks/results/amx/README.md, 2026-11-26).
-struct Settings {
-  std::atomic<int> mode{kOff};
-  std::atomic<int> min_rows{kDefaultMinRows};
-  std::atomic<int64_t> items{0};  // items run on tiles since the process started (for tests)
-};
-
-inline Settings& settings() {
-  static Settings s;
-  return s;
-}
-
-inline int mode() { return settings().mode.load(std::memory_order_relaxed); }
-
-// Whether a bf16 segment of `rows` rows suits tiles (h_in: the shrink's width, 0 for expand),
-// the mode aside.
-inline bool takes(int rows, int h_in) {
-  return rows >= settings().min_rows.load(std::memory_order_relaxed) && h_in % 32 == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Sums and left operand: `rows` rows; right operands: 16 rows; every row 64 bytes.
-inline TileConfig config_for(int rows) {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = uint8_t(t < 5 ? rows : 16);
-  }
-  return c;
-}
-
-struct Hardware {
-  static void config(const TileConfig* c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c)); }
-  static void release() { __asm__ volatile("tilerelease" ::: "memory"); }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(long(stride)), "i"(T) : "memory");
-  }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-    __asm__ volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(long(stride)), "i"(T) : "memory");
-  }
-  template <int T>
-  static void zero() {
-    __asm__ volatile("tilezero %%tmm%c0" ::"i"(T));
-  }
-  template <int C, int A, int B>
-  static void dp() {
-    __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-  }
-};
-
-// The instructions' semantics on scalar tiles (thread-local), for tests on machines without AMX.
-struct Emulated {
-  struct State {
-    TileConfig cfg;
-    alignas(64) uint8_t t[8][16][64];
-  };
-  static State& st() {
-    thread_local State s;
-    return s;
-  }
-  static void config(const TileConfig* c) {
-    st().cfg = *c;
-    std::memset(st().t, 0, sizeof(st().t));
-  }
-  static void release() {}
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    State& s = st();
-    std::memset(s.t[T], 0, sizeof(s.t[T]));
-    for (int r = 0; r < s.cfg.rows[T]; ++r)
-      std::memcpy(s.t[T][r], static_cast<const uint8_t*>(p) + r * stride, s.cfg.colsb[T]);
-  }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-    State& s = st();
-    for (int r = 0; r < s.cfg.rows[T]; ++r)
-      std::memcpy(static_cast<uint8_t*>(p) + r * stride, s.t[T][r], s.cfg.colsb[T]);
-  }
-  template <int T>
-  static void zero() {
-    std::memset(st().t[T], 0, sizeof(st().t[T]));
-  }
-  template <int C, int A, int B>
-  static void dp() {
-    State& s = st();
-    auto bf = [](const uint8_t* row, int i) {
-      uint16_t h;
-      std::memcpy(&h, row + 2 * i, 2);
-      return simd::f32(bf16{h});
-    };
-    const int k_pairs = s.cfg.colsb[A] / 4;
-    for (int m = 0; m < s.cfg.rows[C]; ++m)
-      for (int n = 0; n < s.cfg.colsb[C] / 4; ++n) {
-        float acc;
-        std::memcpy(&acc, s.t[C][m] + 4 * n, 4);
-        for (int k = 0; k < k_pairs; ++k)
-          acc += bf(s.t[A][m], 2 * k) * bf(s.t[B][k], 2 * n) +
-                 bf(s.t[A][m], 2 * k + 1) * bf(s.t[B][k], 2 * n + 1);
-        std::memcpy(s.t[C][m] + 4 * n, &acc, 4);
-      }
-  }
-};
-
-// fn(Hardware{}) or fn(Emulated{}), by `mode` (mode() when the launch planned its items)
-template <typename F>
-void with_tiles(int mode, const F& fn) {
-  if (mode == kHardware)
-    fn(Hardware{});
-  else
-    fn(Emulated{});
-}
 
 // out[c * 16 + r] = in[r * in_stride + c] for 16 x 16 dwords (rows r, columns c).
 inline void transpose16(uint32_t* out, const __m512i* rows) {
@@ -285,9 +128,10 @@ inline void zero_sums() {
 
 // v[m, j] = x[m, :] . a[j, :] for m < rows, j < jn <= 64; a: jn rows of A^T, h_in long
 // (h_in % 32 == 0); x rows xs apart, v rows vs apart (floats).
+// Runs in launch phase `phase` (configure); the caller releases the tiles after the phase.
 template <class Tiles>
-void shrink(float* v, int64_t vs, const bf16* x, int64_t xs, int rows, const bf16* a, int jn,
-            int h_in) {
+void shrink(int64_t phase, float* v, int64_t vs, const bf16* x, int64_t xs, int rows, const bf16* a,
+            int jn, int h_in) {
   settings().items.fetch_add(1, std::memory_order_relaxed);
   const int kbs = h_in / 32, nt = (jn + 15) / 16;
   thread_local std::vector<uint32_t> pack;
@@ -295,8 +139,7 @@ void shrink(float* v, int64_t vs, const bf16* x, int64_t xs, int rows, const bf1
   pack_shrink(pack.data(), a, jn, h_in);
   for (int m0 = 0; m0 < rows; m0 += 16) {
     const int mb = std::min(16, rows - m0);
-    const TileConfig cfg = config_for(mb);
-    Tiles::config(&cfg);
+    configure<Tiles>(phase, mb);
     zero_sums<Tiles>();
     for (int kb = 0; kb < kbs; ++kb) {
       Tiles::template load<4>(x + int64_t(m0) * xs + 32 * kb, xs * int64_t(sizeof(bf16)));
@@ -308,7 +151,6 @@ void shrink(float* v, int64_t vs, const bf16* x, int64_t xs, int rows, const bf1
         std::memcpy(v + (m0 + m) * vs + 16 * t, tmp + 16 * m, cols * sizeof(float));
     });
   }
-  Tiles::release();
 }
 
 // Chunks of 16 rank rows a split v row takes: [hi(16) | lo(16)] bf16 per chunk.
@@ -349,10 +191,11 @@ inline void pack_expand(uint32_t* pack, const bf16* b, int64_t ld, int r, int co
 }
 
 // y[m, c] += v[m, :r] @ b[:r, c] for m < rows, c < cols <= 64; vsplit: split_chunks(v) rows;
-// b rows ld apart, y rows ys apart; y rounded once (round to nearest even).
+// b rows ld apart, y rows ys apart; y rounded once (round to nearest even). Runs in launch
+// phase `phase` (configure); the caller releases the tiles after the phase.
 template <class Tiles>
-void expand(bf16* y, int64_t ys, const bf16* vsplit, int rows, int r, const bf16* b, int64_t ld,
-            int cols) {
+void expand(int64_t phase, bf16* y, int64_t ys, const bf16* vsplit, int rows, int r, const bf16* b,
+            int64_t ld, int cols) {
   settings().items.fetch_add(1, std::memory_order_relaxed);
   const int nc = chunks(r), nbs = (cols + 15) / 16;
   thread_local std::vector<uint32_t> pack;
@@ -361,8 +204,7 @@ void expand(bf16* y, int64_t ys, const bf16* vsplit, int rows, int r, const bf16
   const int64_t vrow = int64_t(nc) * 32 * sizeof(bf16);  // bytes per split v row
   for (int m0 = 0; m0 < rows; m0 += 16) {
     const int mb = std::min(16, rows - m0);
-    const TileConfig cfg = config_for(mb);
-    Tiles::config(&cfg);
+    configure<Tiles>(phase, mb);
     zero_sums<Tiles>();
     for (int c = 0; c < nc; ++c) {
       Tiles::template load<4>(vsplit + (int64_t(m0) * nc + c) * 32, vrow);
@@ -379,13 +221,13 @@ void expand(bf16* y, int64_t ys, const bf16* vsplit, int rows, int r, const bf16
       }
     });
   }
-  Tiles::release();
 }
+
 
 }  // namespace amx
 }  // namespace punica_x
 
-#endif  // __AVX512BF16__ && __x86_64__
+#endif  // PUNICA_X_AMX
 
 #include <type_traits>
 
@@ -409,6 +251,24 @@ inline bool on_tiles(int mode, int rows, int h_in) {
   return mode != kOff && takes(rows, h_in);
 #else
   return (void)mode, (void)rows, (void)h_in, false;
+#endif
+}
+
+// The id of a launch phase (a shrink or an expand) in `mode`: 0 when off (no tile item runs).
+inline int64_t phase_for(int mode) {
+#if defined(PUNICA_X_AMX)
+  return mode != kOff ? new_phase() : 0;
+#else
+  return (void)mode, 0;
+#endif
+}
+
+// After a thread's last item of phase `phase`: releases its tiles if it configured them.
+inline void end_phase(int mode, int64_t phase) {
+#if defined(PUNICA_X_AMX)
+  if (phase != 0) with_tiles(mode, [&](auto tiles) { release<decltype(tiles)>(phase); });
+#else
+  (void)mode, (void)phase;
 #endif
 }
 

@@ -293,11 +293,12 @@ std::pair<int, int> sgmv_amx(int mode, int min_rows) {
 #endif
 }
 
-int64_t amx_items() {
+// (items run on tiles, tile configurations loaded) since the process started
+std::pair<int64_t, int64_t> amx_counts() {
 #if defined(PUNICA_X_AMX)
-  return punica_x::amx::settings().items.load();
+  return {punica_x::amx::settings().items.load(), punica_x::amx::settings().configs.load()};
 #else
-  return 0;
+  return {0, 0};
 #endif
 }
 
@@ -342,7 +343,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");
   m.def("sgmv_amx", &sgmv_amx, "set the AMX tiles path's (mode, min_rows); returns the previous",
         py::arg("mode") = -1, py::arg("min_rows") = 0);
-  m.def("amx_items", &amx_items, "shrink and expand items run on AMX tiles so far (tests)");
+  m.def("amx_items", [] { return amx_counts().first; }, "shrink and expand items run on AMX tiles so far (tests)");
+  m.def("amx_configs", [] { return amx_counts().second; }, "AMX tile configurations loaded so far (tests)");
   m.def("amx_available", &amx_available,
         "whether this CPU, OS and build can run AMX-BF16 tiles (a probe: asks Linux for nothing; sgmv_amx(1) asks)");
   m.def("max_slices", [] { return kMaxSlices; }, "largest number of slices one launch takes");

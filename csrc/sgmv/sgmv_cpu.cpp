@@ -239,6 +239,7 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
   const int64_t n = int64_t(items.size());
   constexpr int kShrinkK = std::is_same_v<T, bf16> && kBf16Dot ? 2 * kLanes : kLanes;
   const int k_steps = (h_in + kShrinkK - 1) / kShrinkK;
+  const int64_t phase = amx::phase_for(tile_mode);
   // an item in the first row block of its segment is the first to read its A rows
   auto first_read = [&](const ShrinkItem& it) { return it.row0 == p.seg[it.seg]; };
   parallel_items(n, [&](int64_t i) {
@@ -247,8 +248,8 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
     if constexpr (std::is_same_v<T, bf16>) {
       if (it.tiles) {
         amx::with_tiles(tile_mode, [&](auto tiles) {
-          amx::shrink<decltype(tiles)>(v + it.row0 * v_stride + it.j0, v_stride, x + it.row0 * x_stride,
-                                       x_stride, it.rows, weights(it), it.jn, h_in);
+          amx::shrink<decltype(tiles)>(phase, v + it.row0 * v_stride + it.j0, v_stride,
+                                       x + it.row0 * x_stride, x_stride, it.rows, weights(it), it.jn, h_in);
         });
         return;
       }
@@ -260,7 +261,7 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
       pf = ahead.plan(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T), k_steps);
     shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
                                      v + it.row0 * v_stride + it.j0, v_stride, pf, pf ? ahead.step() : 0);
-  });
+  }, [&] { amx::end_phase(tile_mode, phase); });
 }
 
 template <typename T>
@@ -339,6 +340,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
   }
 #endif
   const int64_t n = int64_t(items.size());
+  const int64_t phase = amx::phase_for(tile_mode);
   parallel_items(n, [&](int64_t i) {
     {  // one expand column block, all rows of its segment
       const ExpandItem& it = items[i];
@@ -349,8 +351,8 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
         if (it.tiles) {
           const int row0 = p.seg[it.seg], rows = p.seg[it.seg + 1] - row0;
           amx::with_tiles(tile_mode, [&](auto tiles) {
-            amx::expand<decltype(tiles)>(y + row0 * y_stride + y_off + it.c0, y_stride, pair_base + it.pairs,
-                                         rows, r, b, h_out[it.slice], it.cn);
+            amx::expand<decltype(tiles)>(phase, y + row0 * y_stride + y_off + it.c0, y_stride,
+                                         pair_base + it.pairs, rows, r, b, h_out[it.slice], it.cn);
           });
           return;
         }
@@ -393,7 +395,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                              yrow + vec_cols, y_stride);
       }
     }
-  });
+  }, [&] { amx::end_phase(tile_mode, phase); });
   (void)pair_base;
 }
 

@@ -57,11 +57,11 @@ COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h")
 EXTENSIONS = {
     "sgmv_cpu": (
         ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp"),
-        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h"),
+        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h", "sgmv/amx_machine.h"),
     ),
     "sgmv_cuda": (
         ("sgmv/bindings.cpp", "sgmv/sgmv_cpu.cpp", "sgmv/sgmv_cuda.cu"),
-        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h"),
+        ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h", "sgmv/amx_machine.h"),
     ),
     "attention_cpu": (
         ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp"),

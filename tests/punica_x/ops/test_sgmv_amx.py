@@ -138,6 +138,24 @@ def test_h_in_off_the_tile_width_shrinks_on_vectors_and_expands_on_tiles():
     assert ((got - ref).abs() <= 2e-2 * (1 + ref.abs())).all()
 
 
+def test_a_thread_configures_its_tiles_once_per_launch_phase():
+    # Identical's q|k|v: one shrink item and 15 expand items (64 columns each), two row blocks
+    # of 16 each; every item used to load its configuration per row block (32 in all)
+    gen = torch.Generator().manual_seed(3)
+    w = bf16_weights(gen, [32], [[16, 16, 16]], 576, [576, 192, 192])
+    x = torch.randn(32, 576, generator=gen).bfloat16()
+    y0 = torch.randn(32, 960, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    with amx(EMULATED, 8) as mod:
+        items, configs = mod.amx_items(), mod.amx_configs()
+        got = run(w, x, y0, 1, backend())
+        assert mod.amx_items() - items == 16
+        assert 2 <= mod.amx_configs() - configs <= 2 * threads  # one per thread and phase
+        again = run(w, x, y0, 1, backend())  # a new launch configures again, same result
+    assert torch.equal(got, again)
+    assert ((got - run(w, x, y0, 1, REF)).abs() <= 2e-2 * (1 + got.abs())).all()
+
+
 @pytest.mark.parametrize(
     "mode,min_rows,match",
     [
