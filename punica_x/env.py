@@ -53,9 +53,9 @@ CPU_ISA = EnvVar(
 )
 SGMV_AMX = EnvVar(
     "PUNICA_X_SGMV_AMX",
-    "0",
-    "1 runs bfloat16 LoRA segments of 8 rows or more on AMX-BF16 tiles (csrc/sgmv/amx.h; "
-    "experimental, off by default; refused at start where the CPU has no AMX)",
+    "auto",
+    "AMX-BF16 tiles for bfloat16 LoRA segments of 8 rows or more (csrc/sgmv/amx.h): auto (on "
+    "where the CPU and OS give them), 1 (on; refused at start where there are none) or 0 (off)",
 )
 AUTOTUNE = EnvVar(
     "PUNICA_X_AUTOTUNE",

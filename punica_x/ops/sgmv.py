@@ -32,8 +32,8 @@ from typing import Protocol
 
 import torch
 
-from punica_x.env import SGMV_AMX, SGMV_BACKEND
-from punica_x.ops import _ref, autotune
+from punica_x.env import SGMV_BACKEND
+from punica_x.ops import _ref, amx_tiles, autotune
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry
 from punica_x.ops.sgmv_weights import SgmvWeights
@@ -130,27 +130,17 @@ class TorchRefBackend:
         return _bound(self, w)
 
 
+_AMX_SET: set[str] = set()  # kernel modules whose AMX mode $PUNICA_X_SGMV_AMX has set
+
+
 def _compiled(name: str, with_cuda: bool, isa: str | None = None) -> SgmvBackend:
     from punica_x.ops._build import load_extension
 
     module = load_extension("sgmv_cuda" if with_cuda else "sgmv_cpu", isa)
-    _apply_amx_setting(module)
+    if module.__name__ not in _AMX_SET:  # once per module: later calls keep what was set since
+        amx_tiles.apply_setting(module)
+        _AMX_SET.add(module.__name__)
     return CompiledBackend(name, module)
-
-
-def _apply_amx_setting(module) -> None:
-    """$PUNICA_X_SGMV_AMX: "0" (default) keeps the vector kernels; "1" sends bf16 segments of
-    8 rows or more to AMX tiles (csrc/sgmv/amx.h), refused where this CPU, its OS or this
-    build (only avx512_bf16 has the path) gives none; anything else is refused by name."""
-    value = SGMV_AMX.get().strip()
-    if value == "0":
-        return
-    if value != "1":
-        raise ValueError(f"{SGMV_AMX.name} must be 0 or 1, got {value!r}")
-    try:
-        module.sgmv_amx(1, 0)
-    except RuntimeError as exc:
-        raise RuntimeError(f"{SGMV_AMX.name}=1: {exc}") from exc
 
 
 def cpu_backend(isa: str | None = None) -> SgmvBackend:

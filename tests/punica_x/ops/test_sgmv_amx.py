@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_sgmv import REF, cast, make_weights
 
+from punica_x.ops import amx_tiles
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.sgmv import SgmvWeights, add_lora_sgmv, cpu_backend
 
@@ -183,34 +184,69 @@ def test_hardware_mode_is_refused_without_amx():
     assert mod.sgmv_amx() == before == (OFF, before[1])
 
 
-@pytest.mark.parametrize("value", ["2", "yes", "on", "-1", "1e9", "0x1", "", "1 1"])
-def test_env_setting_takes_0_or_1_only(value, monkeypatch):
-    from punica_x.ops.sgmv import _apply_amx_setting
-
+@pytest.mark.parametrize(
+    "value", ["2", "yes", "on", "-1", "1e9", "0x1", "", "1 1", "AUTO!", "true"]
+)
+def test_env_setting_takes_auto_0_or_1_only(value, monkeypatch):
     mod = backend().module
     monkeypatch.setenv("PUNICA_X_SGMV_AMX", value)
     before = mod.sgmv_amx()
-    with pytest.raises(ValueError, match="PUNICA_X_SGMV_AMX must be 0 or 1"):
-        _apply_amx_setting(mod)
+    with pytest.raises(ValueError, match="PUNICA_X_SGMV_AMX must be auto, 0 or 1"):
+        amx_tiles.apply_setting(mod)
     assert mod.sgmv_amx() == before
 
 
 def test_env_setting_turns_tiles_on_where_there_are_tiles_and_is_refused_elsewhere(monkeypatch):
-    from punica_x.ops.sgmv import _apply_amx_setting
-
     mod = backend().module
-    monkeypatch.setenv("PUNICA_X_SGMV_AMX", "0")
-    with amx(OFF, 8):
-        _apply_amx_setting(mod)
-        assert mod.sgmv_amx()[0] == OFF  # the default leaves the vector kernels
+    has_tiles = mod.amx_available()
+    with amx(EMULATED, 8):
+        monkeypatch.setenv("PUNICA_X_SGMV_AMX", "0")
+        amx_tiles.apply_setting(mod)
+        assert mod.sgmv_amx()[0] == OFF  # 0: the vector kernels, whatever was set before
+        for value in ("auto", " auto "):  # the default: tiles where there are tiles
+            monkeypatch.setenv("PUNICA_X_SGMV_AMX", value)
+            amx_tiles.apply_setting(mod)
+            assert mod.sgmv_amx()[0] == (HARDWARE if has_tiles else OFF)
         monkeypatch.setenv("PUNICA_X_SGMV_AMX", " 1 ")
-        if mod.amx_available():
-            _apply_amx_setting(mod)
+        if has_tiles:
+            amx_tiles.apply_setting(mod)
             assert mod.sgmv_amx()[0] == HARDWARE
         else:
+            mod.sgmv_amx(OFF, 0)
             with pytest.raises(RuntimeError, match="PUNICA_X_SGMV_AMX=1: .*no AMX-BF16 tiles"):
-                _apply_amx_setting(mod)
+                amx_tiles.apply_setting(mod)
             assert mod.sgmv_amx()[0] == OFF
+
+
+def test_auto_stays_on_vectors_with_a_warning_where_linux_refuses_the_tiles(monkeypatch, caplog):
+    class RefusingModule:  # a CPU with tiles whose OS refuses this process their state
+        mode = OFF
+
+        def amx_available(self):
+            return True
+
+        def sgmv_amx(self, mode=-1, min_rows=0):
+            if mode == HARDWARE:
+                raise RuntimeError(
+                    "amx mode 1 (hardware): Linux refused this process the tile state"
+                )
+            before, self.mode = self.mode, mode if mode >= 0 else self.mode
+            return before, 8
+
+    mod = RefusingModule()
+    monkeypatch.setenv("PUNICA_X_SGMV_AMX", "auto")
+    with caplog.at_level("WARNING", logger="punica_x.ops"):
+        amx_tiles.apply_setting(mod)
+    assert mod.mode == OFF and "vector kernels: amx mode 1" in caplog.text
+    monkeypatch.setenv("PUNICA_X_SGMV_AMX", "1")
+    with pytest.raises(RuntimeError, match="PUNICA_X_SGMV_AMX=1: .*refused"):
+        amx_tiles.apply_setting(mod)
+
+
+def test_the_setting_applies_once_per_module_so_later_loads_keep_a_mode_set_since():
+    mod = backend().module
+    with amx(EMULATED, 8):
+        assert backend().module is mod and mod.sgmv_amx()[0] == EMULATED
 
 
 def test_builds_without_the_path_refuse_to_turn_it_on():
