@@ -223,7 +223,6 @@ void expand(int64_t phase, bf16* y, int64_t ys, const bf16* vsplit, int rows, in
   }
 }
 
-
 }  // namespace amx
 }  // namespace punica_x
 
