@@ -1,0 +1,98 @@
+// Torch bindings for the quantized dense kernels (quant.h); every input is checked, errors name
+// the tensor.
+#include <torch/extension.h>
+
+#include "../common/simd.h"
+#include "quant.h"
+
+namespace {
+
+#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, "quant: ", __VA_ARGS__)
+
+using punica_x::simd::bf16;
+namespace q = punica_x::quant;
+
+void check_float(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  CHECK_ARG(t.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16), name,
+            " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, " like x, got ", t.scalar_type());
+}
+
+// w: [N, K / 32 * block_bytes(format)] uint8, contiguous.
+void check_blocks(const torch::Tensor& w, int64_t format, int64_t k) {
+  CHECK_ARG(q::block_bytes(int(format)) > 0, "unknown block format ", format, " (2: Q4_0, 3: Q4_1, 8: Q8_0)");
+  CHECK_ARG(k > 0 && k % q::kBlock == 0 && k <= (int64_t(1) << 24), "K must be a positive multiple of ", q::kBlock,
+            ", got ", k);
+  CHECK_ARG(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+            "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t want = k / q::kBlock * q::block_bytes(int(format));
+  CHECK_ARG(w.size(1) == want, "w rows must hold ", want, " bytes for K=", k, " in format ", format, ", got ",
+            w.size(1));
+  CHECK_ARG(w.size(0) > 0 && w.size(0) < (int64_t(1) << 31), "w must have 1 .. 2^31 rows, got ", w.size(0));
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias); y, x with contiguous rows (y may be a column slice).
+void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias) {
+  const auto dtype = x.scalar_type();
+  check_float(x, "x", dtype);
+  check_float(y, "y", dtype);
+  CHECK_ARG(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows, got ", x.sizes());
+  CHECK_ARG(y.dim() == 2 && y.stride(1) == 1, "y must be 2-D with contiguous rows, got ", y.sizes());
+  const int64_t m = x.size(0), k = x.size(1);
+  check_blocks(w, format, k);
+  const int64_t n = w.size(0);
+  CHECK_ARG(y.size(0) == m && y.size(1) == n, "y must be [", m, ", ", n, "], got ", y.sizes());
+  CHECK_ARG(m < (int64_t(1) << 31), "x has too many rows");
+  const void* b = nullptr;
+  if (bias.has_value()) {
+    check_float(*bias, "bias", dtype);
+    CHECK_ARG(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be [", n, "]");
+    b = bias->data_ptr();
+  }
+  if (m == 0) return;
+  pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
+  if (dtype == at::kFloat)
+    q::qgemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(),
+                 w.size(1), int(format), static_cast<const float*>(b), int(m), int(k), int(n));
+  else
+    q::qgemm_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), static_cast<const bf16*>(x.data_ptr()), x.stride(0),
+                 w.data_ptr<uint8_t>(), w.size(1), int(format), static_cast<const bf16*>(b), int(m), int(k), int(n));
+}
+
+// Rows `rows` ([T] int64, each < N) of W dequantized: [T, K] of `dtype` (float32 or bfloat16).
+torch::Tensor dequant_rows(torch::Tensor w, int64_t format, int64_t k, torch::Tensor rows, at::ScalarType dtype) {
+  check_blocks(w, format, k);
+  CHECK_ARG(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1,
+            "rows must be a 1-D int64 CPU tensor, got ", rows.scalar_type(), " ", rows.sizes());
+  CHECK_ARG(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  rows = rows.contiguous();
+  const int64_t count = rows.size(0), n = w.size(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    CHECK_ARG(r[i] >= 0 && r[i] < n, "row ", r[i], " is out of range [0, ", n, ")");
+  auto out = torch::empty({count, k}, torch::TensorOptions().dtype(dtype));
+  pybind11::gil_scoped_release no_gil;
+  if (dtype == at::kFloat)
+    q::dequant_rows_cpu(out.data_ptr<float>(), k, w.data_ptr<uint8_t>(), w.size(1), int(format), r, count, int(k));
+  else
+    q::dequant_rows_cpu(static_cast<bf16*>(out.data_ptr()), k, w.data_ptr<uint8_t>(), w.size(1), int(format), r,
+                        count, int(k));
+  return out;
+}
+
+int64_t first_bad_row(torch::Tensor w, int64_t format, int64_t k) {
+  check_blocks(w, format, k);
+  pybind11::gil_scoped_release no_gil;
+  return q::first_bad_row(w.data_ptr<uint8_t>(), w.size(1), int(format), w.size(0), int(k));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
+  m.def("qgemm", &qgemm, "y = x @ W^T (+ bias), W in ggml blocks", py::arg("y"), py::arg("x"), py::arg("w"),
+        py::arg("format"), py::arg("bias"));
+  m.def("dequant_rows", &dequant_rows, "rows of W dequantized", py::arg("w"), py::arg("format"), py::arg("k"),
+        py::arg("rows"), py::arg("dtype"));
+  m.def("first_bad_row", &first_bad_row, "first row with a non-finite scale or min, -1 for none");
+}

@@ -1,0 +1,42 @@
+// Quantized dense projections on the CPU: y[M, N] = x[M, K] @ W^T with W kept in the file's
+// own block layout (GGUF / ggml): each row of W is K / 32 blocks, each block 32 weights along K
+// with its scale (and min) as stored. Nothing is expanded to a float copy at load; a call
+// unpacks blocks in registers (few rows: decode) or into a small per-thread panel it reuses for
+// every row block (many rows: prefill).
+//
+// Formats (ggml's type ids and layouts, ggml-common.h), fp16 scales:
+//   Q4_0 (2): { d; qs[16] }       w[j] = d * (q[j] - 8), q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
+//   Q4_1 (3): { d; m; qs[16] }    w[j] = d * q[j] + m, nibbles as Q4_0
+//   Q8_0 (8): { d; int8 qs[32] }  w[j] = d * qs[j]
+#pragma once
+
+#include <cstdint>
+
+namespace punica_x {
+namespace quant {
+
+constexpr int kBlock = 32;  // weights per block, every format here
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+// Bytes of one block of `format`, 0 for a format this file does not serve.
+constexpr int block_bytes(int format) {
+  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : 0;
+}
+
+// T: float or simd::bf16 for x, y and bias (float32 accumulation). w: N rows of K / 32 blocks,
+// row-major, rows `w_row_bytes` apart. bias: null or [N].
+template <typename T>
+void qgemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
+               int format, const T* bias, int m, int k, int n);
+
+// out[i, 0:K] = row rows[i] of W dequantized (i < count); rows are checked by the caller.
+template <typename T>
+void dequant_rows_cpu(T* out, int64_t out_stride, const uint8_t* w, int64_t w_row_bytes, int format,
+                      const int64_t* rows, int64_t count, int k);
+
+// Every block's scale (and min) finite: the index of the first row that has a non-finite one,
+// or -1.
+int64_t first_bad_row(const uint8_t* w, int64_t w_row_bytes, int format, int64_t n, int k);
+
+}  // namespace quant
+}  // namespace punica_x

@@ -1,0 +1,138 @@
+"""Quantized dense projections: W kept in a GGUF file's own blocks (csrc/quant), y = x @ W^T.
+
+A weight is QuantBlocks: [N, K / 32 * block_bytes] uint8, each row of W its K / 32 blocks as
+the file stores them (ggml's layouts: Q4_0, Q4_1, Q8_0; fp16 scale, and min for Q4_1). Nothing
+is expanded to a float copy at load: the CPU kernel unpacks blocks in registers (a few rows,
+decode) or into a per-thread panel (more rows, prefill) and computes in float32 with x in the
+serving dtype (float32 or bfloat16). `rows()` dequantizes rows of W, which is how a tied LM
+head in Q8_0 also serves as the embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Formats served natively: name -> (ggml type id, bytes per block of 32 weights)
+BLOCK = 32
+FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+FORMAT_BY_TYPE = {ggml: name for name, (ggml, _) in FORMATS.items()}
+
+
+@dataclass
+class QuantBlocks:
+    """One tensor of W ([n, k] in HF's [out, in] layout) in blocks: data [n, row_bytes] uint8.
+    `name` is the file's tensor name, used in every error."""
+
+    name: str
+    format: str
+    data: torch.Tensor
+    k: int
+    # the file's tensors these rows came from, in order: (name, rows); () for `name` alone
+    sources: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(
+                f"{self.name}: block format {self.format!r} is not served natively "
+                f"(served: {', '.join(FORMATS)})"
+            )
+        if self.k <= 0 or self.k % BLOCK:
+            raise ValueError(f"{self.name}: {self.k} columns is not a multiple of {BLOCK}")
+        d = self.data
+        want = self.k // BLOCK * FORMATS[self.format][1]
+        if d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] != want or d.shape[0] == 0:
+            raise ValueError(
+                f"{self.name}: {self.format} blocks of {self.k} columns are [rows, {want}] "
+                f"uint8, got {list(d.shape)} {d.dtype}"
+            )
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def ggml_type(self) -> int:
+        return FORMATS[self.format][0]
+
+    def check_finite(self, ext) -> None:
+        """ValueError naming the tensor and row if a block's scale or min is not finite."""
+        row = ext.first_bad_row(self.data, self.ggml_type, self.k)
+        if row < 0:
+            return
+        name = self.name
+        for source, rows in self.sources:  # the source tensor that holds the row
+            name = source
+            if row < rows:
+                break
+            row -= rows
+        raise ValueError(f"{name}: row {row} has a non-finite block scale or min")
+
+
+def cat_blocks(parts: list[QuantBlocks], name: str) -> QuantBlocks:
+    """Row slices of one fused weight (q|k|v, gate|up) as one QuantBlocks; ValueError if
+    they differ in format or columns."""
+    formats, ks = {p.format for p in parts}, {p.k for p in parts}
+    if len(formats) != 1 or len(ks) != 1:
+        raise ValueError(f"{name}: slices differ in format or columns ({formats}, {ks})")
+    data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
+    sources = tuple(s for p in parts for s in (p.sources or ((p.name, p.n),)))
+    return QuantBlocks(name, parts[0].format, data, parts[0].k, sources)
+
+
+def dequantize_blocks(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
+    """The [n, k] weight `blocks` holds, in `dtype` (the exact values, float32 first)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType(blocks.ggml_type)
+    values = quants.dequantize(blocks.data.numpy(), kind)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+
+
+class QuantCpuDense:
+    """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks."""
+
+    takes_prefetch = False
+
+    def __init__(self, fmt: str, dtype: torch.dtype, isa: str | None = None) -> None:
+        from punica_x.ops._build import load_extension
+
+        if fmt not in FORMATS:
+            raise ValueError(f"no CPU kernel for block format {fmt!r}")
+        self.ext = load_extension("quant_cpu", isa)
+        self.format, self.type, self.dtype = fmt, FORMATS[fmt][0], dtype
+        self.name = f"quant_{fmt.lower()}"
+
+    def prepare(self, blocks: QuantBlocks) -> torch.Tensor:
+        if blocks.format != self.format:
+            raise ValueError(f"{blocks.name}: {blocks.format} blocks given to {self.name}")
+        blocks.check_finite(self.ext)
+        return blocks.data.contiguous()
+
+    def forward(self, x, prepared, n, bias):
+        """x: [M, K] float32 or bfloat16 -> [M, N] of x's dtype."""
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias)
+        return y
+
+    def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """W[ids] dequantized to the serving dtype: [T, K]."""
+        return self.ext.dequant_rows(prepared, self.type, k, ids.long(), self.dtype)
+
+
+_MADE: dict[tuple, QuantCpuDense] = {}
+
+
+def quant_backend(fmt: str, device: torch.device, dtype: torch.dtype) -> QuantCpuDense:
+    """The backend serving `fmt` blocks (one per format, dtype); ValueError off the CPU."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"quantized {fmt} weights run on the CPU only for now; serve this file with "
+            "--quantization none on a GPU"
+        )
+    key = (fmt, dtype)
+    if key not in _MADE:
+        _MADE[key] = QuantCpuDense(fmt, dtype)
+    return _MADE[key]

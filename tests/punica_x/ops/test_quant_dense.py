@@ -1,0 +1,133 @@
+"""The quantized CPU GEMM (csrc/quant) against the same blocks dequantized by the gguf
+package, in every ISA build this CPU runs; its checks; QuantBlocks' validation."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from punica_x.ops.quant_dense import FORMATS, QuantBlocks, QuantCpuDense, cat_blocks
+
+NAMES = list(FORMATS)
+
+
+def _blocks(fmt: str, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:
+    """(blocks of a random [n, k] weight, the float32 weight they hold)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
+    kind = GGMLQuantizationType[fmt]
+    q = quants.quantize(w, kind)
+    ref = torch.from_numpy(np.array(quants.dequantize(q, kind), dtype=np.float32))
+    return QuantBlocks(f"w.{fmt}", fmt, torch.from_numpy(q.copy()), k), ref
+
+
+@pytest.mark.parametrize("fmt", NAMES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (192, 576), (576, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qgemm_matches_dequantized(fmt, m, n, k, dtype, cpu_isa):
+    seed = int.from_bytes(os.urandom(4), "little")
+    blocks, ref = _blocks(fmt, n, k, seed)
+    backend = QuantCpuDense(fmt, dtype, cpu_isa)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if m % 2 else None
+    y = backend.forward(x, backend.prepare(blocks), n, bias)
+    want = x.float() @ ref.t() + (bias.float() if bias is not None else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: y is rounded once
+    err = (y.float() - want).abs().max() / want.abs().max()
+    assert err < tol, f"seed {seed}: relative error {err}"
+
+
+@pytest.mark.parametrize("fmt", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_the_dequantized_rows(fmt, dtype, cpu_isa):
+    blocks, ref = _blocks(fmt, 50, 96, 1)
+    backend = QuantCpuDense(fmt, dtype, cpu_isa)
+    ids = torch.tensor([0, 49, 7, 7])
+    got = backend.rows(backend.prepare(blocks), ids, 96)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref[ids].to(dtype), rtol=0, atol=0)
+
+
+def test_nan_scale_is_refused_naming_the_tensor(cpu_isa):
+    for fmt in NAMES:
+        blocks, _ = _blocks(fmt, 8, 64, 2)
+        bad = blocks.data.clone()
+        bad[5, FORMATS[fmt][1]] = 0x00  # second block of row 5: its fp16 scale is NaN
+        bad[5, FORMATS[fmt][1] + 1] = 0x7E
+        backend = QuantCpuDense(fmt, torch.float32, cpu_isa)
+        with pytest.raises(ValueError, match=r"blk\.3\.attn_q\.weight: row 5 has a non-finite"):
+            backend.prepare(QuantBlocks("blk.3.attn_q.weight", fmt, bad, 64))
+    if "Q4_1" in NAMES:  # the min too
+        blocks, _ = _blocks("Q4_1", 4, 32, 3)
+        bad = blocks.data.clone()
+        bad[2, 2:4] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # +inf min
+        with pytest.raises(ValueError, match="row 2"):
+            QuantCpuDense("Q4_1", torch.float32, cpu_isa).prepare(QuantBlocks("t", "Q4_1", bad, 32))
+
+
+def test_kernel_checks_its_inputs(cpu_isa):
+    ext = QuantCpuDense("Q8_0", torch.float32, cpu_isa).ext
+    assert ext.isa() == cpu_isa
+    blocks, _ = _blocks("Q8_0", 16, 64, 4)
+    w, x, y = blocks.data, torch.randn(2, 64), torch.empty(2, 16)
+    bad = [
+        (lambda: ext.qgemm(y, x, w, 5, None), "unknown block format 5"),
+        (lambda: ext.qgemm(y, x, w, 2, None), "w rows must hold 36 bytes"),
+        (lambda: ext.qgemm(y, torch.randn(2, 48), w, 8, None), "multiple of 32"),
+        (lambda: ext.qgemm(y, x.bfloat16(), w, 8, None), "y must be"),
+        (lambda: ext.qgemm(torch.empty(3, 16), x, w, 8, None), r"y must be \[2, 16\]"),
+        (lambda: ext.qgemm(y, x, w.float(), 8, None), "uint8"),
+        (lambda: ext.qgemm(y, x, w, 8, torch.zeros(15)), r"bias must be \[16\]"),
+        (lambda: ext.qgemm(y, x.int(), w, 8, None), "float32 or bfloat16"),
+        (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([16]), torch.float32), "out of range"),
+        (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([-1]), torch.float32), "out of range"),
+        (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([0.0]), torch.float32), "int64"),
+        (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([0]), torch.int32), "dtype must be"),
+        (lambda: ext.first_bad_row(w[:, :10].contiguous(), 8, 64), "w rows must hold"),
+    ]
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    ext.qgemm(torch.empty(0, 16), torch.empty(0, 64), w, 8, None)  # no rows: nothing to do
+
+
+def test_quant_blocks_validate_shape_and_format():
+    data = torch.zeros(4, 20, dtype=torch.uint8)
+    QuantBlocks("ok", "Q4_1", data, 32)
+    for fmt, d, k, message in [
+        ("Q4_K", data, 32, "Q4_K.* not served natively"),
+        ("Q4_1", data, 48, "not a multiple of 32"),
+        ("Q4_1", data, 64, r"\[rows, 40\] uint8"),
+        ("Q4_1", data.float(), 32, "uint8"),
+        ("Q4_1", data[:0], 32, r"\[rows, 20\]"),
+        ("Q4_1", data[0], 32, r"\[rows, 20\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            QuantBlocks("t", fmt, d, k)
+    a = QuantBlocks("a", "Q4_1", data, 32)
+    assert cat_blocks([a, a], "qkv").n == 8
+    with pytest.raises(ValueError, match="differ"):
+        cat_blocks([a, QuantBlocks("b", "Q4_0", torch.zeros(4, 18, dtype=torch.uint8), 32)], "x")
+
+
+def test_quant_backend_refuses_gpus():
+    from punica_x.ops.quant_dense import quant_backend
+
+    with pytest.raises(ValueError, match="CPU only"):
+        quant_backend("Q4_1", torch.device("cuda"), torch.bfloat16)
+
+
+def test_a_bad_row_of_fused_slices_names_its_own_tensor(cpu_isa):
+    q, _ = _blocks("Q8_0", 6, 32, 5)
+    v, _ = _blocks("Q8_0", 4, 32, 6)
+    bad = v.data.clone()
+    bad[3, 0:2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # +inf scale
+    fused = cat_blocks(
+        [QuantBlocks("q", "Q8_0", q.data, 32), QuantBlocks("v", "Q8_0", bad, 32)], "q"
+    )
+    with pytest.raises(ValueError, match="^v: row 3 has"):
+        QuantCpuDense("Q8_0", torch.float32, cpu_isa).prepare(fused)
