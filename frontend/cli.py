@@ -2,7 +2,8 @@
 `prepare` builds the kernels and converts the default model ahead of the first start.
 
     punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
-    punica-x serve [--model PATH] [--dtype auto|float32|bfloat16|float16] [--host 127.0.0.1]
+    punica-x serve [--model PATH] [--quantization auto|none] [--dtype auto|float32|...]
+                   [--host 127.0.0.1]
                    [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
     punica-x admin tenant weight NAME W
@@ -28,6 +29,8 @@ from pathlib import Path
 from frontend.cli_admin import admin, admin_parser
 
 DEFAULT_DATA_DIR = os.environ.get("PUNICA_X_DATA", "data")
+# ModelConfig.QUANTIZATION, spelled here so that --help needs no torch (a test keeps them equal)
+QUANTIZATION_CHOICES = ("auto", "none")
 
 
 def serve(args) -> int:
@@ -136,7 +139,12 @@ def engine_config(args):
     """The runners' EngineConfig from `serve`'s arguments (a Ray runner gets it whole)."""
     from punica_x.config import EngineConfig, MemoryConfig, ModelConfig
 
-    model = ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    model = ModelConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        quantization=args.quantization,
+    )
     memory = MemoryConfig(utilization=args.memory_utilization)
     if args.kv_fraction is not None:
         memory = replace(memory, kv_fraction=args.kv_fraction)
@@ -181,6 +189,13 @@ def _serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
+    s.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default="none",
+        help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
+        "llama-architecture files); none (default): dequantize the file to the serving dtype",
+    )
     s.add_argument(
         "--dtype",
         default="auto",

@@ -23,7 +23,11 @@ class ModelConfig:
     (AVX512-BF16 or AMX-BF16 in the CPU flags), float32 on other CPUs (bf16 works there too,
     with float32 arithmetic, but is asked for explicitly), bfloat16 (or float16 where bf16 is
     unsupported) on CUDA. max_model_len: None takes the model's own limit.
-    dense_backend / fused_backend: None chooses by device (punica_x.ops.dense, .fused)."""
+    dense_backend / fused_backend: None chooses by device (punica_x.ops.dense, .fused).
+    quantization: "auto" serves a GGUF file's quantized tensors in their own blocks where the
+    CPU kernels take them (Q4_0, Q4_1, Q8_0 of a llama-architecture file:
+    punica_x.models.gguf_native), "none" dequantizes the whole file to the serving dtype (the
+    exact reference). Checkpoints that are not GGUF files load as they are either way."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -31,8 +35,15 @@ class ModelConfig:
     max_model_len: int | None = None
     dense_backend: str | None = None
     fused_backend: str | None = None
+    quantization: str = "none"
+
+    QUANTIZATION = ("auto", "none")
 
     def __post_init__(self) -> None:
+        if self.quantization not in self.QUANTIZATION:
+            raise ValueError(
+                f"quantization must be one of {self.QUANTIZATION}, got {self.quantization!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive("max_model_len", self.max_model_len)

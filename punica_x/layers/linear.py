@@ -8,6 +8,7 @@ from torch import nn
 
 from punica_x.core import LoraBatchMeta
 from punica_x.ops.dense import DenseBackend, prefetches
+from punica_x.ops.quant_dense import QuantBlocks, cat_blocks
 from punica_x.ops.sgmv import SgmvBackend, add_lora_sgmv
 
 
@@ -40,12 +41,42 @@ class Dense(nn.Module):
         )
         self.backend: DenseBackend | None = None
         self.prefetches = False
+        # slices loaded as quantized blocks (index: as load_slice's), until prepared
+        self.quant_parts: dict[int | None, QuantBlocks] = {}
 
     def prepare(self, backend: DenseBackend) -> None:
         """Convert the loaded weight to the backend's layout (the original is dropped)."""
         self.weight = nn.Parameter(backend.prepare(self.weight.data), requires_grad=False)
         self.backend = backend
         self.prefetches = prefetches(backend)
+
+    def quantized_weight(self) -> QuantBlocks | None:
+        """The whole weight as one QuantBlocks when every slice was loaded quantized in one
+        format; None when none was. Slices of mixed kinds are dequantized into `weight`
+        (the float path) and None is returned."""
+        if not self.quant_parts:
+            return None
+        keys = [None] if None in self.quant_parts else list(range(len(self.out_slices)))
+        parts = [self.quant_parts.get(i) for i in keys]
+        if all(p is not None for p in parts) and len({p.format for p in parts}) == 1:
+            return cat_blocks(parts, parts[0].name)
+        from punica_x.ops.quant_dense import dequantize_blocks
+
+        for index, part in self.quant_parts.items():
+            self._copy_slice(index, "weight", dequantize_blocks(part, self.weight.dtype))
+        self.quant_parts = {}
+        return None
+
+    def prepare_quantized(self, blocks: QuantBlocks, backend) -> None:
+        """Serve `blocks` (the whole [out, in] weight) through a quantized backend; the
+        float weight is never materialised."""
+        if blocks.n != self.out_features or blocks.k != self.in_features:
+            raise ValueError(
+                f"{blocks.name}: {blocks.n} x {blocks.k} blocks for a "
+                f"{self.out_features} x {self.in_features} weight"
+            )
+        self.weight = nn.Parameter(backend.prepare(blocks), requires_grad=False)
+        self.backend, self.prefetches, self.quant_parts = backend, False, {}
 
     def dense(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]. ``prefetch``: regions the next kernel
@@ -64,6 +95,19 @@ class Dense(nn.Module):
         """Copy slice `index` of a checkpoint's weight ([out, in]) or bias ([out]) into the
         fused parameters (index None: all slices at once, a checkpoint that fuses them too);
         False if this layer has no such parameter."""
+        lo = 0 if index is None else sum(self.out_slices[:index])
+        hi = self.out_features if index is None else lo + self.out_slices[index]
+        if isinstance(tensor, QuantBlocks):
+            if kind != "weight" or (tensor.n, tensor.k) != (hi - lo, self.in_features):
+                raise ValueError(
+                    f"{tensor.name}: {kind} of {tensor.n} x {tensor.k} quantized values, "
+                    f"expected a weight of {hi - lo} x {self.in_features}"
+                )
+            self.quant_parts[index] = tensor
+            return True
+        return self._copy_slice(index, kind, tensor)
+
+    def _copy_slice(self, index: int | None, kind: str, tensor: torch.Tensor) -> bool:
         lo = 0 if index is None else sum(self.out_slices[:index])
         hi = self.out_features if index is None else lo + self.out_slices[index]
         target = self.bias if kind == "bias" else self.weight

@@ -26,6 +26,9 @@ from punica_x.ops.sgmv import SgmvBackend
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
 DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
 
+# quant(format) -> the dense backend for weights in that block format (ops.quant_dense)
+QuantChooser = Callable[[str], DenseBackend]
+
 # HF activation names -> the fused layers' act-and-mul
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
@@ -265,15 +268,29 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ropes = [self.ropes[t] for t in types]
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
         self.embed_from_head = False  # tied: the embedding read from the head's layout
+        # an untied embedding kept quantized: its rows are dequantized per step (rows())
+        self.embed_table: Dense | None = None
         self.edge_digests: dict[str, str] = {}  # the loader's (lora.adapter.edge_digest)
 
-    @torch.no_grad()
-    def finish_loading(self, dense: DenseChooser, fused) -> None:
-        """Called once the checkpoint is in: tie the head, convert every weight for the backend
-        dense(n, k, rows) picks for its [n, k] shape, set the fused element-wise layers. A
-        tied head whose backend reads rows back (ops.dense.has_rows) is the embedding too:
-        the embedding's own copy is dropped (vocab x hidden weights held once)."""
+    def load_quantized_embedding(self, blocks) -> None:
+        """The embedding as quantized blocks (ops.quant_dense.QuantBlocks, [vocab, hidden]):
+        a tied head serves from them too; an untied model keeps them in embed_table."""
         if self.dims.tie_word_embeddings:
+            self.lm_head.load_slice(None, "weight", blocks)
+        else:
+            d = self.dims
+            table = Dense(d.hidden_size, (d.vocab_size,), False, self.lm_head.weight.dtype, "cpu")
+            table.load_slice(None, "weight", blocks)
+            self.embed_table = table
+
+    @torch.no_grad()
+    def finish_loading(self, dense: DenseChooser, fused, quant: QuantChooser | None = None) -> None:
+        """Called once the checkpoint is in: tie the head, convert every weight for the backend
+        dense(n, k, rows) picks for its [n, k] shape (a weight loaded as quantized blocks:
+        quant(format)'s), set the fused element-wise layers. A tied head whose backend reads
+        rows back (ops.dense.has_rows) is the embedding too: the embedding's own copy is
+        dropped (vocab x hidden weights held once)."""
+        if self.dims.tie_word_embeddings and not self.lm_head.quant_parts:
             self.lm_head.weight.copy_(self.embed_tokens.weight)
         self.fused = fused
         for module in self.modules():
@@ -281,12 +298,20 @@ class LlamaForCausalLM(nn.Module):
                 module.weight.add_(1.0)  # Gemma: the checkpoint holds weight - 1
         for module in self.modules():
             if isinstance(module, Dense):
+                blocks = module.quantized_weight()
+                if blocks is not None:
+                    if quant is None:
+                        raise ValueError(f"{blocks.name}: quantized, and no quantized backend")
+                    module.prepare_quantized(blocks, quant(blocks.format))
+                    continue
                 rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
                 module.prepare(dense(module.out_features, module.in_features, rows))
             elif isinstance(module, RMSNorm):
                 module.fused = fused
-        if self.dims.tie_word_embeddings and has_rows(self.lm_head.backend):
-            self.embed_from_head = True
+        if self.embed_table is not None or (
+            self.dims.tie_word_embeddings and has_rows(self.lm_head.backend)
+        ):
+            self.embed_from_head = self.embed_table is None
             self.embed_tokens.weight = nn.Parameter(
                 self.embed_tokens.weight.new_empty(0, self.dims.hidden_size), requires_grad=False
             )
@@ -299,7 +324,10 @@ class LlamaForCausalLM(nn.Module):
         batch.sample_rows (then the prompt-scoring rows: batch.logit_rows when set)."""
         ids = batch.input_ids
         # [T, hidden], a fresh tensor updated in place below
-        residual = self.lm_head.rows(ids) if self.embed_from_head else self.embed_tokens(ids)
+        if self.embed_table is not None:
+            residual = self.embed_table.rows(ids)
+        else:
+            residual = self.lm_head.rows(ids) if self.embed_from_head else self.embed_tokens(ids)
         if batch.lora is not None and batch.lora.embed:
             _add_embed_lora(residual, ids, batch.lora.embed)
         if self.dims.embed_scale != 1.0:  # Gemma: the scale in the serving dtype, as HF

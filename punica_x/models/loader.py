@@ -25,9 +25,11 @@ from safetensors.torch import save_file
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
+from punica_x.models import gguf_native
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
+from punica_x.ops.quant_dense import QuantBlocks, dequantize_blocks, quant_backend
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +103,45 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `model` names (a .gguf file, or a directory with one and no
+    config.json; None: the default model's), else None."""
     path = Path(model).expanduser() if model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path.is_dir():
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").exists() and ggufs:
-            return convert_gguf(ggufs[0])
+        return ggufs[0] if ggufs else None
+    return None
+
+
+def native_gguf(cfg: ModelConfig) -> Path | None:
+    """The GGUF file whose tensors load as the file stores them (quantization auto, a
+    llama-architecture file: models.gguf_native), else None."""
+    path = gguf_file(cfg.model)
+    if path is None or cfg.quantization == "none":
+        return None
+    if not gguf_native.is_native(path):
+        log.warning(
+            "%s: architecture %r is served dequantized (native GGUF reading: %s)",
+            path.name,
+            gguf_native.architecture(path),
+            ", ".join(gguf_native.NATIVE_ARCHITECTURES),
+        )
+        return None
+    return path
+
+
+def resolve_model_dir(model: str | None, quantization: str = "none") -> Path:
+    """The HF directory holding the model's config and tokenizer (and its weights, except
+    for a GGUF file read natively, whose directory holds no weights)."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        if quantization != "none" and gguf_native.is_native(gguf):
+            return gguf_native.meta_dir(gguf, _sha256(gguf), cache_dir("models"))
+        return convert_gguf(gguf)
+    path = Path(model).expanduser() if model else default_model_path()
+    if path.is_dir():
         return path
     raise FileNotFoundError(f"model not found: {path} (want a HF directory or a .gguf file)")
 
@@ -214,7 +247,7 @@ class ModelMeta:
 def describe_model(cfg: ModelConfig) -> ModelMeta:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    model_dir = resolve_model_dir(cfg.model)
+    model_dir = resolve_model_dir(cfg.model, cfg.quantization)
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = LlamaDims.from_hf_config(hf_config)
     max_len = min(cfg.max_model_len or dims.max_positions, dims.max_positions)
@@ -233,23 +266,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     meta = describe_model(cfg)
     model_dir, hf_config, dims = meta.model_dir, meta.hf_config, meta.dims
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    gguf = native_gguf(cfg)
     with torch.no_grad():
         model = LlamaForCausalLM(dims, hf_config, dtype, device)
-        seen = set()
-        for path in _safetensor_files(model_dir):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if not _load_tensor(model, name, f.get_tensor(name)):
-                        raise ValueError(f"unexpected tensor {name!r} in {path.name}")
-                    seen.add(name)
+        seen = _read_gguf(model, gguf) if gguf else _read_safetensors(model, model_dir)
     _check_complete(dims, seen)
     with torch.no_grad():  # before the head is packed: what edge LoRA's base copies must be
-        embed = model.embed_tokens.weight
-        head = embed if dims.tie_word_embeddings else model.lm_head.weight
-        model.edge_digests = {"embed_tokens": edge_digest(embed), "lm_head": edge_digest(head)}
+        model.edge_digests = _edge_digests(model, dtype)
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),
+        lambda fmt: quant_backend(fmt, device, dtype),
     )
     model.eval()
     return LoadedModel(
@@ -261,6 +288,42 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         meta.eos_token_ids,
         meta.max_model_len,
     )
+
+
+def _read_safetensors(model: LlamaForCausalLM, model_dir: Path) -> set[str]:
+    seen = set()
+    for path in _safetensor_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if not _load_tensor(model, name, f.get_tensor(name)):
+                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
+                seen.add(name)
+    return seen
+
+
+def _read_gguf(model: LlamaForCausalLM, path: Path) -> set[str]:
+    """The file's tensors into the model, quantized ones as blocks (models.gguf_native)."""
+    d, seen = model.dims, set()
+    for name, value in gguf_native.read_tensors(path, d.num_heads, d.num_kv_heads):
+        if isinstance(value, QuantBlocks) and name == "model.embed_tokens.weight":
+            model.load_quantized_embedding(value)
+        elif not _load_tensor(model, name, value):
+            raise ValueError(f"unexpected tensor {name!r} in {path.name}")
+        seen.add(name)
+    return seen
+
+
+def _edge_digests(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, str]:
+    """edge_digest of the embedding and the head as loaded (quantized ones dequantized)."""
+
+    def weight(dense, fallback):
+        blocks = dense.quantized_weight() if dense is not None else None
+        return fallback if blocks is None else dequantize_blocks(blocks, torch.float32)
+
+    tied = model.dims.tie_word_embeddings
+    embed = weight(model.lm_head if tied else model.embed_table, model.embed_tokens.weight)
+    head = embed if tied else weight(model.lm_head, model.lm_head.weight)
+    return {"embed_tokens": edge_digest(embed), "lm_head": edge_digest(head)}
 
 
 def _as_list(x) -> list[int]:

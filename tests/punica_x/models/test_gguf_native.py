@@ -1,0 +1,146 @@
+"""GGUF files read natively (models.gguf_native): the default model's Q4_1 / Q8_0 tensors
+served in their own blocks against the same file dequantized to float32 (--quantization
+none), and the reader's refusals."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import chat_prompts
+
+from punica_x import LLM, SamplingParams
+from punica_x.config import ModelConfig
+from punica_x.engine.memory import weights_bytes
+from punica_x.layers.linear import Dense
+from punica_x.models import gguf_native
+from punica_x.models.loader import default_model_path
+from punica_x.ops.quant_dense import QuantCpuDense
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Who wrote Hamlet?",
+    "Give me a tip for sleeping well.",
+]
+TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and"
+
+
+def test_unpermute_matches_transformers():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    proc = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    w = np.arange(32 * 3).reshape(32, 3)
+    for heads, name in ((4, "blk.0.attn_q.weight"), (2, "blk.0.attn_k.weight")):
+        want = proc.process(weights=w, name=name).weights
+        np.testing.assert_array_equal(gguf_native.unpermute_rows(w, heads), want)
+
+
+def test_tensor_names():
+    assert gguf_native.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_native.hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+    assert gguf_native.hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert gguf_native.hf_name("blk.3.attn_qkv.weight") is None
+    assert gguf_native.hf_name("something.else") is None
+
+
+def test_quantization_setting_is_checked():
+    from frontend.cli import QUANTIZATION_CHOICES
+
+    assert QUANTIZATION_CHOICES == ModelConfig.QUANTIZATION
+    for bad in ("int4", "", "AUTO", None, 4):
+        with pytest.raises(ValueError, match="quantization must be one of"):
+            ModelConfig(quantization=bad)
+
+
+@pytest.mark.slow
+def test_default_model_natively_matches_its_dequantized_reference():
+    native = LLM(quantization="auto", dtype="float32")
+    model = native.engine.model
+    dense = [m for m in model.modules() if isinstance(m, Dense)]
+    assert dense and all(isinstance(m.backend, QuantCpuDense) for m in dense)
+    assert {m.backend.format for m in dense} == {"Q4_1", "Q8_0"}  # projections, tied head
+    assert model.embed_from_head and model.embed_tokens.weight.numel() == 0
+    reader = __import__("gguf").GGUFReader(str(default_model_path()))
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    assert weights_bytes(model) <= 1.15 * file_bytes, (weights_bytes(model), file_bytes)
+
+    tok = native.tokenizer
+    prompts = chat_prompts(tok, QUESTIONS)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    got = native.generate(prompts, sampling=greedy)
+    got_lp = native.generate([TEXT], sampling=scored)[0].prompt_logprobs[1:]
+    digests = dict(model.edge_digests)
+    del native, model, dense
+    ref = LLM(quantization="none", dtype="float32")
+    want = ref.generate(prompts, sampling=greedy)
+    want_lp = ref.generate([TEXT], sampling=scored)[0].prompt_logprobs[1:]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    deltas = [abs(a.logprob - b.logprob) for a, b in zip(got_lp, want_lp)]
+    assert len(deltas) > 10 and max(deltas) < 1e-3, deltas  # float32 sums in another order
+    assert digests == ref.engine.model.edge_digests
+
+
+@pytest.mark.slow
+def test_a_nan_scale_is_refused_at_load_naming_the_tensor(tmp_path):
+    from gguf import GGUFReader
+
+    path = tmp_path / "bad.gguf"
+    shutil.copy(default_model_path(), path)
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.2.attn_v.weight")
+    with open(path, "r+b") as f:  # the first block's fp16 scale of row 0 becomes NaN
+        f.seek(int(t.data_offset))
+        f.write(bytes([0x00, 0x7E]))
+    with pytest.raises(ValueError, match=r"blk\.2\.attn_v\.weight: row 0 has a non-finite"):
+        LLM(model=str(path), quantization="auto")
+
+
+def test_unknown_tensor_is_refused(tmp_path, monkeypatch):
+    class T:
+        name, tensor_type, shape, data = "blk.0.mystery.weight", 0, [4], np.zeros(4, np.float32)
+
+    class Reader:
+        def __init__(self, _):
+            self.tensors = [T()]
+
+    monkeypatch.setattr("gguf.GGUFReader", Reader)
+    with pytest.raises(ValueError, match="unexpected tensor 'blk.0.mystery.weight'"):
+        list(gguf_native.read_tensors(tmp_path / "x.gguf", 1, 1))
+
+
+def test_non_finite_float_tensor_is_refused(tmp_path, monkeypatch):
+    class T:
+        name, tensor_type, shape = "output_norm.weight", 0, [4]
+        data = np.array([1, np.nan, 1, 1], np.float32)
+
+    class Reader:
+        def __init__(self, _):
+            self.tensors = [T()]
+
+    monkeypatch.setattr("gguf.GGUFReader", Reader)
+    with pytest.raises(ValueError, match="output_norm.weight: non-finite"):
+        list(gguf_native.read_tensors(tmp_path / "x.gguf", 1, 1))
+
+
+def test_quantized_float_mix_in_one_layer_is_dequantized():
+    """q in blocks, k and v as floats: the fused layer serves floats (exactly the blocks')."""
+    from gguf import GGMLQuantizationType, quants
+
+    from punica_x.ops.quant_dense import QuantBlocks
+
+    layer = Dense(64, (32, 32), False, torch.float32, torch.device("cpu"))
+    w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    q = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    layer.load_slice(0, "weight", QuantBlocks("q", "Q8_0", torch.from_numpy(q.copy()), 64))
+    layer.load_slice(1, "weight", torch.ones(32, 64))
+    assert layer.quantized_weight() is None
+    want = quants.dequantize(q, GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(layer.weight[:32].numpy(), want)
+    assert (layer.weight[32:] == 1).all() and not layer.quant_parts
+    with pytest.raises(ValueError, match="expected a weight of 32 x 64"):
+        layer.load_slice(1, "weight", QuantBlocks("k", "Q8_0", torch.from_numpy(q[:8].copy()), 64))
