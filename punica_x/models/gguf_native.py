@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from punica_x.models.cache_entry import building
 from punica_x.ops.quant_dense import FORMAT_BY_TYPE, QuantBlocks
 
 log = logging.getLogger(__name__)
@@ -130,20 +128,13 @@ def meta_dir(gguf: Path, sha: str, cache: Path) -> Path:
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
-    try:
+    with building(target) as tmp:
         data = config.to_dict()
         data.pop("quantization_config", None)
         data["architectures"] = [_CAUSAL_LM.get(config.model_type, "LlamaForCausalLM")]
         (tmp / "config.json").write_text(json.dumps(data, indent=2))
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -26,8 +26,9 @@ from punica_x.ops.sgmv import SgmvBackend
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
 DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
 
-# quant(format) -> the dense backend for weights in that block format (ops.quant_dense)
-QuantChooser = Callable[[str], DenseBackend]
+# quant(format, n, k, rows) -> the dense backend for an [n, k] weight in that block format
+# that sees x of about `rows` rows (ops.quant_dense.choose_quant)
+QuantChooser = Callable[[str, int, int, tuple[int, ...]], DenseBackend]
 
 # HF activation names -> the fused layers' act-and-mul
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
@@ -299,12 +300,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Dense):
                 blocks = module.quantized_weight()
+                rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
+                if module is self.embed_table:
+                    rows = ()  # only rows() are read
                 if blocks is not None:
                     if quant is None:
                         raise ValueError(f"{blocks.name}: quantized, and no quantized backend")
-                    module.prepare_quantized(blocks, quant(blocks.format))
+                    backend = quant(blocks.format, blocks.n, blocks.k, rows)
+                    module.prepare_quantized(blocks, backend)
                     continue
-                rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
                 module.prepare(dense(module.out_features, module.in_features, rows))
             elif isinstance(module, RMSNorm):
                 module.fused = fused

@@ -11,10 +11,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +23,11 @@ from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
 from punica_x.models import gguf_native
+from punica_x.models.cache_entry import building
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
-from punica_x.ops.quant_dense import QuantBlocks, dequantize_blocks, quant_backend
+from punica_x.ops.quant_dense import QuantBlocks, choose_quant, dequantize_blocks
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +80,7 @@ def convert_gguf(gguf: Path) -> Path:
     log.info("converting %s to safetensors (once) in %s", gguf.name, target)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with building(target) as tmp:
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -94,12 +91,6 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process converted it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -276,7 +267,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),
-        lambda fmt: quant_backend(fmt, device, dtype),
+        lambda fmt, n, k, rows: choose_quant(fmt, device, dtype, n, k, rows),
     )
     model.eval()
     return LoadedModel(

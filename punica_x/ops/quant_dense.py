@@ -92,18 +92,29 @@ def dequantize_blocks(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
 
 
 class QuantCpuDense:
-    """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks."""
+    """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks. From
+    `dequant_from` rows on (None: never), forward() dequantizes W to the serving dtype for
+    the call and multiplies with torch (oneDNN: AMX or AVX512-BF16 where the CPU has them),
+    where first-load timing found that faster than the blocks (choose_quant)."""
 
     takes_prefetch = False
 
-    def __init__(self, fmt: str, dtype: torch.dtype, isa: str | None = None) -> None:
+    def __init__(
+        self,
+        fmt: str,
+        dtype: torch.dtype,
+        isa: str | None = None,
+        dequant_from: int | None = None,
+    ) -> None:
         from punica_x.ops._build import load_extension
 
         if fmt not in FORMATS:
             raise ValueError(f"no CPU kernel for block format {fmt!r}")
         self.ext = load_extension("quant_cpu", isa)
         self.format, self.type, self.dtype = fmt, FORMATS[fmt][0], dtype
+        self.dequant_from = dequant_from
         self.name = f"quant_{fmt.lower()}"
+        self._all_rows: dict[int, torch.Tensor] = {}
 
     def prepare(self, blocks: QuantBlocks) -> torch.Tensor:
         if blocks.format != self.format:
@@ -113,6 +124,12 @@ class QuantCpuDense:
 
     def forward(self, x, prepared, n, bias):
         """x: [M, K] float32 or bfloat16 -> [M, N] of x's dtype."""
+        if self.dequant_from is not None and x.shape[0] >= self.dequant_from:
+            ids = self._all_rows.get(n)
+            if ids is None:
+                ids = self._all_rows[n] = torch.arange(n)
+            w = self.ext.dequant_rows(prepared, self.type, x.shape[1], ids, x.dtype)
+            return torch.nn.functional.linear(x, w, bias)
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
         self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias)
         return y
@@ -125,14 +142,65 @@ class QuantCpuDense:
 _MADE: dict[tuple, QuantCpuDense] = {}
 
 
-def quant_backend(fmt: str, device: torch.device, dtype: torch.dtype) -> QuantCpuDense:
-    """The backend serving `fmt` blocks (one per format, dtype); ValueError off the CPU."""
+def quant_backend(
+    fmt: str, device: torch.device, dtype: torch.dtype, dequant_from: int | None = None
+) -> QuantCpuDense:
+    """The backend serving `fmt` blocks (one per format, dtype and crossover); ValueError off
+    the CPU."""
     if torch.device(device).type != "cpu":
         raise ValueError(
             f"quantized {fmt} weights run on the CPU only for now; serve this file with "
             "--quantization none on a GPU"
         )
-    key = (fmt, dtype)
+    key = (fmt, dtype, dequant_from)
     if key not in _MADE:
-        _MADE[key] = QuantCpuDense(fmt, dtype)
+        _MADE[key] = QuantCpuDense(fmt, dtype, dequant_from=dequant_from)
     return _MADE[key]
+
+
+def choose_quant(
+    fmt: str, device: torch.device, dtype: torch.dtype, n: int, k: int, rows: tuple[int, ...]
+) -> QuantCpuDense:
+    """The backend for an [n, k] weight in `fmt` blocks that sees x of about `rows` rows:
+    from the largest row count down, while dequantizing for the call and torch's matmul time
+    faster than the blocks (punica_x.ops.autotune, cached per machine), it dequantizes from
+    there on. Timing off ($PUNICA_X_AUTOTUNE=0): the blocks at every row count."""
+    from punica_x.ops import autotune
+
+    dequant_from = None
+    if autotune.enabled():
+        blocks = quant_backend(fmt, device, dtype)
+        for m in sorted(rows, reverse=True):
+            key = f"{fmt} {n}x{k} rows={m}" + autotune.dtype_suffix(dtype)
+            candidates = {c: _timing(blocks, n, k, m, c == "dequant") for c in _CHOICES}
+            if autotune.choose("quant", key, candidates).name != "dequant":
+                break
+            dequant_from = m
+    return quant_backend(fmt, device, dtype, dequant_from)
+
+
+_CHOICES = ("blocks", "dequant")
+COLD_BYTES = 96 << 20  # as ops.dense: the weights stream from memory, as in a step
+MAX_COPIES = 16
+
+
+def random_blocks(fmt: str, n: int, k: int) -> torch.Tensor:
+    """[n, row_bytes] uint8 blocks of random quants with a scale (and min) of 1/64."""
+    data = torch.randint(0, 256, (n, k // BLOCK, FORMATS[fmt][1]), dtype=torch.uint8)
+    scale = torch.tensor([0x00, 0x24], dtype=torch.uint8)  # fp16 1/64, little-endian
+    data[:, :, 0:2] = scale
+    if fmt == "Q4_1":
+        data[:, :, 2:4] = scale
+    return data.reshape(n, -1).contiguous()
+
+
+def _timing(backend: QuantCpuDense, n: int, k: int, m: int, dequant: bool):
+    def setup():
+        run = QuantCpuDense(backend.format, backend.dtype, dequant_from=0 if dequant else None)
+        size = n * k // BLOCK * FORMATS[backend.format][1]
+        copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // size)))
+        weights = [random_blocks(backend.format, n, k) for _ in range(copies)]
+        x = torch.randn(m, k).to(backend.dtype)
+        return lambda: [run.forward(x, w, n, None) for w in weights]
+
+    return setup

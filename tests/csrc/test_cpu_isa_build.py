@@ -17,6 +17,7 @@ KERNELS = (
     "dense/dense_cpu.cpp",
     "attention/paged_attention_cpu.cpp",
     "layers/fused_cpu.cpp",
+    "quant/quant_cpu.cpp",
 )
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 LEVELS = ("avx2", "avx512", "avx512_bf16")

@@ -131,3 +131,38 @@ def test_a_bad_row_of_fused_slices_names_its_own_tensor(cpu_isa):
     )
     with pytest.raises(ValueError, match="^v: row 3 has"):
         QuantCpuDense("Q8_0", torch.float32, cpu_isa).prepare(fused)
+
+
+@pytest.mark.parametrize("fmt", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_rows_compute_what_the_blocks_do(fmt, dtype, cpu_isa):
+    """From dequant_from rows on, W is dequantized for the call and torch multiplies."""
+    blocks, ref = _blocks(fmt, 40, 64, 7)
+    blockwise = QuantCpuDense(fmt, dtype, cpu_isa)
+    dequant = QuantCpuDense(fmt, dtype, cpu_isa, dequant_from=3)
+    w = blockwise.prepare(blocks)
+    bias = torch.randn(40).to(dtype)
+    for m in (1, 2, 3, 9):
+        x = torch.randn(m, 64).to(dtype)
+        want = blockwise.forward(x, w, 40, bias)
+        got = dequant.forward(x, w, 40, bias)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_choose_quant_times_each_row_count(monkeypatch, tmp_path):
+    from punica_x.ops import autotune
+    from punica_x.ops.quant_dense import choose_quant, random_blocks
+
+    monkeypatch.setenv("PUNICA_X_CACHE", str(tmp_path))
+    monkeypatch.setattr("punica_x.ops.quant_dense.COLD_BYTES", 1 << 16)
+    b = random_blocks("Q4_1", 8, 64)
+    assert b.shape == (8, 40) and b.dtype == torch.uint8
+    backend = choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (1, 64))
+    assert backend.dequant_from in (None, 1, 64)
+    made = autotune._lookup("quant:Q4_1 96x64 rows=64")
+    assert made is not None and set(made["timings_ms"]) == {"blocks", "dequant"}
+    monkeypatch.setenv("PUNICA_X_AUTOTUNE", "0")
+    assert (
+        choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (64,)).dequant_from is None
+    )
