@@ -176,8 +176,8 @@ void tile_rows(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bi
 }
 
 // Unpacks rows [0, nr) of W (blocks) into out (nr x K floats, row stride k).
-template <int F>
-void unpack_rows(const uint8_t* w, int64_t row_bytes, int nr, int k, float* out) {
+template <int F, typename PT>
+void unpack_rows(const uint8_t* w, int64_t row_bytes, int nr, int k, PT* out) {
   constexpr int bb = block_bytes(F);
   for (int r = 0; r < nr; ++r)
     for (int b = 0; b < k / kBlock; ++b) {
@@ -244,10 +244,7 @@ void panel_gemm(T* y, int64_t ys, const TX* x, int64_t xs, const uint8_t* w, int
 template <int F, typename T>
 void dequant_rows(T* out, int64_t os, const uint8_t* w, int64_t wrb, const int64_t* rows, int64_t count, int k) {
   parallel_items(count, [&](int64_t i) {
-    thread_local std::vector<float> row;
-    row.resize(k);
-    unpack_rows<F>(w + rows[i] * wrb, wrb, 1, k, row.data());
-    for (int c = 0; c < k; c += kLanes) store(out + i * os + c, load(row.data() + c));
+    unpack_rows<F>(w + rows[i] * wrb, wrb, 1, k, out + i * os);
   });
 }
 
