@@ -43,7 +43,7 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
     llms = {name: LLM(**opts) for name, opts in ENGINES.items()}
-    first = llms["native"]
+    first = llms["dequant"]  # its model directory holds the weights peft starts from
     prompts = make_prompts(first.tokenizer, n)
     paths = make_adapters(first.engine.loaded.model_dir, n, args.rank, scratch_dir("bench-q-"))
     for llm in llms.values():
@@ -51,7 +51,7 @@ def main() -> None:
         warm_up(llm, prompts)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=args.stream_tokens, temperature=0, ignore_eos=True)
-    distinct = workload_names(n)["Distinct"]
+    distinct = workload_names(n)["distinct"]
     steps = {name: [] for name in llms}
     for _ in range(args.rounds):
         for name, llm in llms.items():

@@ -101,6 +101,9 @@ def _runner_table(data: dict) -> str:
     rows = [head]
     model = data.get("model") or {}
     title = f"model: {model.get('name')} (family {model.get('family')}, {model.get('dtype')})"
+    if model.get("weight_format"):
+        mb = (model.get("weight_bytes") or 0) / 1e6
+        title += f"; weights {model['weight_format']}, {mb:.1f} MB"
     for r in data["runners"]:
         rows.append(
             (

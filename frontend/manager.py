@@ -45,6 +45,10 @@ class FrontendManager:
         self.max_model_len = scheduler.info.model.max_model_len
         self.serving_dtype = scheduler.info.model.dtype  # adapters are cast to it at load
         self.family = scheduler.info.model.family  # the base model's family (/v1/models)
+        self.weights = {  # what the base model's /v1/models entry says of its weights
+            "weight_format": scheduler.info.model.weight_format,
+            "weight_bytes": scheduler.info.model.weight_bytes,
+        }
         self.admission = Admission(config.limits)
         facts = ModelFacts(self.model_id, self.max_model_len, self.tokenizer, config.limits)
         self.requests = RequestBuilder(facts)  # validated bodies -> GenerationRequests

@@ -76,6 +76,8 @@ class ModelInfo:
     model_dir: Path
     dtype: str  # the serving dtype, as ModelConfig.dtype names it ("float32", "bfloat16")
     family: str = "llama"  # the model family (punica_x/models/registry.py)
+    weight_format: str = ""  # what the dense weights are served as ("bfloat16", "Q4_1,Q8_0")
+    weight_bytes: int = 0  # the bytes the model's weights hold on one runner
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from punica_x.core import Resume, SamplingParams
 from punica_x.dtypes import dtype_name
 from punica_x.engine import Engine
 from punica_x.engine.async_engine import AsyncEngine, RequestStream
+from punica_x.engine.memory import weights_bytes
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
 from scheduler.interface import ModelInfo, RequestLimits, RunnerInfo, RunnerStats
@@ -106,6 +107,8 @@ def describe_runner(engine: Engine, config: EngineConfig) -> RunnerInfo:
             loaded.model_dir,
             dtype_name(engine.dtype),
             engine.model.dims.family,
+            engine.model.weight_formats(),
+            weights_bytes(engine.model),
         ),
         lora_target=engine.adapters.target,
         max_lora_rank=config.lora.max_lora_rank,

@@ -26,7 +26,8 @@ _DONE = object()
 
 def list_models(manager: FrontendManager, caller: Caller) -> JSONResponse:
     """OpenAI's model list; each entry also names the base model's family (an adapter's is
-    its base model's), as `family`."""
+    its base model's), as `family`; the base model's entry says what its weights are served
+    as and their bytes on one runner (`weight_format`, `weight_bytes`)."""
     data = [
         {
             "id": mid,
@@ -34,6 +35,7 @@ def list_models(manager: FrontendManager, caller: Caller) -> JSONResponse:
             "created": int(created),
             "owned_by": "punica-x" if mid == manager.model_id else caller.tenant.name,
             "family": manager.family,
+            **(manager.weights if mid == manager.model_id else {}),
         }
         for mid, created in manager.model_ids(caller)
     ]

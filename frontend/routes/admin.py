@@ -122,7 +122,13 @@ def runners_body(scheduler: Scheduler) -> dict:
     advice = scheduler.advice()
     model = scheduler.info.model
     return {
-        "model": {"name": model.name, "family": model.family, "dtype": model.dtype},
+        "model": {
+            "name": model.name,
+            "family": model.family,
+            "dtype": model.dtype,
+            "weight_format": model.weight_format,
+            "weight_bytes": model.weight_bytes,
+        },
         "runners": [row.as_json() for row in scheduler.runners()],
         "advice": advice.action,
         "advice_reason": advice.reason,

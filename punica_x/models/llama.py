@@ -320,6 +320,16 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens.weight.new_empty(0, self.dims.hidden_size), requires_grad=False
             )
 
+    def weight_formats(self) -> str:
+        """What the dense weights are served as, e.g. "bfloat16" or "Q4_1,Q8_0": the block
+        formats of quantized ones (ops.quant_dense), the dtype of the others, sorted."""
+        formats = set()
+        for module in self.modules():
+            if isinstance(module, Dense) and module.backend is not None:
+                fmt = getattr(module.backend, "format", None)
+                formats.add(fmt or str(module.weight.dtype).removeprefix("torch."))
+        return ",".join(sorted(formats))
+
     @torch.inference_mode()
     def forward(
         self, batch: Batch, kv: torch.Tensor, backend: SgmvBackend | None = None

@@ -40,7 +40,10 @@ def test_upload_files_and_read_back(server, adapter_dirs):
     with server.http(key) as c:
         assert c.get("/v1/adapters/alpha").json() == body
         assert [a["name"] for a in c.get("/v1/adapters").json()["data"]] == ["alpha"]
-        assert "alpha" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+        models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert "alpha" in models and "weight_format" not in models["alpha"]
+        base = models[server.model_id]  # the test server: a tiny float32 Llama
+        assert base["weight_format"] == "float32" and base["weight_bytes"] > 1e5
     assert complete(server, key, "alpha") != complete(server, key, server.model_id)
 
 

@@ -50,7 +50,9 @@ def test_status_lists_both_runners_and_needs_the_admin_token(cluster, client):
         ("runner-1", "active", "thread"),
     ]
     assert body["advice"] in ("none", "scale_down") and body["queued"] == 0
-    assert body["model"] == {"name": cluster.model_id, "family": "llama", "dtype": "float32"}
+    model = dict(body["model"])
+    assert model.pop("weight_format") == "float32" and model.pop("weight_bytes") > 1e5
+    assert model == {"name": cluster.model_id, "family": "llama", "dtype": "float32"}
     fields = {"node", "pid", "device", "running", "waiting", "kv_blocks_used", "kv_blocks_free"}
     assert fields <= set(body["runners"][0])
     assert httpx.get(cluster.url + "/admin/runners").status_code == 401

@@ -64,6 +64,7 @@ def test_default_model_natively_matches_its_dequantized_reference():
     dense = [m for m in model.modules() if isinstance(m, Dense)]
     assert dense and all(isinstance(m.backend, QuantCpuDense) for m in dense)
     assert {m.backend.format for m in dense} == {"Q4_1", "Q8_0"}  # projections, tied head
+    assert model.weight_formats() == "Q4_1,Q8_0"
     assert model.embed_from_head and model.embed_tokens.weight.numel() == 0
     reader = __import__("gguf").GGUFReader(str(default_model_path()))
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
@@ -84,6 +85,7 @@ def test_default_model_natively_matches_its_dequantized_reference():
     deltas = [abs(a.logprob - b.logprob) for a, b in zip(got_lp, want_lp)]
     assert len(deltas) > 10 and max(deltas) < 1e-3, deltas  # float32 sums in another order
     assert digests == ref.engine.model.edge_digests
+    assert ref.engine.model.weight_formats() == "float32"
 
 
 @pytest.mark.slow
