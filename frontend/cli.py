@@ -2,7 +2,7 @@
 `prepare` builds the kernels and converts the default model ahead of the first start.
 
     punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
-    punica-x serve [--model PATH] [--quantization auto|none] [--dtype auto|float32|...]
+    punica-x serve [--model PATH] [--quantization auto|none|int8|int4] [--dtype auto|float32|...]
                    [--host 127.0.0.1]
                    [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
@@ -30,7 +30,7 @@ from frontend.cli_admin import admin, admin_parser
 
 DEFAULT_DATA_DIR = os.environ.get("PUNICA_X_DATA", "data")
 # ModelConfig.QUANTIZATION, spelled here so that --help needs no torch (a test keeps them equal)
-QUANTIZATION_CHOICES = ("auto", "none")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
 def serve(args) -> int:
@@ -194,7 +194,8 @@ def _serve_parser(sub) -> None:
         choices=QUANTIZATION_CHOICES,
         default="none",
         help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
-        "llama-architecture files); none (default): dequantize the file to the serving dtype",
+        "llama-architecture files); none (default): dequantize the file to the serving dtype; "
+        "int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 projections)",
     )
     s.add_argument(
         "--dtype",

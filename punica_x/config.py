@@ -27,7 +27,9 @@ class ModelConfig:
     quantization: "auto" serves a GGUF file's quantized tensors in their own blocks where the
     CPU kernels take them (Q4_0, Q4_1, Q8_0 of a llama-architecture file:
     punica_x.models.gguf_native), "none" dequantizes the whole file to the serving dtype (the
-    exact reference). Checkpoints that are not GGUF files load as they are either way."""
+    exact reference); other checkpoints load as they are with either. "int8" / "int4" read a
+    GGUF file as auto does and quantize the float weights of any checkpoint on load
+    (punica_x.models.quantize: Q8_0 / Q4_1 projections, a Q8_0 head)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -37,7 +39,7 @@ class ModelConfig:
     fused_backend: str | None = None
     quantization: str = "none"
 
-    QUANTIZATION = ("auto", "none")
+    QUANTIZATION = ("auto", "none", "int8", "int4")
 
     def __post_init__(self) -> None:
         if self.quantization not in self.QUANTIZATION:

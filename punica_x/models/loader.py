@@ -25,6 +25,7 @@ from punica_x.lora.edges import edge_digest
 from punica_x.models import gguf_native
 from punica_x.models.cache_entry import building
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
+from punica_x.models.quantize import ON_LOAD, quantize_on_load
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
 from punica_x.ops.quant_dense import QuantBlocks, choose_quant, dequantize_blocks
@@ -107,8 +108,8 @@ def gguf_file(model: str | None) -> Path | None:
 
 
 def native_gguf(cfg: ModelConfig) -> Path | None:
-    """The GGUF file whose tensors load as the file stores them (quantization auto, a
-    llama-architecture file: models.gguf_native), else None."""
+    """The GGUF file whose tensors load as the file stores them (quantization other than
+    none, a llama-architecture file: models.gguf_native), else None."""
     path = gguf_file(cfg.model)
     if path is None or cfg.quantization == "none":
         return None
@@ -264,6 +265,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     _check_complete(dims, seen)
     with torch.no_grad():  # before the head is packed: what edge LoRA's base copies must be
         model.edge_digests = _edge_digests(model, dtype)
+    if cfg.quantization in ON_LOAD:
+        quantize_on_load(model, cfg.quantization)
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),

@@ -52,7 +52,7 @@ def test_quantization_setting_is_checked():
     from frontend.cli import QUANTIZATION_CHOICES
 
     assert QUANTIZATION_CHOICES == ModelConfig.QUANTIZATION
-    for bad in ("int4", "", "AUTO", None, 4):
+    for bad in ("int3", "", "AUTO", "q4_1", None, 4):
         with pytest.raises(ValueError, match="quantization must be one of"):
             ModelConfig(quantization=bad)
 
