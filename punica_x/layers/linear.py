@@ -8,7 +8,7 @@ from torch import nn
 
 from punica_x.core import LoraBatchMeta
 from punica_x.ops.dense import DenseBackend, prefetches
-from punica_x.ops.quant_dense import QuantBlocks, cat_blocks
+from punica_x.ops.quant_dense import QuantBlocks, cat_blocks, dequantize_blocks
 from punica_x.ops.sgmv import SgmvBackend, add_lora_sgmv
 
 
@@ -60,8 +60,6 @@ class Dense(nn.Module):
         parts = [self.quant_parts.get(i) for i in keys]
         if all(p is not None for p in parts) and len({p.format for p in parts}) == 1:
             return cat_blocks(parts, parts[0].name)
-        from punica_x.ops.quant_dense import dequantize_blocks
-
         for index, part in self.quant_parts.items():
             self._copy_slice(index, "weight", dequantize_blocks(part, self.weight.dtype))
         self.quant_parts = {}

@@ -180,8 +180,6 @@ def choose_quant(
 
 
 _CHOICES = ("blocks", "dequant")
-COLD_BYTES = 96 << 20  # as ops.dense: the weights stream from memory, as in a step
-MAX_COPIES = 16
 
 
 def random_blocks(fmt: str, n: int, k: int) -> torch.Tensor:
@@ -195,6 +193,8 @@ def random_blocks(fmt: str, n: int, k: int) -> torch.Tensor:
 
 
 def _timing(backend: QuantCpuDense, n: int, k: int, m: int, dequant: bool):
+    from punica_x.ops.dense import COLD_BYTES, MAX_COPIES  # cold weights, as a step sees them
+
     def setup():
         run = QuantCpuDense(backend.format, backend.dtype, dequant_from=0 if dequant else None)
         size = n * k // BLOCK * FORMATS[backend.format][1]

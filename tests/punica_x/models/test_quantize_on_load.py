@@ -18,10 +18,12 @@ from punica_x.ops.quant_dense import QuantCpuDense, dequantize_blocks
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize(("mode", "proj"), [("int8", "Q8_0"), ("int4", "Q4_1")])
-def test_on_load_quantization_serves_blocks(mode, proj, tied, tmp_path):
-    llm = tiny_llm(make_tiny_llama(tmp_path / "m", tie_word_embeddings=tied), quantization=mode)
+def test_on_load_quantization_serves_blocks(mode, proj, tied, dtype, tmp_path):
+    src = make_tiny_llama(tmp_path / "m", tie_word_embeddings=tied)
+    llm = tiny_llm(src, quantization=mode, dtype=dtype)
     model = llm.engine.model
     dense = {n: m for n, m in model.named_modules() if isinstance(m, Dense)}
     assert all(isinstance(m.backend, QuantCpuDense) for m in dense.values())

@@ -155,7 +155,7 @@ def test_choose_quant_times_each_row_count(monkeypatch, tmp_path):
     from punica_x.ops.quant_dense import choose_quant, random_blocks
 
     monkeypatch.setenv("PUNICA_X_CACHE", str(tmp_path))
-    monkeypatch.setattr("punica_x.ops.quant_dense.COLD_BYTES", 1 << 16)
+    monkeypatch.setattr("punica_x.ops.dense.COLD_BYTES", 1 << 16)
     b = random_blocks("Q4_1", 8, 64)
     assert b.shape == (8, 40) and b.dtype == torch.uint8
     backend = choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (1, 64))
