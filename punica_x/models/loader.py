@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from punica_x.config import ModelConfig
 from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
-from punica_x.models import gguf_native
+from punica_x.models import gguf_native, packed_checkpoint
 from punica_x.models.cache_entry import building
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.models.quantize import ON_LOAD, quantize_on_load
@@ -190,6 +190,9 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
     elif name == "model.norm.weight":
         model.norm.weight.copy_(tensor)
     elif name == "lm_head.weight":
+        if isinstance(tensor, QuantBlocks):  # an untied head in blocks (GGUF, GPTQ)
+            tied = model.dims.tie_word_embeddings
+            return tied or model.lm_head.load_slice(None, "weight", tensor)
         if not model.dims.tie_word_embeddings:
             model.lm_head.weight.copy_(tensor)
     elif m := _LAYER.match(name):
@@ -261,7 +264,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     gguf = native_gguf(cfg)
     with torch.no_grad():
         model = LlamaForCausalLM(dims, hf_config, dtype, device)
-        seen = _read_gguf(model, gguf) if gguf else _read_safetensors(model, model_dir)
+        if gguf:
+            seen = _read_gguf(model, gguf)
+        else:
+            packed = packed_checkpoint.packed_format(hf_config)
+            seen = _read_safetensors(model, model_dir, packed, cfg.quantization != "none")
     _check_complete(dims, seen)
     with torch.no_grad():  # before the head is packed: what edge LoRA's base copies must be
         model.edge_digests = _edge_digests(model, dtype)
@@ -284,9 +291,23 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     )
 
 
-def _read_safetensors(model: LlamaForCausalLM, model_dir: Path) -> set[str]:
+def _read_safetensors(
+    model: LlamaForCausalLM,
+    model_dir: Path,
+    packed: packed_checkpoint.PackedFormat | None = None,
+    as_blocks: bool = False,
+) -> set[str]:
+    """The checkpoint's tensors into the model; packed 4-bit projections (GPTQ, AWQ) as
+    blocks, or (as_blocks False) dequantized (models.packed_checkpoint)."""
     seen = set()
-    for path in _safetensor_files(model_dir):
+    files = _safetensor_files(model_dir)
+    if packed is not None:
+        for name, value in packed_checkpoint.read_packed(files, packed, as_blocks):
+            if not _load_tensor(model, name, value):
+                raise ValueError(f"unexpected tensor {name!r} in {model_dir.name}")
+            seen.add(name)
+        return seen
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if not _load_tensor(model, name, f.get_tensor(name)):
