@@ -32,7 +32,13 @@ from common.engine_timing import unique_salts
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
-from common.workload import load_adapters, make_adapters, make_prompts, workload_names
+from common.workload import (
+    load_adapters,
+    make_adapters,
+    make_prompts,
+    weights_dir,
+    workload_names,
+)
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import CpuAttentionPlan
@@ -116,6 +122,9 @@ def main() -> None:
     add_rank(ap)
     add_threads(ap)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: this CPU's default)")
+    ap.add_argument(
+        "--quantization", default="none", help="none | auto (a GGUF file's blocks) | int8 | int4"
+    )
     add_shape_model(ap)
     args = ap.parse_args()
     check_shape_model(ap, args)
@@ -123,14 +132,22 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
 
-    llm = LLM(dtype=args.dtype, model=model_path(args.model, args.tokenizer))
+    llm = LLM(
+        dtype=args.dtype,
+        model=model_path(args.model, args.tokenizer),
+        quantization=args.quantization,
+    )
     dtype = dtype_name(llm.engine.dtype)
     name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
+    if args.quantization != "none":
+        name += f"_q{args.quantization}"
+    if n != 32:
+        name += f"_batch{n}"
     if args.model in SHAPES:
         name += f"_{args.model.replace('.', '_')}"
     prompts = make_prompts(llm.tokenizer, n)
     tmp = scratch_dir("profile-step-")
-    load_adapters(llm, make_adapters(llm.engine.loaded.model_dir, n, args.rank, tmp))
+    load_adapters(llm, make_adapters(weights_dir(llm, args.model), n, args.rank, tmp))
     timers = Timers()
     instrument(llm, timers, llm.engine.model.lm_head.out_features)
     configs = {"backbone": [None] * n, **workload_names(n, ("distinct", "identical"))}

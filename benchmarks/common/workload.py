@@ -77,6 +77,18 @@ def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
     return paths
 
 
+def weights_dir(llm, model: str | None = None) -> Path:
+    """A HF directory holding the weights of llm's model, for peft to build adapters on: its
+    own, or for a GGUF file read natively (whose directory holds none) the file dequantized
+    (models.loader.convert_gguf, cached)."""
+    own = llm.engine.loaded.model_dir
+    if any(own.glob("*.safetensors")):
+        return own
+    from punica_x.models.loader import convert_gguf, gguf_file
+
+    return convert_gguf(gguf_file(model))
+
+
 def load_adapters(llm, paths: list[Path]) -> list:
     """Load the adapters into an LLM as a0, a1, ...; returns what each load_adapter returned."""
     return [llm.load_adapter(f"a{i}", str(p)) for i, p in enumerate(paths)]

@@ -33,6 +33,7 @@ constexpr int kPairs = 16 / kLanes;  // vector pairs per block: 1 (AVX-512), 2 (
 constexpr int kMR = kVecRegs == 32 ? 4 : 2;
 constexpr int kNR = 4;
 constexpr int64_t kPanelBytes = 256 << 10;
+constexpr int kAhead = 512;  // bytes of a W row prefetched ahead of the block being unpacked
 
 // L bytes at p widened to L int32 lanes, zero- or sign-extended (one vpmovzxbd / vpmovsxbd: GCC
 // scalarizes a generic uint8 -> float vector conversion into 16 extracts and converts).
@@ -101,7 +102,11 @@ struct Blocks {
   };
   Scale block_scales(int b, int nr) const {
     Scale sc;
-    for (int r = 0; r < nr; ++r) scales<F>(w + r * row_bytes + b * bb, sc.s[r], sc.o[r]);
+    for (int r = 0; r < nr; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * bb;
+      __builtin_prefetch(blk + kAhead);  // the rows are read once: ask for them early
+      scales<F>(blk, sc.s[r], sc.o[r]);
+    }
     return sc;
   }
   void get(const Scale& sc, int r, int b, int j, vf& lo, vf& hi) const {
@@ -123,9 +128,12 @@ struct Panel {
 };
 
 // y[0:MR, 0:NR] of one tile: sum over K of x row times W row; bias added after the sum.
+// Few rows keep the low and high halves' sums apart where the registers hold them (two
+// dependency chains per output instead of one, or the FMA latency bounds a decode step).
 template <int MR, int NR, typename TX, typename T, typename Src>
 void tile(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bias, T* y, int64_t ys) {
-  vf acc[MR][NR] = {};
+  constexpr int S = 2 * MR * NR + 2 * MR + 2 <= kVecRegs ? 2 : 1;
+  vf acc[S][MR][NR] = {};
   for (int b = 0; b < nblocks; ++b) {
     const auto sc = src.block_scales(b, NR);
 #pragma GCC unroll 4
@@ -138,13 +146,21 @@ void tile(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bias, T
       for (int r = 0; r < NR; ++r) {
         vf lo, hi;
         src.get(sc, r, b, j, lo, hi);
-        for (int m = 0; m < MR; ++m) acc[m][r] += lo * xl[m] + hi * xh[m];
+        for (int m = 0; m < MR; ++m) {
+          if constexpr (S == 2) {
+            acc[0][m][r] += lo * xl[m];
+            acc[1][m][r] += hi * xh[m];
+          } else {
+            acc[0][m][r] += lo * xl[m] + hi * xh[m];
+          }
+        }
       }
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
-      const float sum = hsum(acc[m][r]) + (bias ? f32(bias[r]) : 0.f);
+      const vf a = S == 2 ? acc[0][m][r] + acc[S - 1][m][r] : acc[0][m][r];
+      const float sum = hsum(a) + (bias ? f32(bias[r]) : 0.f);
       y[m * ys + r] = narrow<T>(sum);
     }
 }
@@ -198,19 +214,34 @@ void panel_gemm(T* y, int64_t ys, const TX* x, int64_t xs, const uint8_t* w, int
                 int n);
 
 template <int F, typename T>
+void decode(T* y, int64_t ys, const float* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
+            int n) {
+  const int nblocks = k / kBlock;
+  constexpr int rows_per_item = 4 * kNR;
+  parallel_items((n + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
+    const int lo = int(item) * rows_per_item, hi = std::min(n, lo + rows_per_item);
+    for (int r0 = lo; r0 < hi; r0 += kNR) {
+      const Blocks<F> src{w + r0 * wrb, wrb};
+      tile_rows(src, x, xs, nblocks, bias ? bias + r0 : nullptr, y + r0, ys, m, std::min(kNR, hi - r0));
+    }
+  });
+}
+
+template <int F, typename T>
 void qgemm(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
            int n) {
   const int nblocks = k / kBlock;
-  if (m <= kMR) {  // decode: unpack in registers, kNR rows of W per tile, items of 4 tiles
-    constexpr int rows_per_item = 4 * kNR;
-    parallel_items((n + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
-      const int lo = int(item) * rows_per_item, hi = std::min(n, lo + rows_per_item);
-      for (int r0 = lo; r0 < hi; r0 += kNR) {
-        const Blocks<F> src{w + r0 * wrb, wrb};
-        tile_rows(src, x, xs, nblocks, bias ? bias + r0 : nullptr, y + r0, ys, m, std::min(kNR, hi - r0));
-      }
-    });
-    return;
+  if (m <= kMR) {  // decode: unpack in registers, kNR rows of W per tile, items of 4 tiles;
+    // x widened to float32 once (every tile reads all of it)
+    if constexpr (!std::is_same_v<T, float>) {
+      thread_local std::vector<float> xf;
+      xf.resize(size_t(m) * k);
+      for (int r = 0; r < m; ++r)
+        for (int c = 0; c < k; c += kLanes) store(xf.data() + int64_t(r) * k + c, load(x + r * xs + c));
+      return decode<F>(y, ys, xf.data(), int64_t(k), w, wrb, bias, m, k, n);
+    } else {
+      return decode<F>(y, ys, x, xs, w, wrb, bias, m, k, n);
+    }
   }
   // prefill: x widened to float32 once (every tile of every item reads it), items of `rows`
   // W rows unpacked once into the thread's panel
