@@ -1,9 +1,10 @@
 """GGUF files read natively: the tensors as the file stores them, without a float copy.
 
 Projections and the embedding / LM head in a block format the CPU kernels serve (Q4_0, Q4_1,
-Q8_0: ops.quant_dense) stay in their blocks; float tensors (F32, F16, BF16: norms, or a
-16-bit file) load as tensors; any other type (K-quants, IQ-quants, ...) is dequantized once
-with the `gguf` package, and the loader says which. Config and tokenizer come from the file's
+Q8_0: ops.quant_dense) stay in their blocks; Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are repacked
+into those formats at load (models.kquants); float tensors (F32, F16, BF16: norms, or a
+16-bit file) load as tensors; any other type (Q2_K, Q3_K, IQ-quants, ...) is dequantized
+once with the `gguf` package, and the loader says which. Config and tokenizer come from the file's
 metadata through transformers (a small cached directory, no weights in it).
 
 Only llama-architecture files (Llama, Mistral, SmolLM) are read natively: their converter
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from punica_x.models import kquants
 from punica_x.models.cache_entry import building
 from punica_x.ops.quant_dense import FORMAT_BY_TYPE, QuantBlocks
 
@@ -88,6 +90,7 @@ def read_tensors(path: Path, heads: int, kv_heads: int) -> Iterator[tuple[str, o
 
     reader = GGUFReader(str(path))
     dequantized: dict[str, int] = {}
+    repacked: dict[str, int] = {}
     for t in reader.tensors:
         if t.name in _SKIPPED:
             continue
@@ -104,12 +107,21 @@ def read_tensors(path: Path, heads: int, kv_heads: int) -> Iterator[tuple[str, o
         elif kind in FORMAT_BY_TYPE:
             rows = data.reshape(-1, data.shape[-1])
             value = QuantBlocks(t.name, FORMAT_BY_TYPE[kind], torch.from_numpy(rows.copy()), cols)
+        elif kind.name in kquants.REPACKED:
+            repacked[kind.name] = repacked.get(kind.name, 0) + 1
+            value = kquants.repack(t.name, kind.name, data.reshape(-1, data.shape[-1]), cols)
         else:
             dequantized[kind.name] = dequantized.get(kind.name, 0) + 1
             value = torch.from_numpy(np.array(quants.dequantize(data, kind), dtype=np.float32))
         if isinstance(value, torch.Tensor) and not torch.isfinite(value).all():
             raise ValueError(f"{t.name}: non-finite values in {path.name}")
         yield name, value
+    if repacked:
+        log.info(
+            "%s: %s repacked at load into Q4_1 / Q8_0 blocks (models.kquants)",
+            path.name,
+            ", ".join(f"{n} x{c}" for n, c in sorted(repacked.items())),
+        )
     if dequantized:
         log.warning(
             "%s: tensors in %s are dequantized at load (no native kernel for them yet)",
