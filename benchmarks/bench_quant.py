@@ -16,6 +16,12 @@ the file's tensor bytes (it maps them); both against the file's tensor bytes.
 
     python benchmarks/bench_quant.py [--max-tokens 64] [--stream-tokens 128]
 
+--model llama-3-8b: the same for a random-weight model of that shape (common/shapes.py)
+quantized to Q4_0 by llama-quantize, punica-x against llama.cpp on that file (adapters
+written from the shapes in bfloat16, llama.cpp's converted to bf16).
+
+    python benchmarks/bench_quant.py --model llama-3-8b --max-tokens 16 --stream-tokens 32
+
 --in-process: engines in one process over the same file (SmolLM2-135M-Instruct, Q4_1
 projections and a Q8_0 tied embedding / head): `native` (--quantization auto: the blocks
 through csrc/quant) and `dequant` (--quantization none: the file expanded to the serving
@@ -54,6 +60,11 @@ def main() -> None:
     add_engine_workload(ap)
     ap.add_argument("--stream-tokens", type=int, default=128)
     ap.add_argument("--in-process", action="store_true", help="engines in this process")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="servers of a random model of this shape (common.shapes, e.g. llama-3-8b) in Q4_0",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)

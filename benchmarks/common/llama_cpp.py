@@ -116,13 +116,14 @@ def quantize(src: Path, out: Path, kind: str) -> Path:
     return out
 
 
-def convert_lora(adapter_dir: Path, base_dir: Path, out: Path) -> Path:
-    """A PEFT adapter directory as a GGUF LoRA file (llama.cpp's own converter), once."""
+def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """A PEFT adapter directory as a GGUF LoRA file of `outtype` (f32, bf16, ...; llama.cpp's
+    own converter), once."""
     if not out.exists():
         _converter_deps()
         script = source_tree() / "convert_lora_to_gguf.py"
         cmd = [sys.executable, str(script), str(adapter_dir), "--base", str(base_dir)]
-        cmd += ["--outfile", str(out), "--outtype", "f32"]
+        cmd += ["--outfile", str(out), "--outtype", outtype]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 

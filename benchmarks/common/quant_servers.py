@@ -12,7 +12,7 @@ from common.http_load import tokens_per_second
 from common.report import machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.server import bench_server, free_port
-from common.workload import make_adapters, make_prompts, workload_names
+from common.workload import make_adapters, make_prompts, random_adapters, workload_names
 from punica_x.models.loader import convert_gguf, default_model_path
 
 # (label, server, file, punica-x options)
@@ -43,19 +43,46 @@ def tensor_bytes(path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
 
 
+# --model SHAPE: a random-weight model of that shape in Q4_0 (llama-quantize), both servers
+SHAPE_SERVERS = [
+    ("punica-x Q4_0", "punica-x", "Q4_0", ("--quantization", "auto")),
+    ("llama.cpp Q4_0", "llama.cpp", "Q4_0", ()),
+]
+
+
+def shape_files(shape: str) -> tuple:
+    """(HF folder, {"Q4_0": file}) of a random model of `shape` (common.shapes): its bf16
+    GGUF by llama.cpp's converter, quantized by llama-quantize (all cached)."""
+    from common.shapes import random_model
+
+    hf_dir = random_model(shape)
+    root = llama_cpp.cache_root() / "files"
+    root.mkdir(exist_ok=True)
+    bf16 = llama_cpp.convert_base(hf_dir, root / f"random-{shape}.bf16.gguf", "bf16")
+    return hf_dir, {"Q4_0": llama_cpp.quantize(bf16, root / f"random-{shape}.Q4_0.gguf", "Q4_0")}
+
+
 def servers(args) -> None:
     tmp = scratch_dir("bench-quant-serve-")
-    hf_dir = convert_gguf(default_model_path())
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(hf_dir)
     n = args.requests
-    prompts = make_prompts(tok, n)
-    files = gguf_files(hf_dir)
-    paths = make_adapters(hf_dir, n, args.rank, tmp / "adapters")
-    loras = [llama_cpp.convert_lora(p, hf_dir, tmp / f"a{i}.gguf") for i, p in enumerate(paths)]
+    if args.model:
+        hf_dir, files = shape_files(args.model)
+        paths = random_adapters(hf_dir, n, args.rank, tmp / "adapters")
+        servers_, lora_type = SHAPE_SERVERS, "bf16"
+    else:
+        hf_dir = convert_gguf(default_model_path())
+        files = gguf_files(hf_dir)
+        paths = make_adapters(hf_dir, n, args.rank, tmp / "adapters")
+        servers_, lora_type = SERVERS, "f32"
+    prompts = make_prompts(AutoTokenizer.from_pretrained(hf_dir), n)
+    loras = [
+        llama_cpp.convert_lora(p, hf_dir, tmp / f"a{i}.gguf", lora_type)
+        for i, p in enumerate(paths)
+    ]
     rows = []
-    for label, kind, fmt, opts in SERVERS:
+    for label, kind, fmt, opts in servers_:
         print(f"{label} ...", flush=True)
         run = run_punica if kind == "punica-x" else run_llama_cpp
         row = {"server": label, "file": fmt, **run(args, files[fmt], opts, prompts, paths, loras)}
@@ -117,7 +144,9 @@ def run_llama_cpp(args, path, opts, prompts, paths, loras) -> dict:
 
 def report(args, rows: list[dict]) -> None:
     by = {r["server"]: r for r in rows}
-    fastest = max((r for r in rows if r["server"].startswith("llama.cpp")), key=_backbone)
+    model = args.model or "SmolLM2-135M-Instruct"
+    peers = [r for r in rows if r["server"].startswith("llama.cpp")]
+    fastest = max(peers, key=_backbone)  # llama.cpp's fastest format on this CPU
     for r in rows:
         if not r["server"].startswith("punica-x"):
             continue
@@ -126,7 +155,7 @@ def report(args, rows: list[dict]) -> None:
             r["x_" + w] = r[w + "_tok_s"] / peer[w + "_tok_s"]
         r["x_backbone_vs_fastest"] = _backbone(r) / _backbone(fastest)
     print(
-        f"SmolLM2-135M-Instruct, {args.requests} requests x {args.max_tokens} tokens, one "
+        f"{model}, {args.requests} requests x {args.max_tokens} tokens, one "
         f"stream x {args.stream_tokens}, rank {args.rank} on all 7 projections, "
         f"{args.threads} threads per server; x_: punica-x over llama.cpp on the same file "
         f"(backbone_vs_fastest: over {fastest['server']})"
@@ -135,8 +164,9 @@ def report(args, rows: list[dict]) -> None:
     print_table(rows, cols, "tokens/s through the OpenAI completions route")
     xs = ["server", *["x_" + w for w in WORKLOADS], "x_backbone_vs_fastest"]
     print_table([r for r in rows if "x_backbone" in r], xs, "punica-x / llama.cpp, same file")
-    path = write_json("bench_quant_serve", {"args": vars(args), "rows": rows})
-    plot(rows)
+    name = "bench_quant_serve" + (f"_{args.model.replace('.', '_')}" if args.model else "")
+    path = write_json(name, {"args": vars(args), "rows": rows})
+    plot(rows, name)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
@@ -144,7 +174,7 @@ def _backbone(r: dict) -> float:
     return r["backbone_tok_s"]
 
 
-def plot(rows) -> None:
+def plot(rows, name: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(rows)
@@ -156,4 +186,4 @@ def plot(rows) -> None:
     m = machine()
     ax.set_title(f"GGUF files served: punica-x vs llama.cpp ({m['cpu']}, {m['isa']})")
     ax.legend(fontsize=8)
-    save_plot("bench_quant_serve", fig)
+    save_plot(name, fig)

@@ -100,6 +100,7 @@ def random_model(shape: str, tokenizer: str | None = None) -> Path:
         with torch.device("meta"):
             model = getattr(transformers, model_cls)(config)
         config.dtype = torch.bfloat16
+        config.architectures = [model_cls]  # what llama.cpp's converter reads the family from
         config.save_pretrained(tmp)
         _write_random_weights(model, config.initializer_range, tmp)
         tok = transformers.AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir(None))
@@ -127,8 +128,15 @@ def _write_random_weights(model, std: float, folder: Path, shard_bytes: int = 2 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(dev).manual_seed(0)
     params = dict(model.named_parameters())  # a tied head is one parameter, saved once
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    shard: dict[str, torch.Tensor] = {}
+    names: list[list[str]] = []  # each saved shard's tensor names
+    total = 0
+
+    def save() -> None:  # a full shard goes to disk at once: one shard in memory at a time
+        names.append(list(shard))
+        save_file(shard, str(folder / f"shard-{len(names)}.tmp"), metadata={"format": "pt"})
+        shard.clear()
+
     for name, meta in params.items():
         t = torch.empty(meta.shape, dtype=torch.bfloat16, device=dev)
         if name.endswith("norm.weight"):
@@ -137,17 +145,16 @@ def _write_random_weights(model, std: float, folder: Path, shard_bytes: int = 2 
             t.zero_()
         else:
             t.normal_(0.0, std, generator=gen)
-        if size + t.nbytes > shard_bytes and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.cpu()
-        size += t.nbytes
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, fname)
-        total += sum(t.nbytes for t in shard.values())
+        if shard and sum(x.nbytes for x in shard.values()) + t.nbytes > shard_bytes:
+            save()
+        shard[name] = t.cpu()
+        total += t.nbytes
+    save()
+    weight_map = {}
+    for i, shard_names in enumerate(names):  # HF's names need the shard count
+        fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        (folder / f"shard-{i + 1}.tmp").rename(folder / fname)
+        weight_map |= dict.fromkeys(shard_names, fname)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 

@@ -77,6 +77,46 @@ def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
     return paths
 
 
+def random_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
+    """n PEFT adapters of `rank` on all 7 projections in bfloat16, written straight from the
+    config's shapes (no base model loaded: an 8B one in float32 would not fit beside the
+    servers): A ~ N(0, 1 / in), B ~ N(0, 1e-4), seeds 1000.., saved to root/a0, ..."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {  # module: (in, out)
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, i),
+        "mlp.up_proj": (h, i),
+        "mlp.down_proj": (i, h),
+    }
+    paths = []
+    for a in range(n):
+        gen = torch.Generator().manual_seed(1000 + a)
+        state = {}
+        for layer in range(cfg.num_hidden_layers):
+            for module, (fan_in, fan_out) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                state[f"{key}.lora_A.weight"] = (
+                    torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+                )
+                state[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 1e-2
+        path = root / f"a{a}"
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.to(torch.bfloat16) for k, v in state.items()}
+        save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS).save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
 def weights_dir(llm, model: str | None = None) -> Path:
     """A HF directory holding the weights of llm's model, for peft to build adapters on: its
     own, or for a GGUF file read natively (whose directory holds none) the file dequantized
