@@ -56,19 +56,39 @@ def source_tree() -> Path:
     return tree
 
 
+# ggml's CPU feature switches for a build of one ISA level (as punica-x's kernels are built
+# for $PUNICA_X_CPU_ISA): "native" lets ggml take whatever the building CPU has
+ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    ),
+}  # fmt: skip
+
+
+def build_isa() -> str:
+    """avx2 when punica-x's kernels are held to AVX2 ($PUNICA_X_CPU_ISA=avx2), else native."""
+    return "avx2" if os.environ.get("PUNICA_X_CPU_ISA") == "avx2" else "native"
+
+
 def ensure_build() -> Path:
-    """The directory holding llama-server and llama-quantize, built on first use (native ISA:
-    the binaries suit the CPU of the machine that built them, so the stamp names that CPU)."""
+    """The directory holding llama-server and llama-quantize, built on first use for
+    build_isa() (a native build suits the CPU of the machine that built it, so the stamp
+    names that CPU)."""
     tree = source_tree()
-    build = cache_root() / "build"
+    isa = build_isa()
+    build = cache_root() / ("build" if isa == "native" else f"build-{isa}")
     stamp = build / ".ready"
     cpu = _cpu_flags()
     if stamp.exists() and stamp.read_text() == cpu:
         return build / "bin"
-    print(f"peer: building {', '.join(TARGETS)} in {build}", flush=True)
+    print(f"peer: building {', '.join(TARGETS)} ({isa}) in {build}", flush=True)
     configure = [
         "cmake", "-S", str(tree), "-B", str(build), "-G", "Ninja",
-        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+        "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF",
     ]  # fmt: skip

@@ -51,7 +51,8 @@ def start_server(
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)  # also while it answers 503 (loading): polling steals its cores
     proc.kill()
     raise RuntimeError("server did not become ready")
 
