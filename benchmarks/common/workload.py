@@ -85,17 +85,12 @@ def random_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from punica_x.models.llama import LlamaDims
+
     cfg = AutoConfig.from_pretrained(model_dir)
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {  # module: (in, out)
-        "self_attn.q_proj": (h, q),
-        "self_attn.k_proj": (h, kv),
-        "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (q, h),
-        "mlp.gate_proj": (h, i),
-        "mlp.up_proj": (h, i),
-        "mlp.down_proj": (i, h),
+        ("self_attn." if p[0] in "qkvo" else "mlp.") + p: io
+        for p, io in LlamaDims.from_hf_config(cfg).lora_shapes().items()
     }
     paths = []
     for a in range(n):
