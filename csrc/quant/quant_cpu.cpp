@@ -230,28 +230,20 @@ void decode(T* y, int64_t ys, const float* x, int64_t xs, const uint8_t* w, int6
 template <int F, typename T>
 void qgemm(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
            int n) {
-  const int nblocks = k / kBlock;
-  if (m <= kMR) {  // decode: unpack in registers, kNR rows of W per tile, items of 4 tiles;
-    // x widened to float32 once (every tile reads all of it)
-    if constexpr (!std::is_same_v<T, float>) {
-      thread_local std::vector<float> xf;
-      xf.resize(size_t(m) * k);
-      for (int r = 0; r < m; ++r)
-        for (int c = 0; c < k; c += kLanes) store(xf.data() + int64_t(r) * k + c, load(x + r * xs + c));
-      return decode<F>(y, ys, xf.data(), int64_t(k), w, wrb, bias, m, k, n);
-    } else {
-      return decode<F>(y, ys, x, xs, w, wrb, bias, m, k, n);
-    }
-  }
-  // prefill: x widened to float32 once (every tile of every item reads it), items of `rows`
-  // W rows unpacked once into the thread's panel
-  if constexpr (!std::is_same_v<T, float>) {
-    std::vector<float> xf(size_t(m) * k);
+  // x widened to float32 once (every tile reads all of it); then decode (m <= kMR rows: W
+  // unpacked in registers, kNR rows of W per tile, items of 4 tiles) or prefill (items of W
+  // rows unpacked once into the thread's panel)
+  auto run = [&](const float* xf, int64_t xfs) {
+    if (m <= kMR) return decode<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n);
+    return panel_gemm<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n);
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    return run(x, xs);
+  } else {
+    std::vector<float> xf(size_t(m) * k);  // a prefill's is large: not kept past the call
     for (int r = 0; r < m; ++r)
       for (int c = 0; c < k; c += kLanes) store(xf.data() + int64_t(r) * k + c, load(x + r * xs + c));
-    return panel_gemm<F>(y, ys, xf.data(), int64_t(k), w, wrb, bias, m, k, n);
-  } else {
-    return panel_gemm<F>(y, ys, x, xs, w, wrb, bias, m, k, n);
+    return run(xf.data(), int64_t(k));
   }
 }
 

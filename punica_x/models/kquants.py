@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from punica_x.models.quantize import quantize_blocks
 from punica_x.ops.quant_dense import BLOCK, QuantBlocks
 
 TO_Q8_0 = ("Q5_K", "Q6_K", "Q5_1")
@@ -41,8 +42,7 @@ def repack(name: str, kind: str, rows: np.ndarray, cols: int) -> QuantBlocks:
     values = quants.dequantize(rows, GGMLQuantizationType[kind]).astype(np.float32)
     if not np.isfinite(values).all():
         raise ValueError(f"{name}: non-finite values in its {kind} blocks")
-    data = quants.quantize(np.ascontiguousarray(values), GGMLQuantizationType.Q8_0)
-    return QuantBlocks(name, "Q8_0", torch.from_numpy(data.reshape(rows.shape[0], -1).copy()), cols)
+    return quantize_blocks(name, torch.from_numpy(values), "Q8_0")
 
 
 def q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
