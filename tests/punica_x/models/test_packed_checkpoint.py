@@ -167,6 +167,20 @@ def test_packed_checkpoint_serves_blocks_matching_its_dequantized_values(
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_packed_checkpoint_in_bfloat16(method, tmp_path):
+    """Served in bf16 (the default on BF16 / AMX CPUs), the blocks' prompt logprobs are as
+    close to the float32 values of the same blocks as bf16 serving of those values is."""
+    packed, _ = make_packed_llama(tmp_path, method, False)
+    ref = block_reference(packed, tmp_path / "blocks")
+    exact = run(tiny_llm(ref))[1]
+    ours = run(tiny_llm(packed, quantization="auto", dtype="bfloat16"))[1]
+    rounding = run(tiny_llm(ref, dtype="bfloat16"))[1]
+    ours_err = max(abs(a - b) for a, b in zip(ours, exact))
+    bf16_err = max(abs(a - b) for a, b in zip(rounding, exact))
+    assert ours_err <= 1.5 * bf16_err + 0.05, (ours_err, bf16_err)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_q4_1_blocks_are_within_the_fp16_rounding_of_the_min(method):
     torch.manual_seed(0)
     offset = 1 if method == "gptq" else 0
