@@ -148,7 +148,7 @@ def engine_config(args):
     memory = MemoryConfig(utilization=args.memory_utilization)
     if args.kv_fraction is not None:
         memory = replace(memory, kv_fraction=args.kv_fraction)
-    engine = EngineConfig(model=model, memory=memory)
+    engine = EngineConfig(model=model, memory=memory, cuda_graphs=not args.no_cuda_graphs)
     if args.max_batch_size is not None:
         engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
     engine = replace(engine, batch=replace(engine.batch, policy=args.policy))
@@ -288,6 +288,12 @@ def _cluster_args(s) -> None:
         default=None,
         metavar="MIN:MAX",
         help="start and drain runners on the scaling advice, keeping MIN..MAX (dead ones replaced)",
+    )
+    s.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run every decode step eagerly on a GPU (by default decode steps replay CUDA "
+        "graphs captured at start, with the torch attention backend)",
     )
     s.add_argument(
         "--no-distkv",

@@ -66,6 +66,7 @@ def _totals(s):
         "kv_blocks_used": ("KV cache blocks in use", s.kv_blocks_used),
         "kv_blocks_free": ("free KV cache blocks", s.kv_blocks_free),
         "adapter_device_bytes": ("adapter bytes resident on the device", s.adapter_device_bytes),
+        "cuda_graphs": ("decode CUDA graphs captured", s.cuda_graphs),
     }
     for name, (doc, value) in gauges.items():
         yield GaugeMetricFamily(f"punica_x_{name}", doc, value=value)
@@ -80,6 +81,12 @@ def _totals(s):
             s.prefix_cache_queries,
         ),
         "prefix_cache_hits": ("prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        "cuda_graph_steps": ("decode steps replayed from a CUDA graph", s.cuda_graph_steps),
+        "eager_decode_steps": (
+            "decode-only steps run eagerly on a runner with CUDA graphs (a shape or feature "
+            "the graphs do not cover)",
+            s.eager_decode_steps,
+        ),
     }
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(f"punica_x_{name}", doc, value=value)

@@ -207,3 +207,6 @@ class EngineConfig:
     sgmv_backend: str | None = None
     attention_backend: str | None = None
     seed: int = 0
+    # decode steps replayed from CUDA graphs (on CUDA, with the torch attention backend;
+    # punica_x/engine/cuda_graphs.py); False: every step eager
+    cuda_graphs: bool = True

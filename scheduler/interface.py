@@ -43,6 +43,11 @@ class RunnerStats:
     # as (adapter, queried tokens, hit tokens), adapters in name order
     kv_blocks_cached: int = 0
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    # CUDA graphs (punica_x/engine/cuda_graphs.py): graphs captured, decode steps replayed
+    # from one, and decode steps that ran eagerly (a shape or feature they do not cover)
+    cuda_graphs: int = 0
+    cuda_graph_steps: int = 0
+    eager_decode_steps: int = 0
 
     @classmethod
     def total(cls, per: list[RunnerStats], waiting: int = 0) -> RunnerStats:

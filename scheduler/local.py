@@ -41,7 +41,16 @@ def engine_stats(e: Engine) -> RunnerStats:
         **(_swap_counters(e.swap.stats) if e.swap is not None else {}),
         **_distkv_gauges(e),
         **_prefix_counters(e),
+        **_graph_counters(e),
     )
+
+
+def _graph_counters(e: Engine) -> dict:
+    g = getattr(e, "graphs", None)
+    if g is None:
+        return {}
+    s = g.stats
+    return dict(cuda_graphs=s.captures, cuda_graph_steps=s.replays, eager_decode_steps=s.eager)
 
 
 def _prefix_counters(e: Engine) -> dict:

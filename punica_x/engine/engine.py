@@ -20,6 +20,7 @@ from punica_x.dtypes import dtype_name
 from punica_x.engine import memory
 from punica_x.engine.build import build_attention, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
+from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
 from punica_x.engine.outputs import OutputProcessor, emit
@@ -70,6 +71,7 @@ class Engine(DistKVPart):
             self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
         self._build(config)
+        self.graphs = self._decode_graphs(config)
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def _build(self, config: EngineConfig) -> None:
@@ -95,6 +97,7 @@ class Engine(DistKVPart):
         eos = self.loaded.eos_token_ids
         self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
         self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
+        self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.requests: dict[str, Request] = {}
         self.rmanager: RManager | None = None  # DistKV (enable_distkv)
         self.idle_step = False  # the last step ran nothing (requests wait for blocks)
@@ -102,6 +105,30 @@ class Engine(DistKVPart):
         self.scheduled_ids: tuple[str, ...] = ()
         self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, captured now (engine/cuda_graphs.py); None on a
+        CPU, with config.cuda_graphs off, or with an attention backend they do not cover."""
+        if self.device.type != "cuda" or not config.cuda_graphs:
+            return None
+        attention = self.planner.attention.name
+        if attention != "torch":
+            log.info("CUDA graphs: off (the %s attention backend runs eagerly)", attention)
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.cache.kv,
+            self.sgmv,
+            self.cache.allocator,
+            self.planner.lora.h_out,
+            config.cache.block_size,
+            self.max_model_len,
+            config.batch.max_batch_size,
+            config.lora.max_lora_rank,
+            self.device,
+        )
+        graphs.capture_start()
+        return graphs
 
     def unregister_adapter(self, name: str) -> None:
         """Remove an adapter (AdapterPool.unregister: running requests finish on the weights
@@ -248,7 +275,9 @@ class Engine(DistKVPart):
         started = time.perf_counter()
         try:
             batch, ordered = self.planner.plan(scheduled)
-            logits = self.model(batch, self.cache.kv, self.sgmv)
+            logits = self.graphs.run(batch) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model(batch, self.cache.kv, self.sgmv)
         except PeerLost as exc:
             self._lost_peer(exc.owner)
             return outputs

@@ -28,6 +28,9 @@ class SgmvWeights:
     a_ptr, b_ptr: [S] int64 addresses of a[s] / b[s] (0 for None)
     h_out:    output width of each slice
     max_rows: rows of the longest segment with an adapter; max_rank: largest sum_j ranks[s, j]
+    static:   the device tables are rewritten in place between launches (a CUDA graph's
+              buffers, engine/cuda_graphs.py): every launch reads them anew, never a copy
+              bound once (on the CPU, bind() reads the tables when it is made)
     """
 
     seg: torch.Tensor
@@ -41,6 +44,7 @@ class SgmvWeights:
     h_out: tuple[int, ...]
     max_rows: int
     max_rank: int
+    static: bool = False
 
     @property
     def num_segments(self) -> int:
@@ -52,9 +56,16 @@ class SgmvWeights:
         launch(y, x, v, layer) adds the LoRA of this launch's segments at `layer`."""
         kept = self.__dict__.get("_launch")
         if kept is None or kept[0] is not backend:
-            kept = (backend, backend.bind(self))
+            bound = self._unbound(backend) if self.static else backend.bind(self)
+            kept = (backend, bound)
             self.__dict__["_launch"] = kept
         return kept[1]
+
+    def _unbound(self, backend):
+        def launch(y, x, v, layer) -> None:
+            backend.add_lora(y, x, v, self, layer)
+
+        return launch
 
     @cached_property
     def prefetch_spans(self) -> torch.Tensor | None:
