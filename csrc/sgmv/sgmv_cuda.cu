@@ -8,6 +8,8 @@
 //   expand  grid (output column block, segment, slice x row tile): each thread owns an output
 //           column of a row tile and streams the r rows of B once for the tile; reads of B are
 //           coalesced across the warp.
+//   expand, one-row segments: each thread owns 16 bytes of output columns, 16-byte loads of B
+//           and of y (the distinct-adapter decode case, and every CUDA-graph decode step).
 // Row tiles let one long segment (the identical-adapter case) spread over many blocks instead
 // of one block walking all its rows in turn.
 // Plain CUDA: no torch headers, so `nvcc -c` alone builds it (tests do, for sm_80 and sm_90).
@@ -177,6 +179,61 @@ __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, Sgmv
   }
 }
 
+// One-row segments (the distinct-adapter decode case): each thread owns kVec consecutive
+// output columns of one slice, reads them from each of the r rows of B with one 16-byte load
+// and updates y with one 16-byte load and store: ~kVec times fewer threads and loads than
+// expand_kernel, whose one column per thread left a warp reading 64 bytes of B a row.
+// Requires every h_out, the y offsets and y's row stride to be multiples of kVec (checked by
+// the launcher); a segment whose B is not 16-byte aligned takes the scalar loop.
+template <typename T>
+__global__ void expand_one_row_kernel(T* y, int64_t ys, const float* v, int64_t vs,
+                                      SgmvSegments p, Slices slices) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int s = blockIdx.y, slice = blockIdx.z;
+  const int64_t wp = p.w_ptr[s];
+  if (wp == 0 || p.seg[s + 1] == p.seg[s]) return;
+  const int t = p.seg[s];
+  const int32_t* ranks = p.ranks + s * p.num_slices;
+  const int r = ranks[slice];
+  const int h_out = slices.h_out[slice];
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
+  if (r == 0 || c >= h_out) return;
+  int64_t layer_size = 0, b_off = 0;
+  int v_off = 0, y_off = 0;
+  for (int j = 0; j < p.num_slices; ++j) {
+    if (j < slice) {
+      b_off += int64_t(ranks[j]) * slices.h_out[j];
+      v_off += ranks[j];
+      y_off += slices.h_out[j];
+    }
+    layer_size += int64_t(ranks[j]) * slices.h_out[j];
+  }
+  const T* b = reinterpret_cast<const T*>(wp) + p.layer * layer_size + b_off + c;
+  const float* vt = v + int64_t(t) * vs + v_off;
+  float acc[kVec] = {};
+  if (reinterpret_cast<uintptr_t>(b) % 16 == 0) {
+    for (int i = 0; i < r; ++i) {
+      const uint4 bv = *reinterpret_cast<const uint4*>(b + int64_t(i) * h_out);
+      const T* be = reinterpret_cast<const T*>(&bv);
+      const float vi = vt[i];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] += vi * to_f32(be[e]);
+    }
+  } else {
+    for (int i = 0; i < r; ++i) {
+      const float vi = vt[i];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] += vi * to_f32(b[int64_t(i) * h_out + e]);
+    }
+  }
+  T* out = y + int64_t(t) * ys + y_off + c;
+  uint4 yv = *reinterpret_cast<const uint4*>(out);
+  T* ye = reinterpret_cast<T*>(&yv);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) ye[e] = from_f32<T>(to_f32(ye[e]) + acc[e]);
+  *reinterpret_cast<uint4*>(out) = yv;
+}
+
 int row_tiles(int max_rows) { return (max_rows + kRowTile - 1) / kRowTile; }
 
 // K chunks per (segment, row tile): enough blocks for two per SM, each chunk >= 256 wide.
@@ -216,6 +273,16 @@ void launch_expand(T* y, int64_t ys, const float* v, int64_t vs, const int32_t* 
   for (int j = 0; j < p.num_slices; ++j) {
     slices.h_out[j] = h_out[j];
     widest = h_out[j] > widest ? h_out[j] : widest;
+  }
+  constexpr int kVec = 16 / sizeof(T);
+  bool vectorizable = ys % kVec == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  for (int j = 0; j < p.num_slices; ++j) vectorizable = vectorizable && h_out[j] % kVec == 0;
+  if (max_rows == 1 && vectorizable) {
+    constexpr int kVecThreads = 128;
+    const int per_block = kVecThreads * kVec;
+    const dim3 grid((widest + per_block - 1) / per_block, p.num_segments, p.num_slices);
+    expand_one_row_kernel<T><<<grid, kVecThreads, 0, stream>>>(y, ys, v, vs, p, slices);
+    return;
   }
   const dim3 grid((widest + kThreads - 1) / kThreads, p.num_segments,
                   p.num_slices * row_tiles(max_rows));
