@@ -148,7 +148,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cuda":
+    if args.device == "cuda" or args.dry_run:
         return main_gpu(args)
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)

@@ -5,7 +5,9 @@ adapters on all 7 projections written straight in PEFT's format (random; what a 
 per step depends on the shapes only), bfloat16. For each --gpu-requests count (32 and 128):
 tokens/s of a whole generation and the median decode step (every request decoding) for the
 backbone and the Distinct / Uniform / Skewed / Identical workloads, with the LoRA overhead
-of each = its step / the backbone's step - 1. Beside them in the same run: HF transformers
+of each = its step / the backbone's step - 1, with the decode steps replayed from CUDA
+graphs (engine/cuda_graphs.py) and again eagerly (eager_ms, eager_overhead), interleaved in
+each round. Beside them in the same run: HF transformers
 (bfloat16 on the same GPU, sdpa attention) generating the same prompts without adapters,
 and HF + PEFT with a mixed-adapter batch (adapter_names=) on --hf-workloads at the smallest
 request count. Then the first token of an adapter nobody has loaded yet: registration (read,
@@ -39,6 +41,8 @@ COLUMNS = [
     "tok_s",
     "step_ms",
     "lora_overhead",
+    "eager_ms",
+    "eager_overhead",
     "kernel_ms",
     "gpu_busy",
     "hf_tok_s",
@@ -57,13 +61,22 @@ def add_gpu_args(ap) -> None:
         help="with --device cuda: flashinfer (the default where it has a kernel) or torch",
     )
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the --device cuda run's whole path on the CPU, at the sizes given (for "
+        "scripts/gpu_check.sh --dry-run): same phases, JSON and table, no GPU figures",
+    )
 
 
 def check_gpu_args(ap, args):
     """args, after refusing (ap.error: exit 2, naming the flag) GPU flags without --device
     cuda (--tokenizer serves a CPU run of a --model shape too) and request counts that are
-    not positive integers."""
-    if args.device != "cuda":
+    not positive integers. --dry-run takes the GPU flags on the CPU (and only there), and
+    --hf-workloads none leaves HF out."""
+    if args.dry_run and args.device != "cpu":
+        ap.error("--dry-run runs the GPU benchmark's path on the CPU: it needs --device cpu")
+    if args.device != "cuda" and not args.dry_run:
         flags = ["gpu_requests", "attention_backend"]
         if getattr(args, "model", None) not in SHAPES:  # a random model's tokenizer folder
             flags.append("tokenizer")
@@ -72,7 +85,8 @@ def check_gpu_args(ap, args):
             ap.error(f"--{given[0].replace('_', '-')} needs --device cuda")
         return args
     try:
-        counts = [int(c) for c in args.gpu_requests.split(",")]
+        given = args.gpu_requests if args.gpu_requests is not None else "32,128"
+        counts = [int(c) for c in given.split(",")]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
@@ -140,6 +154,8 @@ def _run(args, counts: list[int], tmp: Path) -> None:
     rows = []
     for n in counts:
         rows += _rows_for(llm, n, sp, args)
+    if engine.graphs is not None:
+        summary["cuda_graphs"] = vars(engine.graphs.stats) | {"shapes": len(engine.graphs.graphs)}
     summary["new_adapter"] = _new_adapter_ttft(llm, paths[-1])
     _log(f"a new adapter: {summary['new_adapter']}")
     _save(args, rows, summary)
@@ -148,7 +164,8 @@ def _run(args, counts: list[int], tmp: Path) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    summary |= _hf_columns(rows, model_dir, paths, prompts, counts, args)
+    if args.hf_workloads != "none":  # none: HF left out (gpu_check's device-time budget)
+        summary |= _hf_columns(rows, model_dir, paths, prompts, counts, args)
     _report(args, rows, summary)
     _save(args, rows, summary)
 
@@ -160,7 +177,7 @@ def _log(text: str) -> None:
 def _load(args, counts) -> tuple[LLM, dict]:
     """The engine on the model (built first if a shape), and the summary's first fields."""
     started = time.perf_counter()
-    model = model_path(args.model or "llama-3-8b", args.tokenizer)
+    model = model_path(_model_name(args), args.tokenizer)
     _log(f"model at {model} ({time.perf_counter() - started:.0f} s)")
     t0 = time.perf_counter()
     llm = LLM(
@@ -170,12 +187,15 @@ def _load(args, counts) -> tuple[LLM, dict]:
         attention_backend=args.attention_backend,
         max_batch_size=max(counts),
         max_batched_tokens=max(2048, 64 * max(counts)),
-        kv_fraction=0.5,
-        host_bytes=64 * GiB,
+        **(
+            {"kv_fraction": 0.5, "host_bytes": 64 * GiB}
+            if args.device == "cuda"
+            else {"kv_cache_bytes": 64 << 20}  # a --dry-run on the CPU: small and fixed
+        ),
     )
     engine = llm.engine
     summary = {
-        "model": f"{args.model or 'llama-3-8b'} (random weights)",
+        "model": f"{_model_name(args)} (random weights)",
         "dtype": dtype_name(engine.dtype),
         "attention": engine.planner.attention.name,
         "sgmv": engine.sgmv.name,
@@ -186,28 +206,43 @@ def _load(args, counts) -> tuple[LLM, dict]:
     return llm, summary
 
 
+def _model_name(args) -> str:
+    """--model, else the 8B shape on a GPU and SmolLM2's on a --dry-run."""
+    return args.model or ("smollm2-135m" if args.dry_run else "llama-3-8b")
+
+
 def _rows_for(llm: LLM, n: int, sp, args) -> list[dict]:
     prompts = make_prompts(llm.tokenizer, n)
     names = {"backbone": [None] * n, **workload_names(n)}
     warm_up(llm, prompts)
     tps = {w: run_ours(llm, prompts, a, sp) for w, a in names.items()}
     _log(f"{n} requests, tok/s: {tps}")
-    steps: dict[str, list[float]] = {w: [] for w in names}
+    graphs = llm.engine.graphs
+    modes = ("graphs", "eager") if graphs is not None else ("eager",)
+    steps: dict[tuple[str, str], list[float]] = {(m, w): [] for m in modes for w in names}
     for _ in range(args.rounds):  # interleaved: the GPU's clocks move over a run
-        for w, a in names.items():
-            steps[w].append(decode_step_time(llm, prompts, a, sp, args.decode_steps))
-    step = {w: statistics.median(s) for w, s in steps.items()}
-    rows = [
-        {
+        for mode in modes:
+            if graphs is not None:
+                graphs.enabled = mode == "graphs"
+            for w, a in names.items():
+                steps[mode, w].append(decode_step_time(llm, prompts, a, sp, args.decode_steps))
+    if graphs is not None:
+        graphs.enabled = True
+    step = {k: statistics.median(s) for k, s in steps.items()}
+    rows = []
+    for w, a in names.items():
+        row = {
             "requests": n,
             "workload": w,
             "adapters": len({x for x in a if x is not None}),
             "tok_s": tps[w],
-            "step_ms": step[w] * 1e3,
-            "lora_overhead": step[w] / step["backbone"] - 1,
+            "step_ms": step[modes[0], w] * 1e3,
+            "lora_overhead": step[modes[0], w] / step[modes[0], "backbone"] - 1,
         }
-        for w, a in names.items()
-    ]
+        if graphs is not None:  # the same steps with every launch from the host
+            row["eager_ms"] = step["eager", w] * 1e3
+            row["eager_overhead"] = step["eager", w] / step["eager", "backbone"] - 1
+        rows.append(row)
     for row, a in zip(rows, names.values()):
         kernel_ms = _kernel_ms(llm, prompts, a, sp)
         row["kernel_ms"] = kernel_ms
@@ -219,16 +254,18 @@ def _rows_for(llm: LLM, n: int, sp, args) -> list[dict]:
 
 def _kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:
     """Milliseconds of CUDA kernels in a decode step (torch.profiler, mean over `steps`
-    steps, every request decoding). Over the step's unprofiled wall time (gpu_busy): near 1,
-    the step is the GPU's; far below, the host's launches and Python are the step (what
-    CUDA graphs cut). The profiler's error text where it cannot say (a diagnostic, never a
-    reason to stop the run)."""
+    steps, every request decoding, launched eagerly; the top kernels logged). Over the
+    step's unprofiled wall time (gpu_busy): near 1, the step is the GPU's; far below, the
+    host's launches and Python are the step (what CUDA graphs cut). The profiler's error
+    text where it cannot say (a diagnostic, never a reason to stop the run)."""
     if not torch.cuda.is_available():
         return "no CUDA"
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
+    if engine.graphs is not None:  # profiled eagerly: the same kernels, each one named
+        engine.graphs.enabled = False
     for p, a in zip(prompts, adapters):
         engine.add_request(p, sp, a)
     while any(not r.output_token_ids for r in engine.requests.values()):
@@ -240,12 +277,25 @@ def _kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # kernels and copies
+        _log_top_kernels(kernels, steps)
         return busy_us / 1e3 / steps
     except Exception as exc:  # noqa: BLE001 - reported in the table instead
         return f"profiler: {exc}"
     finally:
         for rid in list(engine.requests):
             engine.abort(rid)
+        if engine.graphs is not None:
+            engine.graphs.enabled = True
+
+
+def _log_top_kernels(kernels, steps: int, top: int = 8) -> None:
+    """The kernels that took the most GPU time per step, with their calls per step."""
+    by: dict[str, list[float]] = {}
+    for e in kernels:
+        by.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    ranked = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, times in ranked:
+        _log(f"  {sum(times) / steps / 1e3:7.3f} ms/step {len(times) / steps:6.1f} calls  {name}")
 
 
 def _new_adapter_ttft(llm: LLM, path: Path) -> dict:
@@ -274,6 +324,8 @@ def _hf_columns(rows, model_dir: Path, paths, prompts, counts, args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
+    if tok.pad_token is None:  # Llama 3's tokenizer has none: pad with EOS (masked anyway)
+        tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = model.to(args.device).eval()
     by = {(r["requests"], r["workload"]): r for r in rows}
@@ -343,7 +395,7 @@ def _report(args, rows, summary) -> None:
 
 def _save(args, rows, summary) -> None:
     """JSON and PNG in benchmarks/results/cuda/ (again at each call: the latest wins)."""
-    name = "bench_generate_cuda_" + Path(args.model or "llama-3-8b").name.replace(".", "_")
+    name = "bench_generate_cuda_" + Path(_model_name(args)).name.replace(".", "_")
     path = write_json(name, {"args": vars(args), "summary": summary, "rows": rows}, "cuda")
     _plot(rows, summary, name)
     _log(f"wrote {path} and {path.with_suffix('.png')}")

@@ -91,12 +91,17 @@ def test_gpu_flags_are_refused_without_cuda_and_request_counts_must_be_positive(
         ["--device", "cuda", "--gpu-requests", "32,-1"],
         ["--device", "cuda", "--gpu-requests", "1e9x"],
         ["--device", "cuda", "--gpu-requests", ""],
+        ["--device", "cuda", "--dry-run"],
+        ["--dry-run", "--gpu-requests", "0"],
     ):
         with pytest.raises(SystemExit) as info:
             check_gpu_args(ap, ap.parse_args(bad))
         assert info.value.code == 2, bad
     ok = check_gpu_args(ap, ap.parse_args(["--device", "cuda", "--gpu-requests", "8,16"]))
     assert ok.gpu_requests == "8,16"
+    # the GPU run's path on the CPU (gpu_check --dry-run) takes the GPU flags
+    ok = check_gpu_args(ap, ap.parse_args(["--dry-run", "--gpu-requests", "4"]))
+    assert ok.dry_run and ok.gpu_requests == "4"
     # a CPU run of a random model's shape takes its tokenizer folder
     ok = check_gpu_args(ap, ap.parse_args(["--model", "smollm2-135m", "--tokenizer", "t"]))
     assert ok.tokenizer == "t"

@@ -1,0 +1,78 @@
+"""bench_serve_cuda runs `punica-x serve` end to end (here on the CPU with the tiny Llama):
+every figure of its summary in the JSON, the server stopped and its scratch folder gone
+afterwards; bad flags exit 2 naming the flag, before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve_cuda.py"
+FIGURES = [
+    "server_ready_s",
+    "upload_s",
+    "backbone_tok_s",
+    "distinct_tok_s",
+    "lora_x",
+    "new_upload_s",
+    "new_first_token_s",
+    "new_total_s",
+]
+
+
+def run(*flags: str, env: dict | None = None, timeout: float = 60):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_a_cpu_run_writes_every_figure_and_stops_the_server(tmp_path, tiny_model_dir):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PUNICA_X_RESULTS=str(tmp_path / "results"), TMPDIR=str(scratch))
+    flags = ["--device", "cpu", "--model", str(tiny_model_dir), "--adapters", "2"]
+    done = run(*flags, "--requests", "4", "--clients", "2", "--max-tokens", "4", env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    (path,) = (tmp_path / "results").glob("*/bench_serve_cuda_*.json")
+    summary = json.loads(path.read_text())["summary"]
+    for name in FIGURES:
+        value = summary[name]
+        assert isinstance(value, float) and value > 0, (name, value)
+    assert summary["new_first_event"] in ("text", "logprobs")
+    assert summary["metrics"] and all(k.startswith("punica_x_") for k in summary["metrics"])
+    assert isinstance(summary["server_log"], list) and "error" not in summary
+    assert path.with_suffix(".png").exists()
+
+    pid = int(re.search(r"server ready in .* \(pid (\d+)\)", done.stdout).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not list(scratch.glob("bench-serve-cuda-*"))  # adapters and server data removed
+
+
+BAD = [
+    (["--device", "cpu", "--requests", "0"], "--requests"),
+    (["--device", "cpu", "--clients", "-1"], "--clients"),
+    (["--device", "cpu", "--adapters", "0"], "--adapters"),
+    (["--device", "cpu", "--max-tokens", "0"], "--max-tokens"),
+    (["--device", "cpu", "--model", "some/dir", "--tokenizer", "x"], "--tokenizer"),
+]
+if not torch.cuda.is_available():
+    BAD.append((["--device", "cuda"], "--device cuda"))
+
+
+@pytest.mark.parametrize("flags,named", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_values_exit_2_naming_the_flag(flags, named):
+    done = run(*flags, timeout=30)
+    assert done.returncode == 2 and named in done.stderr, done.stderr
