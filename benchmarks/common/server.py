@@ -51,19 +51,33 @@ def start_server(
 def wait_ready(proc: subprocess.Popen, url: str, seconds: float, log: Path) -> subprocess.Popen:
     """proc once GET url answers 200 (polled twice a second, also while it answers 503: a
     tighter poll steals the loading server's cores); RuntimeError naming the log if the
-    process exits or `seconds` pass first (the process is killed then)."""
+    process exits, its /ready reports that loading failed (the body's "error": punica-x
+    stays up to say why) or `seconds` pass first (the process is killed then)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}); see {log}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
                 return proc
+            error = _load_error(r)
+            if error:
+                proc.kill()
+                raise RuntimeError(f"the server could not load: {error}; see {log}")
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"{proc.args[0]} was not ready after {seconds:g} s; see {log}")
+
+
+def _load_error(r: httpx.Response) -> str | None:
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
 
 
 @contextlib.contextmanager

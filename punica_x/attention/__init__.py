@@ -7,6 +7,7 @@ reference, any device and dtype), "flashinfer" (CUDA float16 / bfloat16, the [gp
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -62,6 +63,12 @@ def _default(device: torch.device, dtype: torch.dtype | None, head_dim: int | No
             head_dim,
             dtype,
         )
+    elif importlib.util.find_spec("flashinfer") is None:
+        log.warning(
+            "attention: FlashInfer is not installed (pip install 'punica-x[gpu]'); using the "
+            "torch backend (decode steps from CUDA graphs; prefill slower)"
+        )
+        return "torch"
     return "flashinfer" if fits else "torch"
 
 
@@ -72,8 +79,8 @@ def get_attention_backend(
     head_dim: int | None = None,
 ):
     """`name`, else $PUNICA_X_ATTENTION_BACKEND, else by device: cpu on CPU (float32 or
-    bfloat16, else torch); on CUDA flashinfer where it has a kernel for (dtype, head_dim),
-    torch otherwise. A named backend that cannot run `dtype` raises."""
+    bfloat16, else torch); on CUDA flashinfer where it is installed and has a kernel for
+    (dtype, head_dim), torch otherwise (logged). A named backend that cannot run `dtype` raises."""
     device = torch.device(device)
     name = name or ATTENTION_BACKEND.get() or _default(device, dtype, head_dim)
     return BACKENDS.get(device, dtype, name)

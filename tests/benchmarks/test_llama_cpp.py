@@ -35,6 +35,32 @@ def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
         wait_ready(proc, "http://127.0.0.1:9/health", 30, tmp_path / "peer.log")
 
 
+def test_a_server_whose_load_failed_is_reported_at_once(tmp_path):
+    """punica-x stays up after a failed load, its /ready saying why (503 with "error"):
+    waiting out the timeout there cost a lent GPU's check 2.5 minutes."""
+    script = (
+        "import json, sys\n"
+        "from http.server import BaseHTTPRequestHandler, HTTPServer\n"
+        "class H(BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        err = 'ImportError: no flashinfer'\n"
+        "        body = json.dumps({'status': 'not_ready', 'error': err})\n"
+        "        self.send_response(503); self.end_headers(); self.wfile.write(body.encode())\n"
+        "    def log_message(self, *a): pass\n"
+        "s = HTTPServer(('127.0.0.1', 0), H)\n"
+        "print(s.server_port, flush=True)\n"
+        "s.serve_forever()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    try:
+        with pytest.raises(RuntimeError, match="could not load: ImportError: no flashinfer"):
+            wait_ready(proc, f"http://127.0.0.1:{port}/ready", 60, tmp_path / "server.log")
+        assert proc.wait(10) is not None  # killed
+    finally:
+        proc.kill()
+
+
 def test_random_adapters_load_into_the_model_they_were_shaped_for(tiny_model_dir, tmp_path):
     from helpers import tiny_llm
 

@@ -205,10 +205,23 @@ def test_flashinfer_matches_torch_backend(dtype):
         torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)
 
 
-def test_cuda_default_is_flashinfer_only_where_it_has_a_kernel():
+def test_cuda_default_is_flashinfer_only_where_it_has_a_kernel(monkeypatch, caplog):
+    import importlib.util
+
     from punica_x.attention import _default
 
     cuda = torch.device("cuda")
+    real = importlib.util.find_spec
+    # not installed (a lent GPU machine without the [gpu] extra): torch, with a warning
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a)
+    )
+    assert _default(cuda, torch.bfloat16, 64) == "torch"
+    assert "FlashInfer is not installed" in caplog.text
+    # installed
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a)
+    )
     assert _default(cuda, torch.bfloat16, 64) == "flashinfer"
     assert _default(cuda, torch.float16, 128) == "flashinfer"
     assert _default(cuda, torch.bfloat16, 16) == "torch"  # no FlashInfer kernel for 16
