@@ -138,6 +138,27 @@ __global__ void shrink_one_row_kernel(float* v, int64_t vs, const T* x, int64_t 
   }
 }
 
+// Where slice `slice` of a segment starts: in its adapter's B at one layer (b_off; a layer
+// holds layer_size values), in v (v_off: the ranks of the slices before it) and in y (y_off).
+struct SliceOffsets {
+  int64_t layer_size = 0, b_off = 0;
+  int v_off = 0, y_off = 0;
+};
+
+__device__ __forceinline__ SliceOffsets slice_offsets(const SgmvSegments& p, const int32_t* ranks,
+                                                      const Slices& slices, int slice) {
+  SliceOffsets o;
+  for (int j = 0; j < p.num_slices; ++j) {
+    if (j < slice) {
+      o.b_off += int64_t(ranks[j]) * slices.h_out[j];
+      o.v_off += ranks[j];
+      o.y_off += slices.h_out[j];
+    }
+    o.layer_size += int64_t(ranks[j]) * slices.h_out[j];
+  }
+  return o;
+}
+
 template <typename T>
 __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, SgmvSegments p,
                               Slices slices) {
@@ -152,18 +173,9 @@ __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, Sgmv
   const int h_out = slices.h_out[slice];
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (rows <= 0 || r == 0 || c >= h_out) return;
-  int64_t layer_size = 0, b_off = 0;
-  int v_off = 0, y_off = 0;
-  for (int j = 0; j < p.num_slices; ++j) {
-    if (j < slice) {
-      b_off += int64_t(ranks[j]) * slices.h_out[j];
-      v_off += ranks[j];
-      y_off += slices.h_out[j];
-    }
-    layer_size += int64_t(ranks[j]) * slices.h_out[j];
-  }
-  const T* b = reinterpret_cast<const T*>(wp) + p.layer * layer_size + b_off + c;
-  const float* vt = v + int64_t(row0) * vs + v_off;
+  const SliceOffsets o = slice_offsets(p, ranks, slices, slice);
+  const T* b = reinterpret_cast<const T*>(wp) + p.layer * o.layer_size + o.b_off + c;
+  const float* vt = v + int64_t(row0) * vs + o.v_off;
   float acc[kRowTile] = {};
   for (int i = 0; i < r; ++i) {
     const float bv = to_f32(b[int64_t(i) * h_out]);
@@ -174,7 +186,7 @@ __global__ void expand_kernel(T* y, int64_t ys, const float* v, int64_t vs, Sgmv
 #pragma unroll
   for (int t = 0; t < kRowTile; ++t) {
     if (t >= rows) break;
-    T* out = y + (row0 + t) * ys + y_off + c;
+    T* out = y + (row0 + t) * ys + o.y_off + c;
     *out = from_f32<T>(to_f32(*out) + acc[t]);
   }
 }
@@ -198,18 +210,9 @@ __global__ void expand_one_row_kernel(T* y, int64_t ys, const float* v, int64_t 
   const int h_out = slices.h_out[slice];
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
   if (r == 0 || c >= h_out) return;
-  int64_t layer_size = 0, b_off = 0;
-  int v_off = 0, y_off = 0;
-  for (int j = 0; j < p.num_slices; ++j) {
-    if (j < slice) {
-      b_off += int64_t(ranks[j]) * slices.h_out[j];
-      v_off += ranks[j];
-      y_off += slices.h_out[j];
-    }
-    layer_size += int64_t(ranks[j]) * slices.h_out[j];
-  }
-  const T* b = reinterpret_cast<const T*>(wp) + p.layer * layer_size + b_off + c;
-  const float* vt = v + int64_t(t) * vs + v_off;
+  const SliceOffsets o = slice_offsets(p, ranks, slices, slice);
+  const T* b = reinterpret_cast<const T*>(wp) + p.layer * o.layer_size + o.b_off + c;
+  const float* vt = v + int64_t(t) * vs + o.v_off;
   float acc[kVec] = {};
   if (reinterpret_cast<uintptr_t>(b) % 16 == 0) {
     for (int i = 0; i < r; ++i) {
@@ -226,7 +229,7 @@ __global__ void expand_one_row_kernel(T* y, int64_t ys, const float* v, int64_t 
       for (int e = 0; e < kVec; ++e) acc[e] += vi * to_f32(b[int64_t(i) * h_out + e]);
     }
   }
-  T* out = y + int64_t(t) * ys + y_off + c;
+  T* out = y + int64_t(t) * ys + o.y_off + c;
   uint4 yv = *reinterpret_cast<const uint4*>(out);
   T* ye = reinterpret_cast<T*>(&yv);
 #pragma unroll
