@@ -210,3 +210,7 @@ class EngineConfig:
     # decode steps replayed from CUDA graphs (on CUDA, with the torch attention backend;
     # punica_x/engine/cuda_graphs.py); False: every step eager
     cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")

@@ -17,10 +17,9 @@ ADAPTERS = ("r4", "r8", "r16", "r64")
 
 
 def _llm(tiny_model_dir, tiny_adapters, **kw) -> LLM:
-    kw = {"max_batch_size": 8, "block_size": 4, **kw}
+    kw = {"max_batch_size": 8, "block_size": 4, "dtype": "float32", **kw}
     llm = LLM(
         model=str(tiny_model_dir),
-        dtype="float32",
         kv_cache_bytes=16 << 20,
         attention_backend="torch",
         **kw,
@@ -151,6 +150,26 @@ def test_capture_start_captures_every_batch_bucket(tiny_model_dir, tiny_adapters
     }
     assert graphs.stats.captures == 8
     assert llm.engine.cache.allocator.num_used == 0
+
+
+def test_bfloat16_replays_equal_eager_at_a_bucket_size(tiny_model_dir, tiny_adapters):
+    """bf16 (the default on BF16 CPUs and GPUs): 4 rows fill bucket 4, so every GEMM has
+    eager's shape; only the attention's padded width differs."""
+    prompts, adapters, params = _requests(4)
+    want = _llm(tiny_model_dir, tiny_adapters, dtype="bfloat16").generate(prompts, adapters, params)
+    llm = _llm(tiny_model_dir, tiny_adapters, dtype="bfloat16")
+    graphs = _attach(llm)
+    got = llm.generate(prompts, adapters, params)
+    assert graphs.stats.replays > 0
+    assert [g.token_ids[:2] for g in got] == [w.token_ids[:2] for w in want]
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g.token_ids, w.token_ids))
+    assert same >= 0.75 * sum(len(w.token_ids) for w in want)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_cuda_graphs_must_be_a_bool(tiny_model_dir, bad):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM(model=str(tiny_model_dir), kv_cache_bytes=16 << 20, cuda_graphs=bad)
 
 
 def test_engine_on_the_cpu_has_no_graphs(tiny_model_dir):
