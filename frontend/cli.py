@@ -2,9 +2,9 @@
 `prepare` builds the kernels and converts the default model ahead of the first start.
 
     punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
-    punica-x serve [--model PATH] [--quantization auto|none|int8|int4] [--dtype auto|float32|...]
-                   [--host 127.0.0.1]
-                   [--port 8000] [--data-dir DIR]
+    punica-x serve [--model PATH] [--quantization auto|none|int8|int4]
+                   [--quant-activations int16|int8|float] [--dtype auto|float32|...]
+                   [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
     punica-x admin tenant weight NAME W
     punica-x admin tenant list
@@ -144,6 +144,7 @@ def engine_config(args):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
     )
     memory = MemoryConfig(utilization=args.memory_utilization)
     if args.kv_fraction is not None:
@@ -196,6 +197,14 @@ def _serve_parser(sub) -> None:
         help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
         "llama-architecture files); none (default): dequantize the file to the serving dtype; "
         "int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 projections)",
+    )
+    s.add_argument(
+        "--quant-activations",
+        choices=["int16", "int8", "float"],
+        default="int16",
+        help="how x meets weights served in blocks: each block of 32 values is rounded to "
+        "integers for integer dot products. int16 (default): within float32 noise of float; "
+        "int8: llama.cpp's arithmetic, the fastest, coarser; float: x exact",
     )
     s.add_argument(
         "--dtype",

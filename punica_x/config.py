@@ -29,7 +29,13 @@ class ModelConfig:
     punica_x.models.gguf_native), "none" dequantizes the whole file to the serving dtype (the
     exact reference); other checkpoints load as they are with either. "int8" / "int4" read a
     GGUF file as auto does and quantize the float weights of any checkpoint on load
-    (punica_x.models.quantize: Q8_0 / Q4_1 projections, a Q8_0 head)."""
+    (punica_x.models.quantize: Q8_0 / Q4_1 projections, a Q8_0 head).
+    quant_activations: how x meets weights served in blocks. "int16" (default) and "int8"
+    round each block of 32 values of x to integers with its own scale and multiply in integer
+    dot products: int16 within float32 summation noise of "float"; int8 is llama.cpp's
+    arithmetic, the fastest (steps of 1/127 of a block's largest value: a model with outlier
+    activations, as SmolLM2, moves its logprobs by up to ~1 nat); "float": x stays in the
+    serving dtype, the exact reference of the blocks' values. Float weights are not affected."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -38,13 +44,20 @@ class ModelConfig:
     dense_backend: str | None = None
     fused_backend: str | None = None
     quantization: str = "none"
+    quant_activations: str = "int16"
 
     QUANTIZATION = ("auto", "none", "int8", "int4")
+    QUANT_ACTIVATIONS = ("int16", "int8", "float")
 
     def __post_init__(self) -> None:
         if self.quantization not in self.QUANTIZATION:
             raise ValueError(
                 f"quantization must be one of {self.QUANTIZATION}, got {self.quantization!r}"
+            )
+        if self.quant_activations not in self.QUANT_ACTIVATIONS:
+            raise ValueError(
+                f"quant_activations must be one of {self.QUANT_ACTIVATIONS}, "
+                f"got {self.quant_activations!r}"
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")

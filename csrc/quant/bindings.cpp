@@ -31,8 +31,12 @@ void check_blocks(const torch::Tensor& w, int64_t format, int64_t k) {
   CHECK_ARG(w.size(0) > 0 && w.size(0) < (int64_t(1) << 31), "w must have 1 .. 2^31 rows, got ", w.size(0));
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias); y, x with contiguous rows (y may be a column slice).
-void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias) {
+// y[M, N] = x[M, K] @ W^T (+ bias); y, x with contiguous rows (y may be a column slice). x_bits
+// 8 or 16: x rounded to integers per block of 32 and integer dot products (qgemm_xq_cpu); 0: x
+// as it is (qgemm_cpu).
+void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias,
+           int64_t x_bits) {
+  CHECK_ARG(x_bits == 0 || x_bits == 8 || x_bits == 16, "x_bits must be 0, 8 or 16, got ", x_bits);
   const auto dtype = x.scalar_type();
   check_float(x, "x", dtype);
   check_float(y, "y", dtype);
@@ -51,12 +55,18 @@ void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c1
   }
   if (m == 0) return;
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
+  const auto run = [&](auto* yp, const auto* xp, const auto* bp) {
+    if (x_bits)
+      q::qgemm_xq_cpu(yp, y.stride(0), xp, x.stride(0), w.data_ptr<uint8_t>(), w.size(1), int(format), bp, int(m),
+                      int(k), int(n), int(x_bits));
+    else
+      q::qgemm_cpu(yp, y.stride(0), xp, x.stride(0), w.data_ptr<uint8_t>(), w.size(1), int(format), bp, int(m), int(k),
+                   int(n));
+  };
   if (dtype == at::kFloat)
-    q::qgemm_cpu(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(),
-                 w.size(1), int(format), static_cast<const float*>(b), int(m), int(k), int(n));
+    run(y.data_ptr<float>(), x.data_ptr<float>(), static_cast<const float*>(b));
   else
-    q::qgemm_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), static_cast<const bf16*>(x.data_ptr()), x.stride(0),
-                 w.data_ptr<uint8_t>(), w.size(1), int(format), static_cast<const bf16*>(b), int(m), int(k), int(n));
+    run(static_cast<bf16*>(y.data_ptr()), static_cast<const bf16*>(x.data_ptr()), static_cast<const bf16*>(b));
 }
 
 // Rows `rows` ([T] int64, each < N) of W dequantized: [T, K] of `dtype` (float32 or bfloat16).
@@ -91,7 +101,7 @@ int64_t first_bad_row(torch::Tensor w, int64_t format, int64_t k) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("qgemm", &qgemm, "y = x @ W^T (+ bias), W in ggml blocks", py::arg("y"), py::arg("x"), py::arg("w"),
-        py::arg("format"), py::arg("bias"));
+        py::arg("format"), py::arg("bias"), py::arg("x_bits") = 0);
   m.def("dequant_rows", &dequant_rows, "rows of W dequantized", py::arg("w"), py::arg("format"), py::arg("k"),
         py::arg("rows"), py::arg("dtype"));
   m.def("first_bad_row", &first_bad_row, "first row with a non-finite scale or min, -1 for none");

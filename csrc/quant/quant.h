@@ -29,6 +29,13 @@ template <typename T>
 void qgemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
                int format, const T* bias, int m, int k, int n);
 
+// The same product with x rounded per block of 32 to integers of x_bits (8 or 16) with a float
+// scale each, and integer dot products (quant_xq_cpu.cpp). 8: llama.cpp's arithmetic, |error|
+// per value <= half x's step (1/254 of the block's largest |x|); 16: 1/65534 of it.
+template <typename T>
+void qgemm_xq_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
+                  int format, const T* bias, int m, int k, int n, int x_bits);
+
 // out[i, 0:K] = row rows[i] of W dequantized (i < count); rows are checked by the caller.
 template <typename T>
 void dequant_rows_cpu(T* out, int64_t out_stride, const uint8_t* w, int64_t w_row_bytes, int format,

@@ -28,7 +28,7 @@ from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.models.quantize import ON_LOAD, quantize_on_load
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
-from punica_x.ops.quant_dense import QuantBlocks, choose_quant, dequantize_blocks
+from punica_x.ops.quant_dense import X_BITS, QuantBlocks, choose_quant, dequantize_blocks
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),
-        lambda fmt, n, k, rows: choose_quant(fmt, device, dtype, n, k, rows),
+        lambda fmt, n, k, rows: choose_quant(
+            fmt, device, dtype, n, k, rows, X_BITS[cfg.quant_activations]
+        ),
     )
     model.eval()
     return LoadedModel(

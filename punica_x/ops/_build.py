@@ -69,7 +69,10 @@ EXTENSIONS = {
     ),
     "dense_cpu": (("dense/bindings.cpp", "dense/dense_cpu.cpp"), ("dense/dense.h",)),
     "layers_cpu": (("layers/bindings.cpp", "layers/fused_cpu.cpp"), ("layers/fused.h",)),
-    "quant_cpu": (("quant/bindings.cpp", "quant/quant_cpu.cpp"), ("quant/quant.h",)),
+    "quant_cpu": (
+        ("quant/bindings.cpp", "quant/quant_cpu.cpp", "quant/quant_xq_cpu.cpp"),
+        ("quant/quant.h",),
+    ),
 }
 CPU_KINDS = ("sgmv_cpu", "attention_cpu", "dense_cpu", "layers_cpu", "quant_cpu")
 

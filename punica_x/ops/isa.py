@@ -1,9 +1,11 @@
 """Which instruction set the CPU kernels are compiled for ($PUNICA_X_CPU_ISA).
 
 Levels (x86-64 micro-architecture levels, as GCC names them):
-* ``avx512_bf16``: x86-64-v4 plus AVX512-BF16: the avx512 kernels, with bfloat16 products
+* ``avx512_bf16``: x86-64-v4 plus AVX512-BF16 and AVX512-VNNI (every CPU with the first has
+  the second: Cooper Lake, Sapphire Rapids, Zen 4): the avx512 kernels, with bfloat16 products
   through the dot-product instruction (vdpbf16ps: 32 bf16 multiply-adds per instruction, twice
-  an fp32 FMA's) instead of widening every bf16 value to float32 first
+  an fp32 FMA's) instead of widening every bf16 value to float32 first, and byte dot products
+  (vpdpbusd) for the quantized kernels' 8-bit activations
 * ``avx512``: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL): 16-float vectors, 32 registers
 * ``avx2``:   x86-64-v3 (AVX2, FMA, BMI1/2, F16C, MOVBE): 8-float vectors, 16 registers
 * ``generic``: any other CPU (ARM, older x86): built with -march/-mcpu=native on request, but
@@ -24,7 +26,7 @@ LEVELS = ("avx512_bf16", "avx512", "avx2", "generic")
 CHOICES = ("native", "avx512_bf16", "avx512", "avx2")
 _AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"}
 _REQUIRED = {
-    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"},
     "avx512": _AVX512,
     "avx2": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
 }
@@ -93,7 +95,7 @@ def cflags(isa: str) -> list[str]:
         flags = [f"-march={_MARCH[isa]}", "-mtune=native"]
         if isa.startswith("avx512"):
             flags.append("-mprefer-vector-width=512")
-        return flags + (["-mavx512bf16"] if isa == "avx512_bf16" else [])
+        return flags + (["-mavx512bf16", "-mavx512vnni"] if isa == "avx512_bf16" else [])
     return ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else ["-march=native"]
 
 

@@ -2,10 +2,13 @@
 
 A weight is QuantBlocks: [N, K / 32 * block_bytes] uint8, each row of W its K / 32 blocks as
 the file stores them (ggml's layouts: Q4_0, Q4_1, Q8_0; fp16 scale, and min for Q4_1). Nothing
-is expanded to a float copy at load: the CPU kernel unpacks blocks in registers (a few rows,
-decode) or into a per-thread panel (more rows, prefill) and computes in float32 with x in the
-serving dtype (float32 or bfloat16). `rows()` dequantizes rows of W, which is how a tied LM
-head in Q8_0 also serves as the embedding.
+is expanded to a float copy at load. With x_bits 16 or 8 (ModelConfig.quant_activations
+"int16", the default, or "int8") the CPU kernel rounds each block of 32 values of x to integers
+with a scale each and multiplies in integer dot products (int8: llama.cpp's arithmetic); with
+0 ("float") it unpacks blocks in registers (a few rows, decode) or into a per-thread panel
+(more rows, prefill) and computes in float32 with x in the serving dtype (float32 or
+bfloat16), the blocks' exact reference. `rows()` dequantizes rows of
+W, which is how a tied LM head in Q8_0 also serves as the embedding.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 BLOCK = 32
 FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 FORMAT_BY_TYPE = {ggml: name for name, (ggml, _) in FORMATS.items()}
+# ModelConfig.quant_activations -> the kernels' x_bits
+X_BITS = {"int16": 16, "int8": 8, "float": 0}
 
 
 @dataclass
@@ -92,7 +97,8 @@ def dequantize_blocks(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
 
 
 class QuantCpuDense:
-    """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks. From
+    """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks. x_bits:
+    8 or 16, x rounded to integers per block of 32 for the blocks' products; 0, x as it is. From
     `dequant_from` rows on (None: never), forward() dequantizes W to the serving dtype for
     the call and multiplies with torch (oneDNN: AMX or AVX512-BF16 where the CPU has them),
     where first-load timing found that faster than the blocks (choose_quant)."""
@@ -105,6 +111,7 @@ class QuantCpuDense:
         dtype: torch.dtype,
         isa: str | None = None,
         dequant_from: int | None = None,
+        x_bits: int = 0,
     ) -> None:
         from punica_x.ops._build import load_extension
 
@@ -112,8 +119,10 @@ class QuantCpuDense:
             raise ValueError(f"no CPU kernel for block format {fmt!r}")
         self.ext = load_extension("quant_cpu", isa)
         self.format, self.type, self.dtype = fmt, FORMATS[fmt][0], dtype
-        self.dequant_from = dequant_from
-        self.name = f"quant_{fmt.lower()}"
+        if x_bits not in X_BITS.values():
+            raise ValueError(f"x_bits must be one of {sorted(X_BITS.values())}, got {x_bits!r}")
+        self.dequant_from, self.x_bits = dequant_from, x_bits
+        self.name = f"quant_{fmt.lower()}" + (f"_x{x_bits}" if x_bits else "")
         self._all_rows: dict[int, torch.Tensor] = {}
 
     def prepare(self, blocks: QuantBlocks) -> torch.Tensor:
@@ -131,7 +140,7 @@ class QuantCpuDense:
             w = self.ext.dequant_rows(prepared, self.type, x.shape[1], ids, x.dtype)
             return torch.nn.functional.linear(x, w, bias)
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias)
+        self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias, self.x_bits)
         return y
 
     def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -143,25 +152,36 @@ _MADE: dict[tuple, QuantCpuDense] = {}
 
 
 def quant_backend(
-    fmt: str, device: torch.device, dtype: torch.dtype, dequant_from: int | None = None
+    fmt: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    dequant_from: int | None = None,
+    x_bits: int = 0,
 ) -> QuantCpuDense:
-    """The backend serving `fmt` blocks (one per format, dtype and crossover); ValueError off
-    the CPU."""
+    """The backend serving `fmt` blocks (one per format, dtype, crossover and activation
+    rounding); ValueError off the CPU."""
     if torch.device(device).type != "cpu":
         raise ValueError(
             f"quantized {fmt} weights run on the CPU only for now; serve this file with "
             "--quantization none on a GPU"
         )
-    key = (fmt, dtype, dequant_from)
+    key = (fmt, dtype, dequant_from, x_bits)
     if key not in _MADE:
-        _MADE[key] = QuantCpuDense(fmt, dtype, dequant_from=dequant_from)
+        _MADE[key] = QuantCpuDense(fmt, dtype, dequant_from=dequant_from, x_bits=x_bits)
     return _MADE[key]
 
 
 def choose_quant(
-    fmt: str, device: torch.device, dtype: torch.dtype, n: int, k: int, rows: tuple[int, ...]
+    fmt: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    rows: tuple[int, ...],
+    x_bits: int = 0,
 ) -> QuantCpuDense:
-    """The backend for an [n, k] weight in `fmt` blocks that sees x of about `rows` rows:
+    """The backend for an [n, k] weight in `fmt` blocks that sees x of about `rows` rows
+    (x_bits: the blocks multiply x rounded to integers of x_bits, 0 for x as it is):
     from the largest row count down, while dequantizing for the call and torch's matmul time
     faster than the blocks (punica_x.ops.autotune, cached per machine), it dequantizes from
     there on. Timing off ($PUNICA_X_AUTOTUNE=0): the blocks at every row count."""
@@ -169,14 +189,15 @@ def choose_quant(
 
     dequant_from = None
     if autotune.enabled():
-        blocks = quant_backend(fmt, device, dtype)
+        blocks = quant_backend(fmt, device, dtype, x_bits=x_bits)
         for m in sorted(rows, reverse=True):
             key = f"{fmt} {n}x{k} rows={m}" + autotune.dtype_suffix(dtype)
+            key += f" x{x_bits}" if x_bits else ""
             candidates = {c: _timing(blocks, n, k, m, c == "dequant") for c in _CHOICES}
             if autotune.choose("quant", key, candidates).name != "dequant":
                 break
             dequant_from = m
-    return quant_backend(fmt, device, dtype, dequant_from)
+    return quant_backend(fmt, device, dtype, dequant_from, x_bits)
 
 
 _CHOICES = ("blocks", "dequant")
@@ -196,7 +217,8 @@ def _timing(backend: QuantCpuDense, n: int, k: int, m: int, dequant: bool):
     from punica_x.ops.dense import COLD_BYTES, MAX_COPIES  # cold weights, as a step sees them
 
     def setup():
-        run = QuantCpuDense(backend.format, backend.dtype, dequant_from=0 if dequant else None)
+        start, bits = (0 if dequant else None), backend.x_bits
+        run = QuantCpuDense(backend.format, backend.dtype, dequant_from=start, x_bits=bits)
         size = n * k // BLOCK * FORMATS[backend.format][1]
         copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // size)))
         weights = [random_blocks(backend.format, n, k) for _ in range(copies)]

@@ -58,3 +58,14 @@ def test_serve_refuses_bad_memory_flags(flag, value, capsys):
 
     assert main(["serve", f"{flag}={value}"]) == 2
     assert flag.lstrip("-").replace("-", "_").removeprefix("memory_") in capsys.readouterr().err
+
+
+def test_serve_quant_activations_reach_the_model_config(capsys):
+    assert _engine().model.quant_activations == "int16"
+    for mode in ("int16", "int8", "float"):
+        assert _engine("--quant-activations", mode).model.quant_activations == mode
+    for bad in ("int4", "INT8", "", "fp32"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["serve", "--quant-activations", bad])
+        assert exit_.value.code == 2
+        assert f"invalid choice: '{bad}'" in capsys.readouterr().err

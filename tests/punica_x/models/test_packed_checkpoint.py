@@ -110,6 +110,7 @@ def write_quant_config(folder: Path, qc: dict) -> None:
 
 
 NEAR_TIE = 0.05  # nats between the reference's top two tokens
+X8_NEAR_TIE = 0.25  # the same with x rounded to int8 (quant_activations="int8")
 
 
 def assert_equal_but_near_ties(tokens: list[list[int]], ref_llm, margin: float) -> None:
@@ -148,7 +149,7 @@ def test_packed_checkpoint_serves_blocks_matching_its_dequantized_values(
     method, sym, group, v2, fmt, tmp_path
 ):
     packed, ref = make_packed_llama(tmp_path, method, sym, group, v2)
-    llm = tiny_llm(packed, quantization="auto")
+    llm = tiny_llm(packed, quantization="auto", quant_activations="float")
     dense = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Dense)}
     assert {m.backend.format for n, m in dense.items() if n != "lm_head"} == {fmt}
     assert all(isinstance(m.backend, QuantCpuDense) for n, m in dense.items() if n != "lm_head")
@@ -164,6 +165,22 @@ def test_packed_checkpoint_serves_blocks_matching_its_dequantized_values(
     exact = run(tiny_llm(packed, quantization="none"))  # the formula in float32
     assert exact[0] == want[0]
     assert max(abs(a - b) for a, b in zip(exact[1], want[1])) < 1e-5
+    # x rounded to int16 per block (the default): the blocks' own tokens but at the nearest
+    # ties, and their logprobs within float32 noise
+    values = tiny_llm(block_reference(packed, tmp_path / "b2"))
+    x16 = run(tiny_llm(packed, quantization="auto"))
+    assert_equal_but_near_ties(x16[0], values, NEAR_TIE)
+    assert max(abs(a - b) for a, b in zip(x16[1], blocks[1])) < 1e-3
+    # to int8 (llama.cpp's; steps of 1/127 of each block's largest value, relative errors of
+    # ~1% a value where bf16's are <= 0.4%): the blocks' greedy tokens but at near ties,
+    # prompt logprobs within a few times what serving the blocks' values in bfloat16 moves
+    # them (this random model is flat: top-2 gaps of 0.03-0.2 nats)
+    x8 = run(tiny_llm(packed, quantization="auto", quant_activations="int8"))
+    assert_equal_but_near_ties(x8[0], values, X8_NEAR_TIE)
+    x8_err = max(abs(a - b) for a, b in zip(x8[1], blocks[1]))
+    bf16 = run(tiny_llm(block_reference(packed, tmp_path / "b3"), dtype="bfloat16"))
+    bf16_err = max(abs(a - b) for a, b in zip(bf16[1], blocks[1]))
+    assert 0 < x8_err <= 4 * bf16_err + 0.02, (x8_err, bf16_err)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -173,7 +190,8 @@ def test_packed_checkpoint_in_bfloat16(method, tmp_path):
     packed, _ = make_packed_llama(tmp_path, method, False)
     ref = block_reference(packed, tmp_path / "blocks")
     exact = run(tiny_llm(ref))[1]
-    ours = run(tiny_llm(packed, quantization="auto", dtype="bfloat16"))[1]
+    blocks = tiny_llm(packed, quantization="auto", quant_activations="float", dtype="bfloat16")
+    ours = run(blocks)[1]
     rounding = run(tiny_llm(ref, dtype="bfloat16"))[1]
     ours_err = max(abs(a - b) for a, b in zip(ours, exact))
     bf16_err = max(abs(a - b) for a, b in zip(rounding, exact))
@@ -222,7 +240,7 @@ def test_adapters_on_a_packed_base_match_hf_peft_on_its_values(method, tmp_path)
         "a": make_peft_adapter(base, tmp_path / "a", 4, list(PROJECTIONS), seed=3),
         "b": make_peft_adapter(base, tmp_path / "b", 8, ["q_proj", "v_proj"], seed=4),
     }
-    llm = tiny_llm(packed, quantization="auto")
+    llm = tiny_llm(packed, quantization="auto", quant_activations="float")
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
     assert_matches_hf_fp32(llm, ref, adapters, PROMPTS, ["a", None, "b"], 8, method)

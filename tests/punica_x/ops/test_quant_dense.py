@@ -83,6 +83,8 @@ def test_kernel_checks_its_inputs(cpu_isa):
         (lambda: ext.qgemm(y, x, w.float(), 8, None), "uint8"),
         (lambda: ext.qgemm(y, x, w, 8, torch.zeros(15)), r"bias must be \[16\]"),
         (lambda: ext.qgemm(y, x.int(), w, 8, None), "float32 or bfloat16"),
+        (lambda: ext.qgemm(y, x, w, 8, None, 4), "x_bits must be 0, 8 or 16, got 4"),
+        (lambda: ext.qgemm(y, x, w, 8, None, -8), "x_bits must be"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([16]), torch.float32), "out of range"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([-1]), torch.float32), "out of range"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([0.0]), torch.float32), "int64"),
@@ -166,3 +168,70 @@ def test_choose_quant_times_each_row_count(monkeypatch, tmp_path):
     assert (
         choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (64,)).dequant_from is None
     )
+
+
+def _xq_reference(ref: torch.Tensor, x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the integer-activation kernel computes, in float64: each block of 32 values of x
+    rounded to int8 / int16 with scale max|x| / 127 / 32767 (half to even), times W's blocks."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    d = xf.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+    q = torch.round(xf * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(x.shape).double() @ ref.double().t()
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("fmt", NAMES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (576, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_x_is_rounded_x_times_the_blocks(bits, fmt, m, n, k, dtype, cpu_isa):
+    """x_bits 8 / 16: the blocks times x rounded to integers per block, exactly that
+    arithmetic (integer dot products; float32 only in the per-block scaling and the sums
+    over blocks); its distance from the float product is what rounding x costs (<= half a
+    step a value)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    blocks, ref = _blocks(fmt, n, k, seed)
+    backend = QuantCpuDense(fmt, dtype, cpu_isa, x_bits=bits)
+    assert backend.name == f"quant_{fmt.lower()}_x{bits}"
+    x = torch.randn(m, k).to(dtype)
+    x[0, :32] = 0  # a block of zeros: scale 0
+    bias = torch.randn(n).to(dtype) if m % 2 else None
+    y = backend.forward(x, backend.prepare(blocks), n, bias)
+    want = _xq_reference(ref, x, bits) + (bias.double() if bias is not None else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = (y.double() - want).abs().max() / want.abs().max()
+    assert err < tol, f"seed {seed}: relative error {err}"
+    exact = x.double() @ ref.double().t() + (bias.double() if bias is not None else 0)
+    step = x.float().reshape(m, -1, 32).abs().amax(-1) / (2 ** (bits - 1) - 1)  # [m, k / 32]
+    bound = (step.double() / 2) @ ref.abs().reshape(n, -1, 32).sum(-1).double().t()
+    assert ((y.double() - exact).abs() <= bound + tol * exact.abs().max()).all(), seed
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("fmt", NAMES)
+def test_integer_x_non_finite_gives_nan_rows_and_spares_the_others(bits, fmt, cpu_isa):
+    blocks, ref = _blocks(fmt, 24, 64, 8)
+    backend = QuantCpuDense(fmt, torch.float32, cpu_isa, x_bits=bits)
+    x = torch.randn(3, 64)
+    x[0, 5], x[2, 40] = float("nan"), float("inf")
+    y = backend.forward(x, backend.prepare(blocks), 24, None)
+    assert y[0].isnan().all() and y[2].isnan().all()
+    want = _xq_reference(ref, x[1:2], bits)
+    torch.testing.assert_close(y[1:2].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_x_bits_are_checked():
+    for bad in (4, 32, -8, None, "8"):
+        with pytest.raises(ValueError, match="x_bits must be one of"):
+            QuantCpuDense("Q4_0", torch.float32, x_bits=bad)
+
+
+def test_quant_activations_setting_is_checked():
+    from punica_x.config import ModelConfig
+
+    assert ModelConfig().quant_activations == "int16"
+    assert ModelConfig(quant_activations="float").quant_activations == "float"
+    for bad in ("INT8", "int4", "int32", "", None, 8, 16, True, ["int8"]):
+        with pytest.raises(ValueError, match="quant_activations must be one of"):
+            ModelConfig(quant_activations=bad)
