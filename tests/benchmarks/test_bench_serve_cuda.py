@@ -74,6 +74,16 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("flags,named", BAD, ids=[" ".join(f) for f, _ in BAD])
-def test_bad_values_exit_2_naming_the_flag(flags, named):
-    done = run(*flags, timeout=30)
-    assert done.returncode == 2 and named in done.stderr, done.stderr
+def test_bad_values_exit_2_naming_the_flag(flags, named, monkeypatch, capsys):
+    import bench_serve_cuda
+
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *flags])
+    with pytest.raises(SystemExit) as exit_:  # in process: a subprocess each cost ~2 s
+        bench_serve_cuda.parse_args()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in err, err
+
+
+def test_the_script_exits_2_before_anything_starts():
+    done = run("--device", "cpu", "--requests", "0", timeout=60)
+    assert done.returncode == 2 and "--requests" in done.stderr, done.stderr
