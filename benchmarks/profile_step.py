@@ -125,6 +125,12 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="none", help="none | auto (a GGUF file's blocks) | int8 | int4"
     )
+    ap.add_argument(
+        "--quant-activations",
+        default="int16",
+        choices=["int16", "int8", "float"],
+        help="how x meets weights in blocks (ModelConfig.quant_activations)",
+    )
     add_shape_model(ap)
     args = ap.parse_args()
     check_shape_model(ap, args)
@@ -136,11 +142,14 @@ def main() -> None:
         dtype=args.dtype,
         model=model_path(args.model, args.tokenizer),
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
     )
     dtype = dtype_name(llm.engine.dtype)
     name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
     if args.quantization != "none":
         name += f"_q{args.quantization}"
+        if args.quant_activations != "int16":
+            name += f"_x{args.quant_activations}"
     if n != 32:
         name += f"_batch{n}"
     if args.model in SHAPES:
