@@ -10,13 +10,53 @@
 //   Q8_0 (8): { d; int8 qs[32] }  w[j] = d * qs[j]
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace punica_x {
 namespace quant {
 
 constexpr int kBlock = 32;  // weights per block, every format here
 enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+// The fp16 at p (a block's scale or min), as float.
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {
+    const float f = std::ldexp(float(man), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// run(std::integral_constant<int, MR>, m0) over rows [0, m) of x: tiles of MaxMR rows, then
+// one tile of the 1..3 rows left (MaxMR <= 4).
+template <int MaxMR, typename Run>
+inline void for_row_tiles(int m, const Run& run) {
+  static_assert(MaxMR <= 4, "tail rows dispatch 1..3");
+  int m0 = 0;
+  for (; m0 + MaxMR <= m; m0 += MaxMR) run(std::integral_constant<int, MaxMR>{}, m0);
+  switch (m - m0) {
+    case 1: return run(std::integral_constant<int, 1>{}, m0);
+    case 2: return run(std::integral_constant<int, std::min(2, MaxMR)>{}, m0);
+    case 3: return run(std::integral_constant<int, std::min(3, MaxMR)>{}, m0);
+  }
+}
 
 // Bytes of one block of `format`, 0 for a format this file does not serve.
 constexpr int block_bytes(int format) {

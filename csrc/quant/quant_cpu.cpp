@@ -52,24 +52,6 @@ inline vi widen(const uint8_t* p) {
 #endif
 }
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0) {
-    const float f = std::ldexp(float(man), -24);
-    return sign ? -f : f;
-  }
-  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
-}
-
 // A block's scale and offset: w = q * s.first + s.second (Q8_0: offset 0, q signed).
 template <int F>
 inline void scales(const uint8_t* b, float& s, float& o) {
@@ -180,15 +162,7 @@ void tile_rows(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bi
     }
   };
   static_assert(kNR == 4, "tile_rows dispatches nr 1..4");
-  int m0 = 0;
-  for (; m0 + kMR <= m; m0 += kMR) run(std::integral_constant<int, kMR>{}, m0);
-  switch (m - m0) {
-    case 0: break;
-    case 1: run(std::integral_constant<int, 1>{}, m0); break;
-    case 2: run(std::integral_constant<int, 2>{}, m0); break;
-    case 3: run(std::integral_constant<int, std::min(3, kMR)>{}, m0); break;
-  }
-  static_assert(kMR <= 4, "tail rows dispatch 1..3");
+  for_row_tiles<kMR>(m, run);
 }
 
 // Unpacks rows [0, nr) of W (blocks) into out (nr x K floats, row stride k).

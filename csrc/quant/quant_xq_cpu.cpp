@@ -77,24 +77,6 @@ void quantize_x(const T* x, int64_t xs, int m, int k, XQ<Q>& out) {
     }
 }
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0) {
-    const float f = std::ldexp(float(man), -24);
-    return sign ? -f : f;
-  }
-  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
-}
-
 constexpr int kNR = 4;  // rows of W per tile
 // rows of x per tile: accumulators MR x NR ymm + xq MR + unpacked W NR within the registers
 // (AVX-512 builds have 32 ymm, AVX2 16)
@@ -262,15 +244,8 @@ void rows_tile(const uint8_t* w, int64_t wrb, const XQ<Q>& x, int m, int k, cons
       default: return tile<F, MR, 1>(w, wrb, x, m0, k, nb, bias, ym, ys);
     }
   };
-  static_assert(kNR == 4 && kMR <= 4, "rows_tile dispatches nr 1..4 and tail rows 1..3");
-  int m0 = 0;
-  for (; m0 + kMR <= m; m0 += kMR) run(std::integral_constant<int, kMR>{}, m0);
-  switch (m - m0) {
-    case 0: break;
-    case 1: run(std::integral_constant<int, 1>{}, m0); break;
-    case 2: run(std::integral_constant<int, 2>{}, m0); break;
-    case 3: run(std::integral_constant<int, std::min(3, kMR)>{}, m0); break;
-  }
+  static_assert(kNR == 4, "rows_tile dispatches nr 1..4");
+  for_row_tiles<kMR>(m, run);
 }
 
 template <int F, typename Q, typename T>

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_amx_tiles.py"
-sys.path.insert(0, str(SCRIPT.parent))
 
 
 def run(*flags: str) -> subprocess.CompletedProcess:
@@ -29,14 +28,10 @@ def run(*flags: str) -> subprocess.CompletedProcess:
         (["--rounds", "1e3"], "--rounds"),
     ],
 )
-def test_bad_flags_exit_2_naming_the_flag(flags, named, monkeypatch, capsys):
+def test_bad_flags_exit_2_naming_the_flag(flags, named, refused):
     import bench_amx_tiles
 
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *flags])
-    with pytest.raises(SystemExit) as exit_:  # in process: a subprocess each cost ~2 s
-        bench_amx_tiles.parse_args()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and named in err, err
+    assert named in refused(bench_amx_tiles.parse_args, SCRIPT, flags)
 
 
 def test_without_amx_it_asks_for_emulated():
