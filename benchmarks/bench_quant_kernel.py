@@ -70,6 +70,8 @@ def measure(level: str, fmt: str, dtype: torch.dtype, args) -> list[dict]:
     ext = QuantCpuDense(fmt, dtype, level).ext
     ggml = FORMATS[fmt][0]
     weights = [[random_blocks(fmt, n, k) for n, k in shapes] for _ in range(args.layers)]
+    # the integer modes' layout: rows grouped by 4 (the same bytes)
+    grouped = [[ext.group_rows(w, ggml, k) for (_, k), w in zip(shapes, ws)] for ws in weights]
     nbytes = sum(w.numel() for w in weights[0])
     out = []
     for m in args.rows:
@@ -77,8 +79,12 @@ def measure(level: str, fmt: str, dtype: torch.dtype, args) -> list[dict]:
         ys = {n: torch.empty(m, n, dtype=dtype) for n, _ in shapes}
 
         def layer(i: int, bits: int, xs=xs, ys=ys) -> None:
-            for (n, k), w in zip(shapes, weights[i % args.layers]):
-                ext.qgemm(ys[n], xs[k], w, ggml, None, bits)
+            at = i % args.layers
+            for (n, k), w, g in zip(shapes, weights[at], grouped[at]):
+                if bits:
+                    ext.qgemm_grouped(ys[n], xs[k], g, ggml, None, bits)
+                else:
+                    ext.qgemm(ys[n], xs[k], w, ggml, None)
 
         times = {mode: [] for mode in MODES}
         for mode in MODES:  # warm-up: every copy once

@@ -69,17 +69,36 @@ template <typename T>
 void qgemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
                int format, const T* bias, int m, int k, int n);
 
-// The same product with x rounded per block of 32 to integers of x_bits (8 or 16) with a float
-// scale each, and integer dot products (quant_xq_cpu.cpp). 8: llama.cpp's arithmetic, |error|
-// per value <= half x's step (1/254 of the block's largest |x|); 16: 1/65534 of it.
+// Row groups for the integer-activation kernel: kGroup rows of W side by side per block. A
+// grouped W is ceil(N / kGroup) groups of K / 32 group blocks, kGroup * block_bytes(format)
+// bytes each: the rows' fp16 scales, Q4_1's fp16 mins, then each row's quants (16 bytes for Q4,
+// 32 for Q8_0); a last group's missing rows are zeros.
+constexpr int kGroup = 4;
+
+// out (ceil(n / kGroup) * K / 32 * kGroup * block_bytes(format) bytes) = w (n rows, row_bytes
+// apart) regrouped.
+void group_rows_cpu(uint8_t* out, const uint8_t* w, int64_t w_row_bytes, int format, int64_t n, int k);
+
+// Row `row` of a grouped W back in the file's layout (K / 32 * block_bytes(format) bytes).
+void ungroup_row(uint8_t* out, const uint8_t* w, int format, int64_t row, int k);
+
+// y = x @ W^T (+ bias) for a grouped W of n rows, x rounded per block of 32 to integers of
+// x_bits (8: |xq| <= 127, llama.cpp's arithmetic; 16: |xq| <= 16256) with a float scale each, and
+// integer dot products (quant_xq_cpu.cpp). |error| per value <= half x's step (1/254 or 1/32512
+// of the block's largest |x|).
 template <typename T>
-void qgemm_xq_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
-                  int format, const T* bias, int m, int k, int n, int x_bits);
+void qgemm_grouped_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int format,
+                       const T* bias, int m, int k, int n, int x_bits);
 
 // out[i, 0:K] = row rows[i] of W dequantized (i < count); rows are checked by the caller.
 template <typename T>
 void dequant_rows_cpu(T* out, int64_t out_stride, const uint8_t* w, int64_t w_row_bytes, int format,
                       const int64_t* rows, int64_t count, int k);
+
+// The same from a grouped W (group_rows_cpu).
+template <typename T>
+void dequant_grouped_rows_cpu(T* out, int64_t out_stride, const uint8_t* w, int format, const int64_t* rows,
+                              int64_t count, int k);
 
 // Every block's scale (and min) finite: the index of the first row that has a non-finite one,
 // or -1.

@@ -245,6 +245,17 @@ void dequant_rows(T* out, int64_t os, const uint8_t* w, int64_t wrb, const int64
   });
 }
 
+template <int F, typename T>
+void dequant_grouped_rows(T* out, int64_t os, const uint8_t* w, const int64_t* rows, int64_t count, int k) {
+  const int64_t rb = int64_t(k / kBlock) * block_bytes(F);
+  parallel_items(count, [&](int64_t i) {
+    thread_local std::vector<uint8_t> row;
+    row.resize(size_t(rb));
+    ungroup_row(row.data(), w, F, rows[i], k);
+    unpack_rows<F>(row.data(), rb, 1, k, out + i * os);
+  });
+}
+
 template <typename Fn>
 void by_format(int format, const Fn& fn) {
   switch (format) {
@@ -268,6 +279,12 @@ void dequant_rows_cpu(T* out, int64_t os, const uint8_t* w, int64_t wrb, int for
   by_format(format, [&](auto f) { dequant_rows<decltype(f)::value>(out, os, w, wrb, rows, count, k); });
 }
 
+template <typename T>
+void dequant_grouped_rows_cpu(T* out, int64_t os, const uint8_t* w, int format, const int64_t* rows, int64_t count,
+                              int k) {
+  by_format(format, [&](auto f) { dequant_grouped_rows<decltype(f)::value>(out, os, w, rows, count, k); });
+}
+
 int64_t first_bad_row(const uint8_t* w, int64_t wrb, int format, int64_t n, int k) {
   const int bb = block_bytes(format);
   const int halves = format == kQ4_1 ? 2 : 1;
@@ -282,6 +299,9 @@ template void qgemm_cpu<float>(float*, int64_t, const float*, int64_t, const uin
                                int, int, int);
 template void qgemm_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const uint8_t*, int64_t, int,
                                     const simd::bf16*, int, int, int);
+template void dequant_grouped_rows_cpu<float>(float*, int64_t, const uint8_t*, int, const int64_t*, int64_t, int);
+template void dequant_grouped_rows_cpu<simd::bf16>(simd::bf16*, int64_t, const uint8_t*, int, const int64_t*, int64_t,
+                                                   int);
 template void dequant_rows_cpu<float>(float*, int64_t, const uint8_t*, int64_t, int, const int64_t*, int64_t, int);
 template void dequant_rows_cpu<simd::bf16>(simd::bf16*, int64_t, const uint8_t*, int64_t, int, const int64_t*,
                                            int64_t, int);

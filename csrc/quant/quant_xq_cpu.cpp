@@ -1,24 +1,31 @@
-// Quantized dense GEMM with integer activations (quant.h, qgemm_xq_cpu). Each 32-value block
-// of an x row is rounded to int8 (llama.cpp's way of multiplying ggml blocks) or int16 with its
-// own float scale (dx = max|x| / 127 or / 32767), and a block of W meets it in integer dot
-// products:
+// Quantized dense GEMM with integer activations over row groups (quant.h: qgemm_grouped_cpu,
+// group_rows_cpu). Each 32-value block of an x row is rounded to integers with its own float
+// scale dx (int8: |xq| <= 127, llama.cpp's way of multiplying ggml blocks; int16: |xq| <=
+// 16256 = 127 * 128, carried as two int8 parts xq = 128 xh + xl, |xh| <= 127, |xl| <= 64) and a
+// block of W meets it in integer dot products:
 //   Q4_0: sum (q - 8) xq     Q4_1: sum q xq (+ m * dx sum xq, the min's term, in float)
 //   Q8_0: sum q xq
-// each scaled once per block by dw * dx into float32 accumulators. A block costs a few integer
-// instructions (nibbles split, one or two dot products per row of x, one convert, one FMA)
-// where the float path (quant_cpu.cpp) widens and converts every weight: the decode step of a
-// quantized model is compute-bound there, and nearer the weights' byte stream here.
+// each scaled once per block by dw * dx into float32 accumulators.
 //
-// Dot products: int8: AVX512-VNNI's vpdpbusd (the avx512_bf16 build, whose CPUs all have it;
-// 256-bit lanes) or AVX2's vpmaddubsw + vpmaddwd (no saturation: |products| stay below 2^15 in
-// pairs, nibbles times int8 or |q| times the sign-moved int8 of Q8_0); int16: vpdpwssd or
-// vpmaddwd. Generic builds run the same arithmetic in scalar code.
+// W is regrouped once at load (group_rows_cpu): kGroup = 4 rows of W side by side per block,
+// their scales (and mins) first, then each row's quants, so that one 512-bit load holds the
+// same block of 4 rows (Q4) and a thread's reads are one sequential stream. A group block
+// costs a handful of instructions (nibbles split, one dot product per nibble half and int8
+// part of x, one convert, one FMA over 16 lanes) where the block-per-row layout cost that per
+// row: at decode the kernel now streams W near the memory's rate instead of being bound by the
+// instructions per block, and short rows (K = 576) no longer break the stream into pieces the
+// prefetchers restart on.
+//
+// Dot products of unsigned by signed bytes: AVX512-VNNI's vpdpbusd (the avx512_bf16 build,
+// whose CPUs all have it) or vpmaddubsw + vpmaddwd (avx512 and AVX2 builds; no saturation:
+// nibble * 127 pairs, and Q8_0's |q| * |x| <= 128 * 127 pairs, stay below 2^15). Q8_0's signed
+// quants meet x through |q| and x with q's sign. Generic builds run the same sums in scalar code.
 //
 // The cost is x's rounding: y moves by sum (x - dx xq) w, |x - dx xq| <= dx / 2 a value (Q4_1's
 // min meets the rounded x too, so the error scales with the centred |w|, not with |d q|). int8
-// is what llama.cpp serves with, and a block holding one of a model's outlier activations
-// rounds its other values coarsely (SmolLM2-135M: prompt logprobs move by up to ~1 nat); int16
-// moves them by float32-summation amounts. qgemm_cpu keeps x exact (the reference).
+// is llama.cpp's arithmetic, and a block holding one of a model's outlier activations rounds
+// its other values coarsely (SmolLM2-135M: prompt logprobs move by up to ~1 nat); int16 moves
+// them by float32-summation amounts. qgemm_cpu keeps x exact (the reference).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,22 +42,28 @@ namespace {
 using simd::f32;
 using simd::narrow;
 
-// x rounded per block: q[m * k + i] (int8 or int16); per block b of row m: scale d, the sum
-// of its integers and that sum times d (the rounded block's sum: Q4_1's min term).
-template <typename Q>
+// x rounded per block: P int8 planes (P = 1: xq; P = 2: xh, xl with xq = 128 xh + xl), plane p
+// at q[p * m * k]; per block b of row r (at r * nb + b): scale d, the sum of its integers xq
+// and that sum times d (the rounded block's sum: Q4_1's min term).
 struct XQ {
-  std::vector<Q> q;
+  std::vector<int8_t> q;
   std::vector<float> d, sum_x;
   std::vector<int32_t> sum_q;
+  int64_t plane = 0;  // m * k
+  int k = 0, nb = 0;
+
+  const int8_t* at(int p, int r, int b) const { return q.data() + p * plane + int64_t(r) * k + b * kBlock; }
+  int64_t idx(int r, int b) const { return int64_t(r) * nb + b; }
 };
 
-template <typename Q>
-constexpr float kQMax = sizeof(Q) == 1 ? 127.f : 32767.f;
+template <int P>
+constexpr float kQMax = P == 1 ? 127.f : 16256.f;
 
-template <typename Q, typename T>
-void quantize_x(const T* x, int64_t xs, int m, int k, XQ<Q>& out) {
+template <int P, typename T>
+void quantize_x(const T* x, int64_t xs, int m, int k, XQ& out) {
   const int nb = k / kBlock;
-  out.q.resize(size_t(m) * k);
+  out.k = k, out.nb = nb, out.plane = int64_t(m) * k;
+  out.q.resize(size_t(P) * m * k);
   out.d.resize(size_t(m) * nb);
   out.sum_x.resize(size_t(m) * nb);
   out.sum_q.resize(size_t(m) * nb);
@@ -65,225 +78,350 @@ void quantize_x(const T* x, int64_t xs, int m, int k, XQ<Q>& out) {
       // a NaN or infinity anywhere in the block: every product of the block is NaN, as in
       // the float path (the integer sums could not carry it)
       const bool finite = std::isfinite(sx) && std::isfinite(amax);
-      const float d = finite ? amax / kQMax<Q> : NAN, id = finite && d > 0.f ? 1.f / d : 0.f;
-      Q* q = out.q.data() + int64_t(r) * k + b * kBlock;
+      const float d = finite ? amax / kQMax<P> : NAN, id = finite && d > 0.f ? 1.f / d : 0.f;
+      int8_t* q0 = out.q.data() + int64_t(r) * k + b * kBlock;
       int32_t sq = 0;
       for (int i = 0; i < kBlock; ++i) {
-        q[i] = Q(std::nearbyint(v[i] * id));  // |v * id| <= kQMax
-        sq += q[i];
+        const int xq = int(std::nearbyint(v[i] * id));  // |v * id| <= kQMax
+        sq += xq;
+        if constexpr (P == 1) {
+          q0[i] = int8_t(xq);
+        } else {
+          const int hi = (xq + 64) >> 7;  // floor((xq + 64) / 128): |hi| <= 127
+          q0[i] = int8_t(hi);
+          q0[out.plane + i] = int8_t(xq - hi * 128);  // -64 .. 63
+        }
       }
-      const int64_t at = int64_t(r) * nb + b;
+      const int64_t at = out.idx(r, b);
       out.d[at] = d, out.sum_x[at] = d * float(sq), out.sum_q[at] = sq;
     }
 }
 
-constexpr int kNR = 4;  // rows of W per tile
-// rows of x per tile: accumulators MR x NR ymm + xq MR + unpacked W NR within the registers
-// (AVX-512 builds have 32 ymm, AVX2 16)
-constexpr int kMR = simd::kVecRegs == 32 ? 4 : 2;
-constexpr int kAhead = 512;  // bytes of a W row prefetched ahead
+// Byte offsets inside a group block of format F: kGroup fp16 scales at 0, Q4_1's kGroup fp16
+// mins after them, then each row's quants (16 bytes for Q4, 32 for Q8_0).
+constexpr int qs_at(int f) { return f == kQ4_1 ? 4 * kGroup : 2 * kGroup; }
+constexpr int row_qs(int f) { return f == kQ8_0 ? kBlock : kBlock / 2; }
+constexpr int kAhead = 1024;  // bytes of W prefetched ahead of the block being multiplied
+// the Q4_0 offset and Q8_0 (no offset) as multiples of sum xq, subtracted in integers
+constexpr int offset(int f) { return f == kQ4_0 ? 8 : 0; }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kMR = 4;  // rows of x per tile
+
 // acc + the sums of 4 adjacent byte products u * s per int32 lane (u unsigned, s signed).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
+inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
 #else
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
 
-// acc + the sums of 2 adjacent int16 products a * b per int32 lane.
-inline __m256i dot2(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
+inline float sum4(const float* a) { return (a[0] + a[1]) + (a[2] + a[3]); }
 
-// A block of 32 values (of x or W) in registers: int8 activations: one vector, value i at byte
-// i; int16: two, values 0..15 and 16..31.
-template <typename Q>
-struct Vec {
-  static constexpr int n = sizeof(Q);
-  __m256i v[n];
-};
-
-template <typename Q>
-inline Vec<Q> load_x(const Q* p) {
-  Vec<Q> x;
-  for (int i = 0; i < Vec<Q>::n; ++i) x.v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + i);
-  return x;
-}
-
-// A W block's 32 weights as dot's W factor. int8 x: the nibbles 0..15 (Q4), or Q8_0's signed
-// bytes (made unsigned per row of x in block_dot); int16 x: every weight widened to int16.
-template <int F, typename Q>
-inline Vec<Q> unpack(const uint8_t* blk) {
-  Vec<Q> w;
-  if constexpr (F == kQ8_0) {
-    if constexpr (sizeof(Q) == 1) {
-      w.v[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    } else {
-      w.v[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-      w.v[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-    }
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == kQ4_1 ? 4 : 2)));
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
-    if constexpr (sizeof(Q) == 1) {
-      w.v[0] = _mm256_set_m128i(hi, lo);
-    } else {
-      w.v[0] = _mm256_cvtepu8_epi16(lo);
-      w.v[1] = _mm256_cvtepu8_epi16(hi);
-    }
-  }
-  return w;
-}
-
-// One block's integer dot product of W (unpacked) and x's block, plus `init`.
-template <int F, typename Q>
-inline __m256i block_dot(const Vec<Q>& w, const Vec<Q>& x, __m256i init) {
-  if constexpr (sizeof(Q) == 2) {
-    return dot2(dot2(init, w.v[0], x.v[0]), w.v[1], x.v[1]);
-  } else if constexpr (F == kQ8_0) {
-    return dot4(init, _mm256_sign_epi8(w.v[0], w.v[0]), _mm256_sign_epi8(x.v[0], w.v[0]));
-  } else {
-    return dot4(init, w.v[0], x.v[0]);
-  }
-}
-
-// y[0:MR, 0:NR] of one tile: rows of x against rows of W, blocks [0, nb).
-template <int F, int MR, int NR, typename Q, typename T>
-void tile(const uint8_t* w, int64_t wrb, const XQ<Q>& x, int64_t x_row0, int k, int nb, const T* bias, T* y,
-          int64_t ys) {
-  constexpr int bb = block_bytes(F);
-  __m256 acc[MR][NR];
-  float mins[MR][NR] = {};
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+// One group of 4 rows of W in Q4_0 / Q4_1 against MR rows of x. A group block's 64 quant bytes
+// are one zmm (row g at bytes 16 g .. 16 g + 15: lane group g of 4 int32 lanes), x's 16 low
+// and 16 high values broadcast to the 4 row lanes; y[m, g] = the sum of lanes 4 g .. 4 g + 3.
+template <int F, int MR, int P, typename T>
+void group_q4(const uint8_t* w, int nb, const XQ& x, int m0, const T* bias, T* y, int64_t ys, int nr) {
+  constexpr int gb = kGroup * block_bytes(F);
+  const __m512i nibble = _mm512_set1_epi8(0x0f), per_row = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[MR];
+  __m128 mins[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), mins[m] = _mm_setzero_ps();
   for (int b = 0; b < nb; ++b) {
-    Vec<Q> xq[MR];
-    float dx[MR];
-    __m256i init[MR];
+    const uint8_t* blk = w + int64_t(b) * gb;
+    __builtin_prefetch(blk + kAhead);
+    const __m512i v = _mm512_loadu_si512(blk + qs_at(F));
+    const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
     for (int m = 0; m < MR; ++m) {
-      const int64_t at = (x_row0 + m) * nb + b;
-      xq[m] = load_x(x.q.data() + (x_row0 + m) * k + b * kBlock);
-      dx[m] = x.d[at];
-      // Q4_0's -8 offset: sum (q - 8) xq = sum q xq - 8 sum xq, in one lane (the lanes are
-      // summed in the end)
-      init[m] = F == kQ4_0 ? _mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * x.sum_q[at])) : _mm256_setzero_si256();
+      const int64_t at = x.idx(m0 + m, b);
+      // Q4_0's -8 offset: sum (q - 8) xq = sum q xq - 8 sum xq, in the first lane of each row
+      const __m512i init = offset(F) ? _mm512_maskz_set1_epi32(0x1111, -offset(F) * x.sum_q[at]) : _mm512_setzero_si512();
+      const int8_t* xp = x.at(0, m0 + m, b);
+      const auto bcast = [](const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+      __m512i dot;
+      if constexpr (P == 1) {
+        dot = dot4(dot4(init, lo, bcast(xp)), hi, bcast(xp + 16));
+      } else {
+        const int8_t* xl = x.at(1, m0 + m, b);
+        const __m512i h = dot4(dot4(_mm512_setzero_si512(), lo, bcast(xp)), hi, bcast(xp + 16));
+        dot = _mm512_add_epi32(_mm512_slli_epi32(h, 7), dot4(dot4(init, lo, bcast(xl)), hi, bcast(xl + 16)));
+      }
+      const __m512 s = _mm512_permutexvar_ps(per_row, _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_set1_ps(x.d[at]))));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
+      if constexpr (F == kQ4_1) {
+        const __m128 mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 * kGroup)));
+        mins[m] = _mm_fmadd_ps(mw, _mm_set1_ps(x.sum_x[at]), mins[m]);
+      }
     }
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * wrb + b * bb;
-      __builtin_prefetch(blk + kAhead);
-      const Vec<Q> wv = unpack<F, Q>(blk);
-      const float dw = half(blk);
-      for (int m = 0; m < MR; ++m) {
-        const __m256i dot = block_dot<F>(wv, xq[m], init[m]);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[m]), acc[m][r]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float a[16], mn[4];
+    _mm512_store_ps(a, acc[m]);
+    _mm_store_ps(mn, mins[m]);
+    for (int g = 0; g < nr; ++g) y[m * ys + g] = narrow<T>(sum4(a + 4 * g) + mn[g] + (bias ? f32(bias[g]) : 0.f));
+  }
+}
+
+// One group of 4 rows of W in Q8_0 against MR rows of x: rows 0, 1 of the group block in one zmm
+// and rows 2, 3 in another (256 bits a row: 8 int32 lanes), x's block broadcast to both halves
+// with each weight's sign moved onto it (vpdpbusd multiplies unsigned by signed).
+template <int MR, int P, typename T>
+void group_q8(const uint8_t* w, int nb, const XQ& x, int m0, const T* bias, T* y, int64_t ys, int nr) {
+  constexpr int gb = kGroup * block_bytes(kQ8_0);
+  const __m512i lo_rows = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi_rows = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + int64_t(b) * gb;
+    __builtin_prefetch(blk + kAhead);
+    __builtin_prefetch(blk + kAhead + 64);
+    __m512i aw[2];
+    __mmask64 neg[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(blk + qs_at(kQ8_0) + 64 * h);
+      aw[h] = _mm512_abs_epi8(v);
+      neg[h] = _mm512_movepi8_mask(v);
+    }
+    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = x.idx(m0 + m, b);
+      const __m128 s4 = _mm_mul_ps(dw, _mm_set1_ps(x.d[at]));
+      __m512i xv[P];
+      for (int p = 0; p < P; ++p)
+        xv[p] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.at(p, m0 + m, b))));
+      for (int h = 0; h < 2; ++h) {
+        __m512i dot = dot4(_mm512_setzero_si512(), aw[h], _mm512_mask_sub_epi8(xv[0], neg[h], _mm512_setzero_si512(), xv[0]));
+        if constexpr (P == 2)
+          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7),
+                                 dot4(_mm512_setzero_si512(), aw[h], _mm512_mask_sub_epi8(xv[1], neg[h], _mm512_setzero_si512(), xv[1])));
+        const __m512 s = _mm512_permutexvar_ps(h ? hi_rows : lo_rows, _mm512_castps128_ps512(s4));
+        acc[m][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float a[32];
+    _mm512_store_ps(a, acc[m][0]);
+    _mm512_store_ps(a + 16, acc[m][1]);
+    for (int g = 0; g < nr; ++g) y[m * ys + g] = narrow<T>(sum4(a + 8 * g) + sum4(a + 8 * g + 4) + (bias ? f32(bias[g]) : 0.f));
+  }
+}
+#elif defined(__AVX2__)
+constexpr int kMR = 2;
+
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+inline float sum4(const float* a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+
+// AVX2: the group block's quants in two ymm (rows 0, 1 and rows 2, 3), otherwise as above.
+template <int F, int MR, int P, typename T>
+void group_q4(const uint8_t* w, int nb, const XQ& x, int m0, const T* bias, T* y, int64_t ys, int nr) {
+  constexpr int gb = kGroup * block_bytes(F);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i rows[2] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2)};
+  __m256 acc[MR][2];
+  __m128 mins[MR];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps(), mins[m] = _mm_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + int64_t(b) * gb;
+    __builtin_prefetch(blk + kAhead);
+    __m256i lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs_at(F) + 32 * h));
+      lo[h] = _mm256_and_si256(v, nibble), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = x.idx(m0 + m, b);
+      const __m256i init = offset(F) ? _mm256_setr_epi32(-offset(F) * x.sum_q[at], 0, 0, 0, -offset(F) * x.sum_q[at], 0, 0, 0)
+                                     : _mm256_setzero_si256();
+      const auto bcast = [](const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+      const __m256i xl0 = bcast(x.at(0, m0 + m, b)), xh0 = bcast(x.at(0, m0 + m, b) + 16);
+      const __m256 s4 = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_set1_ps(x.d[at])));
+      for (int h = 0; h < 2; ++h) {
+        __m256i dot;
+        if constexpr (P == 1) {
+          dot = dot4(dot4(init, lo[h], xl0), hi[h], xh0);
+        } else {
+          const __m256i xl1 = bcast(x.at(1, m0 + m, b)), xh1 = bcast(x.at(1, m0 + m, b) + 16);
+          const __m256i top = dot4(dot4(_mm256_setzero_si256(), lo[h], xl0), hi[h], xh0);
+          dot = _mm256_add_epi32(_mm256_slli_epi32(top, 7), dot4(dot4(init, lo[h], xl1), hi[h], xh1));
+        }
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(s4, rows[h]), acc[m][h]);
       }
       if constexpr (F == kQ4_1) {
-        const float mw = half(blk + 2);
-        for (int m = 0; m < MR; ++m) mins[m][r] += mw * x.sum_x[(x_row0 + m) * nb + b];
+        const __m128 mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 * kGroup)));
+        mins[m] = _mm_fmadd_ps(mw, _mm_set1_ps(x.sum_x[at]), mins[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float a[16], mn[4];
+    _mm256_store_ps(a, acc[m][0]);
+    _mm256_store_ps(a + 8, acc[m][1]);
+    _mm_store_ps(mn, mins[m]);
+    for (int g = 0; g < nr; ++g) y[m * ys + g] = narrow<T>(sum4(a + 4 * g) + mn[g] + (bias ? f32(bias[g]) : 0.f));
+  }
+}
+
+// AVX2 Q8_0: one ymm a row of the group (32 quants), its sign moved onto x.
+template <int MR, int P, typename T>
+void group_q8(const uint8_t* w, int nb, const XQ& x, int m0, const T* bias, T* y, int64_t ys, int nr) {
+  constexpr int gb = kGroup * block_bytes(kQ8_0);
+  __m256 acc[MR][kGroup];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < kGroup; ++g) acc[m][g] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + int64_t(b) * gb;
+    __builtin_prefetch(blk + kAhead);
+    __builtin_prefetch(blk + kAhead + 64);
+    float dw[kGroup];
+    for (int g = 0; g < kGroup; ++g) dw[g] = half(blk + 2 * g);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = x.idx(m0 + m, b);
+      __m256i xv[P];
+      for (int p = 0; p < P; ++p) xv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.at(p, m0 + m, b)));
+      for (int g = 0; g < kGroup; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs_at(kQ8_0) + 32 * g));
+        const __m256i aw = _mm256_sign_epi8(v, v);
+        __m256i dot = dot4(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv[0], v));
+        if constexpr (P == 2)
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot4(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv[1], v)));
+        acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[g] * x.d[at]), acc[m][g]);
       }
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) {
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][r]), _mm256_extractf128_ps(acc[m][r], 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      const float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2))) + mins[m][r];
-      y[m * ys + r] = narrow<T>(sum + (bias ? f32(bias[r]) : 0.f));
+    for (int g = 0; g < nr; ++g) {
+      alignas(32) float a[8];
+      _mm256_store_ps(a, acc[m][g]);
+      y[m * ys + g] = narrow<T>(sum4(a) + sum4(a + 4) + (bias ? f32(bias[g]) : 0.f));
     }
 }
 #else
+constexpr int kMR = 1;
+
 // Scalar: the same sums in the same integer arithmetic.
-template <int F, int MR, int NR, typename Q, typename T>
-void tile(const uint8_t* w, int64_t wrb, const XQ<Q>& x, int64_t x_row0, int k, int nb, const T* bias, T* y,
-          int64_t ys) {
-  constexpr int bb = block_bytes(F);
+template <int F, int MR, int P, typename T>
+void group_any(const uint8_t* w, int nb, const XQ& x, int m0, const T* bias, T* y, int64_t ys, int nr) {
+  constexpr int gb = kGroup * block_bytes(F);
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) {
+    for (int g = 0; g < nr; ++g) {
       float sum = 0.f;
       for (int b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + r * wrb + b * bb;
-        const Q* xq = x.q.data() + (x_row0 + m) * k + b * kBlock;
-        const int64_t at = (x_row0 + m) * nb + b;
-        int32_t dot = 0;
+        const uint8_t* blk = w + int64_t(b) * gb;
+        const uint8_t* qs = blk + qs_at(F) + row_qs(F) * g;
+        const int64_t at = x.idx(m0 + m, b);
+        int32_t dot = -offset(F) * x.sum_q[at];
         for (int i = 0; i < kBlock; ++i) {
-          int q;
-          if constexpr (F == kQ8_0)
-            q = int8_t(blk[2 + i]);
-          else {
-            const uint8_t byte = blk[(F == kQ4_1 ? 4 : 2) + i % 16];
-            q = (i < 16 ? byte & 15 : byte >> 4) - (F == kQ4_0 ? 8 : 0);
-          }
-          dot += q * xq[i];
+          const int q = F == kQ8_0 ? int(int8_t(qs[i])) : i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+          const int xq = P == 1 ? x.at(0, m0 + m, b)[i] : 128 * x.at(0, m0 + m, b)[i] + x.at(1, m0 + m, b)[i];
+          dot += q * xq;
         }
-        sum += float(dot) * half(blk) * x.d[at];
-        if constexpr (F == kQ4_1) sum += half(blk + 2) * x.sum_x[at];
+        sum += float(dot) * (half(blk + 2 * g) * x.d[at]);
+        if constexpr (F == kQ4_1) sum += half(blk + 2 * kGroup + 2 * g) * x.sum_x[at];
       }
-      y[m * ys + r] = narrow<T>(sum + (bias ? f32(bias[r]) : 0.f));
+      y[m * ys + g] = narrow<T>(sum + (bias ? f32(bias[g]) : 0.f));
     }
 }
 #endif
 
-template <int F, typename Q, typename T>
-void rows_tile(const uint8_t* w, int64_t wrb, const XQ<Q>& x, int m, int k, const T* bias, T* y, int64_t ys, int nr) {
-  const int nb = k / kBlock;
+// y[0:m, 0:nr] of one group of W, all rows of x in tiles of kMR.
+template <int F, int P, typename T>
+void group_rows(const uint8_t* w, int nb, const XQ& x, int m, const T* bias, T* y, int64_t ys, int nr) {
   auto run = [&](auto mr_c, int m0) {
     constexpr int MR = decltype(mr_c)::value;
-    T* ym = y + m0 * ys;
-    switch (nr) {
-      case 4: return tile<F, MR, 4>(w, wrb, x, m0, k, nb, bias, ym, ys);
-      case 3: return tile<F, MR, 3>(w, wrb, x, m0, k, nb, bias, ym, ys);
-      case 2: return tile<F, MR, 2>(w, wrb, x, m0, k, nb, bias, ym, ys);
-      default: return tile<F, MR, 1>(w, wrb, x, m0, k, nb, bias, ym, ys);
-    }
+#if defined(__AVX2__)
+    if constexpr (F == kQ8_0)
+      group_q8<MR, P>(w, nb, x, m0, bias, y + m0 * ys, ys, nr);
+    else
+      group_q4<F, MR, P>(w, nb, x, m0, bias, y + m0 * ys, ys, nr);
+#else
+    group_any<F, MR, P>(w, nb, x, m0, bias, y + m0 * ys, ys, nr);
+#endif
   };
-  static_assert(kNR == 4, "rows_tile dispatches nr 1..4");
   for_row_tiles<kMR>(m, run);
 }
 
-template <int F, typename Q, typename T>
-void qgemm_xq(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
-              int n) {
-  XQ<Q> xq;
-  quantize_x(x, xs, m, k, xq);
-  constexpr int rows_per_item = 4 * kNR;
-  parallel_items((n + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
-    const int lo = int(item) * rows_per_item, hi = std::min(n, lo + rows_per_item);
-    for (int r0 = lo; r0 < hi; r0 += kNR)
-      rows_tile<F>(w + r0 * wrb, wrb, xq, m, k, bias ? bias + r0 : nullptr, y + r0, ys, std::min(kNR, hi - r0));
+template <int F, int P, typename T>
+void qgemm_grouped(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, const T* bias, int m, int k, int n) {
+  XQ xq;
+  quantize_x<P>(x, xs, m, k, xq);
+  const int nb = k / kBlock;
+  const int64_t group_bytes = int64_t(nb) * kGroup * block_bytes(F);
+  constexpr int groups_per_item = 4;
+  const int groups = (n + kGroup - 1) / kGroup;
+  parallel_items((groups + groups_per_item - 1) / groups_per_item, [&](int64_t item) {
+    const int lo = int(item) * groups_per_item, hi = std::min(groups, lo + groups_per_item);
+    for (int g = lo; g < hi; ++g) {
+      const int r0 = g * kGroup;
+      group_rows<F, P>(w + g * group_bytes, nb, xq, m, bias ? bias + r0 : nullptr, y + r0, ys, std::min(kGroup, n - r0));
+    }
   });
 }
 
-template <typename Q, typename T>
-void by_format(int format, T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias,
-               int m, int k, int n) {
+template <int P, typename T>
+void by_format(int format, T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, const T* bias, int m, int k,
+               int n) {
   switch (format) {
-    case kQ4_0: return qgemm_xq<kQ4_0, Q>(y, ys, x, xs, w, wrb, bias, m, k, n);
-    case kQ4_1: return qgemm_xq<kQ4_1, Q>(y, ys, x, xs, w, wrb, bias, m, k, n);
-    case kQ8_0: return qgemm_xq<kQ8_0, Q>(y, ys, x, xs, w, wrb, bias, m, k, n);
+    case kQ4_0: return qgemm_grouped<kQ4_0, P>(y, ys, x, xs, w, bias, m, k, n);
+    case kQ4_1: return qgemm_grouped<kQ4_1, P>(y, ys, x, xs, w, bias, m, k, n);
+    case kQ8_0: return qgemm_grouped<kQ8_0, P>(y, ys, x, xs, w, bias, m, k, n);
   }
 }
 
 }  // namespace
 
 template <typename T>
-void qgemm_xq_cpu(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, int format, const T* bias,
-                  int m, int k, int n, int x_bits) {
-  if (x_bits == 8) return by_format<int8_t>(format, y, ys, x, xs, w, wrb, bias, m, k, n);
-  return by_format<int16_t>(format, y, ys, x, xs, w, wrb, bias, m, k, n);
+void qgemm_grouped_cpu(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int format, const T* bias, int m,
+                       int k, int n, int x_bits) {
+  if (x_bits == 8) return by_format<1>(format, y, ys, x, xs, w, bias, m, k, n);
+  return by_format<2>(format, y, ys, x, xs, w, bias, m, k, n);
 }
 
-template void qgemm_xq_cpu<float>(float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int, const float*,
-                                  int, int, int, int);
-template void qgemm_xq_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const uint8_t*, int64_t, int,
-                                       const simd::bf16*, int, int, int, int);
+void group_rows_cpu(uint8_t* out, const uint8_t* w, int64_t wrb, int format, int64_t n, int k) {
+  const int bb = block_bytes(format), nb = k / kBlock, qs = format == kQ4_1 ? 4 : 2, q_bytes = bb - qs;
+  const int64_t groups = (n + kGroup - 1) / kGroup, gb = int64_t(kGroup) * bb;
+  parallel_items(groups, [&](int64_t g) {
+    uint8_t* dst = out + g * nb * gb;
+    std::memset(dst, 0, size_t(nb * gb));  // a last group's missing rows: zero scales and quants
+    for (int r = 0; r < kGroup && g * kGroup + r < n; ++r) {
+      const uint8_t* row = w + (g * kGroup + r) * wrb;
+      for (int b = 0; b < nb; ++b) {
+        const uint8_t* src = row + int64_t(b) * bb;
+        uint8_t* blk = dst + b * gb;
+        std::memcpy(blk + 2 * r, src, 2);                                              // scale
+        if (format == kQ4_1) std::memcpy(blk + 2 * kGroup + 2 * r, src + 2, 2);        // min
+        std::memcpy(blk + (qs == 4 ? 4 : 2) * kGroup + q_bytes * r, src + qs, q_bytes);  // quants
+      }
+    }
+  });
+}
+
+void ungroup_row(uint8_t* out, const uint8_t* w, int format, int64_t row, int k) {
+  const int bb = block_bytes(format), nb = k / kBlock, qs = format == kQ4_1 ? 4 : 2, q_bytes = bb - qs;
+  const int64_t gb = int64_t(kGroup) * bb;
+  const uint8_t* group = w + row / kGroup * nb * gb;
+  const int r = int(row % kGroup);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * gb;
+    uint8_t* dst = out + int64_t(b) * bb;
+    std::memcpy(dst, blk + 2 * r, 2);
+    if (format == kQ4_1) std::memcpy(dst + 2, blk + 2 * kGroup + 2 * r, 2);
+    std::memcpy(dst + qs, blk + qs * kGroup + q_bytes * r, q_bytes);
+  }
+}
+
+template void qgemm_grouped_cpu<float>(float*, int64_t, const float*, int64_t, const uint8_t*, int, const float*, int,
+                                       int, int, int);
+template void qgemm_grouped_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const uint8_t*, int,
+                                            const simd::bf16*, int, int, int, int);
 
 }  // namespace quant
 }  // namespace punica_x

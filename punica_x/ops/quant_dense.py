@@ -21,6 +21,7 @@ import torch
 BLOCK = 32
 FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 FORMAT_BY_TYPE = {ggml: name for name, (ggml, _) in FORMATS.items()}
+GROUP = 4  # rows of W side by side per block for the integer-activation kernel (quant.h)
 # ModelConfig.quant_activations -> the kernels' x_bits
 X_BITS = {"int16": 16, "int8": 8, "float": 0}
 
@@ -98,10 +99,12 @@ def dequantize_blocks(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
 
 class QuantCpuDense:
     """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks. x_bits:
-    8 or 16, x rounded to integers per block of 32 for the blocks' products; 0, x as it is. From
-    `dequant_from` rows on (None: never), forward() dequantizes W to the serving dtype for
-    the call and multiplies with torch (oneDNN: AMX or AVX512-BF16 where the CPU has them),
-    where first-load timing found that faster than the blocks (choose_quant)."""
+    8 or 16, x rounded to integers per block of 32 for the blocks' products, and W regrouped
+    at prepare() (4 rows side by side per block, csrc/quant/quant.h: group_rows_cpu; the same
+    bytes); 0, x as it is, W in the file's layout. From `dequant_from` rows on (None: never),
+    forward() dequantizes W to the serving dtype for the call and multiplies with torch
+    (oneDNN: AMX or AVX512-BF16 where the CPU has them), where first-load timing found that
+    faster than the blocks (choose_quant)."""
 
     takes_prefetch = False
 
@@ -129,6 +132,8 @@ class QuantCpuDense:
         if blocks.format != self.format:
             raise ValueError(f"{blocks.name}: {blocks.format} blocks given to {self.name}")
         blocks.check_finite(self.ext)
+        if self.x_bits:
+            return self.ext.group_rows(blocks.data.contiguous(), self.type, blocks.k)
         return blocks.data.contiguous()
 
     def forward(self, x, prepared, n, bias):
@@ -137,15 +142,26 @@ class QuantCpuDense:
             ids = self._all_rows.get(n)
             if ids is None:
                 ids = self._all_rows[n] = torch.arange(n)
-            w = self.ext.dequant_rows(prepared, self.type, x.shape[1], ids, x.dtype)
+            w = self._dequant(prepared, x.shape[1], n, ids, x.dtype)
             return torch.nn.functional.linear(x, w, bias)
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias, self.x_bits)
+        if self.x_bits:
+            self.ext.qgemm_grouped(y, x.contiguous(), prepared, self.type, bias, self.x_bits)
+        else:
+            self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias)
         return y
 
     def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
         """W[ids] dequantized to the serving dtype: [T, K]."""
-        return self.ext.dequant_rows(prepared, self.type, k, ids.long(), self.dtype)
+        # grouped: the rows of its groups, a last group's zero padding included (ids are token
+        # ids, checked against the vocabulary before a step)
+        n = prepared.shape[0] * GROUP if self.x_bits else prepared.shape[0]
+        return self._dequant(prepared, k, n, ids.long(), self.dtype)
+
+    def _dequant(self, prepared, k: int, n: int, ids: torch.Tensor, dtype) -> torch.Tensor:
+        if self.x_bits:
+            return self.ext.dequant_grouped_rows(prepared, self.type, k, n, ids, dtype)
+        return self.ext.dequant_rows(prepared, self.type, k, ids, dtype)
 
 
 _MADE: dict[tuple, QuantCpuDense] = {}
@@ -221,7 +237,11 @@ def _timing(backend: QuantCpuDense, n: int, k: int, m: int, dequant: bool):
         run = QuantCpuDense(backend.format, backend.dtype, dequant_from=start, x_bits=bits)
         size = n * k // BLOCK * FORMATS[backend.format][1]
         copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // size)))
-        weights = [random_blocks(backend.format, n, k) for _ in range(copies)]
+        fmt = backend.format
+        weights = [
+            run.prepare(QuantBlocks("random", fmt, random_blocks(fmt, n, k), k))
+            for _ in range(copies)
+        ]
         x = torch.randn(m, k).to(backend.dtype)
         return lambda: [run.forward(x, w, n, None) for w in weights]
 

@@ -165,12 +165,13 @@ def test_packed_checkpoint_serves_blocks_matching_its_dequantized_values(
     exact = run(tiny_llm(packed, quantization="none"))  # the formula in float32
     assert exact[0] == want[0]
     assert max(abs(a - b) for a, b in zip(exact[1], want[1])) < 1e-5
-    # x rounded to int16 per block (the default): the blocks' own tokens but at the nearest
-    # ties, and their logprobs within float32 noise
+    # x rounded to int16 per block (the default; steps of 1/16256 of each block's largest
+    # value): the blocks' own tokens but at the nearest ties, and their logprobs within a few
+    # times float32 noise
     values = tiny_llm(block_reference(packed, tmp_path / "b2"))
     x16 = run(tiny_llm(packed, quantization="auto"))
     assert_equal_but_near_ties(x16[0], values, NEAR_TIE)
-    assert max(abs(a - b) for a, b in zip(x16[1], blocks[1])) < 1e-3
+    assert max(abs(a - b) for a, b in zip(x16[1], blocks[1])) < 3e-3
     # to int8 (llama.cpp's; steps of 1/127 of each block's largest value, relative errors of
     # ~1% a value where bf16's are <= 0.4%): the blocks' greedy tokens but at near ties,
     # prompt logprobs within a few times what serving the blocks' values in bfloat16 moves

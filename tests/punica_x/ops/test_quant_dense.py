@@ -43,9 +43,11 @@ def test_qgemm_matches_dequantized(fmt, m, n, k, dtype, cpu_isa):
 
 @pytest.mark.parametrize("fmt", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_are_the_dequantized_rows(fmt, dtype, cpu_isa):
+@pytest.mark.parametrize("bits", [0, 8, 16])
+def test_rows_are_the_dequantized_rows(fmt, dtype, bits, cpu_isa):
+    """From the file's layout (bits 0) and from rows grouped by 4 (the integer kernels')."""
     blocks, ref = _blocks(fmt, 50, 96, 1)
-    backend = QuantCpuDense(fmt, dtype, cpu_isa)
+    backend = QuantCpuDense(fmt, dtype, cpu_isa, x_bits=bits)
     ids = torch.tensor([0, 49, 7, 7])
     got = backend.rows(backend.prepare(blocks), ids, 96)
     assert got.dtype == dtype
@@ -74,6 +76,7 @@ def test_kernel_checks_its_inputs(cpu_isa):
     assert ext.isa() == cpu_isa
     blocks, _ = _blocks("Q8_0", 16, 64, 4)
     w, x, y = blocks.data, torch.randn(2, 64), torch.empty(2, 16)
+    g, f32 = ext.group_rows(w, 8, 64), torch.float32
     bad = [
         (lambda: ext.qgemm(y, x, w, 5, None), "unknown block format 5"),
         (lambda: ext.qgemm(y, x, w, 2, None), "w rows must hold 36 bytes"),
@@ -83,8 +86,19 @@ def test_kernel_checks_its_inputs(cpu_isa):
         (lambda: ext.qgemm(y, x, w.float(), 8, None), "uint8"),
         (lambda: ext.qgemm(y, x, w, 8, torch.zeros(15)), r"bias must be \[16\]"),
         (lambda: ext.qgemm(y, x.int(), w, 8, None), "float32 or bfloat16"),
-        (lambda: ext.qgemm(y, x, w, 8, None, 4), "x_bits must be 0, 8 or 16, got 4"),
-        (lambda: ext.qgemm(y, x, w, 8, None, -8), "x_bits must be"),
+        (lambda: ext.qgemm_grouped(y, x, g, 8, None, 4), "x_bits must be 8 or 16, got 4"),
+        (lambda: ext.qgemm_grouped(y, x, g, 8, None, 0), "x_bits must be 8 or 16"),
+        (lambda: ext.qgemm_grouped(y, x, w, 8, None, 16), r"must be \[4, 272\], got \[16, 68\]"),
+        (lambda: ext.qgemm_grouped(torch.empty(2, 17), x, g, 8, None, 8), r"\[5, 272\]"),
+        (lambda: ext.qgemm_grouped(y, x, g, 3, None, 8), r"must be \[4, 160\]"),
+        (lambda: ext.qgemm_grouped(y, x, g, 7, None, 8), "unknown block format 7"),
+        (lambda: ext.qgemm_grouped(y, x, g.float(), 8, None, 8), "uint8"),
+        (lambda: ext.qgemm_grouped(y, x, g, 8, torch.zeros(15), 8), r"bias must be \[16\]"),
+        (lambda: ext.qgemm_grouped(y, x.bfloat16(), g, 8, None, 8), "y must be"),
+        (lambda: ext.qgemm_grouped(y[:, :0], x, g, 8, None, 8), "N must be"),
+        (lambda: ext.group_rows(w, 2, 64), "w rows must hold 36 bytes"),
+        (lambda: ext.dequant_grouped_rows(g, 8, 64, 16, torch.tensor([16]), f32), "out of"),
+        (lambda: ext.dequant_grouped_rows(g, 8, 64, 12, torch.tensor([0]), f32), "12 rows"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([16]), torch.float32), "out of range"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([-1]), torch.float32), "out of range"),
         (lambda: ext.dequant_rows(w, 8, 64, torch.tensor([0.0]), torch.float32), "int64"),
@@ -95,6 +109,7 @@ def test_kernel_checks_its_inputs(cpu_isa):
         with pytest.raises(RuntimeError, match=message):
             call()
     ext.qgemm(torch.empty(0, 16), torch.empty(0, 64), w, 8, None)  # no rows: nothing to do
+    ext.qgemm_grouped(torch.empty(0, 16), torch.empty(0, 64), g, 8, None, 8)
 
 
 def test_quant_blocks_validate_shape_and_format():
@@ -137,18 +152,20 @@ def test_a_bad_row_of_fused_slices_names_its_own_tensor(cpu_isa):
 
 @pytest.mark.parametrize("fmt", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantizing_rows_compute_what_the_blocks_do(fmt, dtype, cpu_isa):
-    """From dequant_from rows on, W is dequantized for the call and torch multiplies."""
+@pytest.mark.parametrize("bits", [0, 16])
+def test_dequantizing_rows_compute_what_the_blocks_do(fmt, dtype, bits, cpu_isa):
+    """From dequant_from rows on, W is dequantized for the call and torch multiplies (from
+    the file's layout, and from rows grouped for the integer kernels: x exact there)."""
     blocks, ref = _blocks(fmt, 40, 64, 7)
-    blockwise = QuantCpuDense(fmt, dtype, cpu_isa)
-    dequant = QuantCpuDense(fmt, dtype, cpu_isa, dequant_from=3)
+    blockwise = QuantCpuDense(fmt, dtype, cpu_isa, x_bits=bits)
+    dequant = QuantCpuDense(fmt, dtype, cpu_isa, dequant_from=3, x_bits=bits)
     w = blockwise.prepare(blocks)
     bias = torch.randn(40).to(dtype)
     for m in (1, 2, 3, 9):
         x = torch.randn(m, 64).to(dtype)
         want = blockwise.forward(x, w, 40, bias)
         got = dequant.forward(x, w, 40, bias)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        tol = (5e-4 if bits else 1e-5) if dtype == torch.float32 else 2e-2  # bits: x rounded
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
@@ -170,11 +187,15 @@ def test_choose_quant_times_each_row_count(monkeypatch, tmp_path):
     )
 
 
+# the integer-activation kernel's largest |xq| per x_bits (int16: two int8 parts, 128 xh + xl)
+QMAX = {8: 127, 16: 127 * 128}
+
+
 def _xq_reference(ref: torch.Tensor, x: torch.Tensor, bits: int) -> torch.Tensor:
     """What the integer-activation kernel computes, in float64: each block of 32 values of x
-    rounded to int8 / int16 with scale max|x| / 127 / 32767 (half to even), times W's blocks."""
+    rounded to integers with scale max|x| / QMAX[bits] (half to even), times W's blocks."""
     xf = x.float().reshape(x.shape[0], -1, 32)
-    d = xf.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+    d = xf.abs().amax(-1, keepdim=True) / QMAX[bits]
     q = torch.round(xf * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
     return (q * d).reshape(x.shape).double() @ ref.double().t()
 
@@ -182,7 +203,7 @@ def _xq_reference(ref: torch.Tensor, x: torch.Tensor, bits: int) -> torch.Tensor
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("fmt", NAMES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize(("n", "k"), [(37, 64), (576, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (2, 32), (576, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_integer_x_is_rounded_x_times_the_blocks(bits, fmt, m, n, k, dtype, cpu_isa):
     """x_bits 8 / 16: the blocks times x rounded to integers per block, exactly that
@@ -203,7 +224,7 @@ def test_integer_x_is_rounded_x_times_the_blocks(bits, fmt, m, n, k, dtype, cpu_
     err = (y.double() - want).abs().max() / want.abs().max()
     assert err < tol, f"seed {seed}: relative error {err}"
     exact = x.double() @ ref.double().t() + (bias.double() if bias is not None else 0)
-    step = x.float().reshape(m, -1, 32).abs().amax(-1) / (2 ** (bits - 1) - 1)  # [m, k / 32]
+    step = x.float().reshape(m, -1, 32).abs().amax(-1) / QMAX[bits]  # [m, k / 32]
     bound = (step.double() / 2) @ ref.abs().reshape(n, -1, 32).sum(-1).double().t()
     assert ((y.double() - exact).abs() <= bound + tol * exact.abs().max()).all(), seed
 
