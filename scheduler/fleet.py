@@ -23,6 +23,7 @@ from typing import Protocol
 
 from punica_x.heap import thaw
 from punica_x.lora.pool import UnknownAdapterError
+from punica_x.side_thread import in_side_thread
 from scheduler.errors import ClusterError
 from scheduler.interface import RequestLimits, RunnerHandle, RunnerStats
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
@@ -335,7 +336,9 @@ class Fleet:
 
     async def _start(self, slot: RunnerSlot) -> None:
         try:
-            slot.handle = await asyncio.to_thread(self._build, slot.runner_id)
+            # a runner's build and join run torch ops: threads of their own, which leave no
+            # OpenMP threads behind (punica_x.side_thread)
+            slot.handle = await in_side_thread(self._build, slot.runner_id)
             slot.backend = slot.handle.backend
             slot.where = _where(slot.handle)
             await self.hooks.install(slot.handle)
@@ -344,7 +347,7 @@ class Fleet:
             if slot.handle is not None:
                 await asyncio.to_thread(slot.handle.shutdown)
             raise
-        await asyncio.to_thread(self.hooks.join, slot)
+        await in_side_thread(self.hooks.join, slot)
         slot.state = ACTIVE
         slot.idle_since = slot.active_since = time.monotonic()
         slot.error = None
