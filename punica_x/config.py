@@ -32,7 +32,8 @@ class ModelConfig:
     (punica_x.models.quantize: Q8_0 / Q4_1 projections, a Q8_0 head).
     quant_activations: how x meets weights served in blocks. "int16" (default) and "int8"
     round each block of 32 values of x to integers with its own scale and multiply in integer
-    dot products: int16 within float32 summation noise of "float"; int8 is llama.cpp's
+    dot products: int16 (steps of 1/16256 of a block's largest value) within a few times
+    float32 summation noise of "float"; int8 is llama.cpp's
     arithmetic, the fastest (steps of 1/127 of a block's largest value: a model with outlier
     activations, as SmolLM2, moves its logprobs by up to ~1 nat); "float": x stays in the
     serving dtype, the exact reference of the blocks' values. Float weights are not affected."""

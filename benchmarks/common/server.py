@@ -77,7 +77,10 @@ def _load_error(r: httpx.Response) -> str | None:
         body = r.json()
     except ValueError:
         return None
-    return body.get("error") if isinstance(body, dict) else None
+    error = body.get("error") if isinstance(body, dict) else None
+    # punica-x says why loading failed in a string; llama.cpp's 503 while it is still
+    # loading carries {"message": "Loading model", ...}
+    return error if isinstance(error, str) else None
 
 
 @contextlib.contextmanager

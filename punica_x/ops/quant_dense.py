@@ -4,7 +4,8 @@ A weight is QuantBlocks: [N, K / 32 * block_bytes] uint8, each row of W its K / 
 the file stores them (ggml's layouts: Q4_0, Q4_1, Q8_0; fp16 scale, and min for Q4_1). Nothing
 is expanded to a float copy at load. With x_bits 16 or 8 (ModelConfig.quant_activations
 "int16", the default, or "int8") the CPU kernel rounds each block of 32 values of x to integers
-with a scale each and multiplies in integer dot products (int8: llama.cpp's arithmetic); with
+with a scale each and multiplies in integer dot products (int8: llama.cpp's arithmetic) with
+the blocks regrouped at load, 4 rows side by side (the same bytes; csrc/quant/quant.h); with
 0 ("float") it unpacks blocks in registers (a few rows, decode) or into a per-thread panel
 (more rows, prefill) and computes in float32 with x in the serving dtype (float32 or
 bfloat16), the blocks' exact reference. `rows()` dequantizes rows of

@@ -70,3 +70,16 @@ def test_random_adapters_load_into_the_model_they_were_shaped_for(tiny_model_dir
         llm.load_adapter(f"a{i}", str(p))
     outs = llm.generate(["hello"] * 2, ["a0", "a1"])
     assert outs[0].token_ids and outs[1].token_ids
+
+
+def test_a_peer_still_loading_is_waited_for_not_failed():
+    """llama.cpp's /health answers 503 with an "error" object while it loads the model (a
+    bench once gave up on that); punica-x's /ready names a failed load in a string."""
+    import httpx
+    from common.server import _load_error
+
+    loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    assert _load_error(httpx.Response(503, json=loading)) is None
+    failed = {"status": "not_ready", "error": "ImportError: no flashinfer"}
+    assert _load_error(httpx.Response(503, json=failed)) == "ImportError: no flashinfer"
+    assert _load_error(httpx.Response(503, text="not json")) is None
