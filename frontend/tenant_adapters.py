@@ -21,7 +21,6 @@ from frontend.store import AdapterRecord, Store, Tenant
 from frontend.uploads import CONFIG, WEIGHTS
 from punica_x.lora.adapter import AdapterError, load_peft_adapter
 from punica_x.lora.pool import UnknownAdapterError
-from punica_x.side_thread import in_side_thread
 from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ class TenantAdapters:
         staging = await _storage(asyncio.to_thread(self.store.stage, files))
         try:
             info = self.scheduler.info
-            parsed = await in_side_thread(  # torch ops: leave no OpenMP threads behind
+            parsed = await asyncio.to_thread(
                 load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
             )
             size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))

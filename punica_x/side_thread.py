@@ -7,7 +7,8 @@ machine has cores it stops spinning between parallel regions on every team: the 
 ~120 kernel calls a decode step then each wait for a futex wake-up. Measured on 2 cores
 (SmolLM2-135M, Q4_1 blocks, one stream through the server): 121 tok/s, and 74 once 32 adapter
 uploads had been parsed on the executor's threads. A thread of its own per call frees its team
-when it ends."""
+when it ends: on_side_thread() where the work is done (adapter parsing, whoever calls it: the
+server, a Ray runner, LLM), in_side_thread() for a coroutine that hands such work off."""
 
 from __future__ import annotations
 
@@ -17,6 +18,25 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+NAME = "punica-x-side"
+
+
+def on_side_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) on a new thread, waited for; its exception is raised here."""
+    out: list = [None, None]  # result, error
+
+    def run() -> None:
+        try:
+            out[0] = fn(*args)
+        except BaseException as e:  # re-raised on the calling thread
+            out[1] = e
+
+    thread = threading.Thread(target=run, name=NAME, daemon=True)
+    thread.start()
+    thread.join()
+    if out[1] is not None:
+        raise out[1]
+    return out[0]
 
 
 async def in_side_thread(fn: Callable[..., T], *args) -> T:
@@ -41,5 +61,5 @@ async def in_side_thread(fn: Callable[..., T], *args) -> T:
         else:
             loop.call_soon_threadsafe(settle, None, result)
 
-    threading.Thread(target=run, name="punica-x-side", daemon=True).start()
+    threading.Thread(target=run, name=NAME, daemon=True).start()
     return await done

@@ -5,6 +5,7 @@ has its own KV cache, adapter pool, batcher and step thread."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import os
@@ -20,7 +21,6 @@ from punica_x.engine.async_engine import AsyncEngine, RequestStream
 from punica_x.engine.memory import weights_bytes
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
-from punica_x.side_thread import in_side_thread
 from scheduler.interface import ModelInfo, RequestLimits, RunnerInfo, RunnerStats
 
 
@@ -190,11 +190,11 @@ class LocalRunner:
     async def register_adapter(
         self, name: str, path: Path, sha256: str | None = None, version: int | None = None
     ) -> AdapterInfo:
-        # Parsing and validating read the files: a thread of its own does it (its torch ops
-        # leave no OpenMP threads behind: punica_x.side_thread), so neither the event loop nor
-        # the engine's step loop waits (the pool is thread-safe).
+        # Parsing and validating read the files: a worker thread does it, so neither the event
+        # loop nor the engine's step loop waits (the pool is thread-safe; its torch ops run on a
+        # thread of their own, lora.adapter.load_peft_adapter).
         pool = self.engine.adapters
-        return await in_side_thread(pool.register, name, path, sha256, version)
+        return await asyncio.to_thread(pool.register, name, path, sha256, version)
 
     async def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)

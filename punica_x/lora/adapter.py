@@ -29,6 +29,7 @@ from punica_x.lora.edges import (
 )
 from punica_x.lora.layout import GROUPS, to_sgmv_layout  # noqa: F401  (GROUPS: re-exported)
 from punica_x.lora.peft_options import OptionError, PeftOptions, read_options
+from punica_x.side_thread import on_side_thread
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -142,7 +143,13 @@ class LoraAdapter:
 def load_peft_adapter(
     path: str | Path, target: LoraTarget, max_rank: int, dtype: torch.dtype
 ) -> LoraAdapter:
-    """Parse and validate the PEFT adapter at `path`; raises AdapterError."""
+    """Parse and validate the PEFT adapter at `path`; raises AdapterError. Its torch ops run on
+    a thread of its own (punica_x.side_thread): a caller's long-lived worker thread would keep
+    the OpenMP team they start and slow every step loop of the process."""
+    return on_side_thread(_load_peft_adapter, path, target, max_rank, dtype)
+
+
+def _load_peft_adapter(path, target: LoraTarget, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError("not_found", f"adapter directory not found: {folder}")

@@ -15,10 +15,10 @@ backends)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Protocol
 
+from punica_x.side_thread import in_side_thread
 from scheduler.distkv.dgfm import Swap, plan_swaps
 from scheduler.distkv.network import KVNetwork, default_caps
 
@@ -87,7 +87,8 @@ class ThreadKVGroup:
             return []  # nothing to do, or a runner on a cycle is gone
         handles = [slots[r] for r in rids]
         engines = {r: slots[r].engine for r in rids}
-        return await asyncio.to_thread(paused, handles, lambda: net.defragment(engines, min_swap))
+        # the blocks are copied with torch ops: on a thread of its own (punica_x.side_thread)
+        return await in_side_thread(paused, handles, lambda: net.defragment(engines, min_swap))
 
     def has_work(self) -> bool:
         return bool(self.network.ledger.debts())

@@ -73,3 +73,30 @@ def test_torch_work_there_leaves_no_threads_behind():
             assert threads() >= before + 2
     finally:
         torch.set_num_threads(was)
+
+
+def test_on_side_thread_waits_and_raises_here():
+    from punica_x.side_thread import on_side_thread
+
+    names = []
+
+    def work(a):
+        names.append(threading.current_thread().name)
+        return torch.ones(a).sum().item()
+
+    assert on_side_thread(work, 4) == 4.0 and names == ["punica-x-side"]
+    with pytest.raises(KeyError):
+        on_side_thread({}.__getitem__, "missing")
+
+
+def test_adapter_parsing_runs_on_a_side_thread(monkeypatch, tmp_path):
+    """load_peft_adapter's torch work runs on a thread of its own, whoever calls it (the
+    server's executor, a Ray runner's actor thread, LLM)."""
+    from punica_x.lora import adapter
+
+    seen = []
+    monkeypatch.setattr(
+        adapter, "_load_peft_adapter", lambda *a: seen.append(threading.current_thread().name)
+    )
+    adapter.load_peft_adapter(tmp_path, None, 16, torch.float32)
+    assert seen == ["punica-x-side"]
