@@ -71,9 +71,10 @@ void qgemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8
 
 // Row groups for the integer-activation kernel: kGroup rows of W side by side per block. A
 // grouped W is ceil(N / kGroup) groups of K / 32 group blocks, kGroup * block_bytes(format)
-// bytes each: the rows' fp16 scales, Q4_1's fp16 mins, then each row's quants (16 bytes for Q4,
-// 32 for Q8_0); a last group's missing rows are zeros.
-constexpr int kGroup = 4;
+// bytes each: the rows' fp16 scales, Q4_1's fp16 mins, then the quants in 64-byte chunks, chunk j
+// holding quant bytes 4 j .. 4 j + 3 of every row (row r at 4 r: one int32 lane a row); a last
+// group's missing rows are zeros.
+constexpr int kGroup = 16;
 
 // out (ceil(n / kGroup) * K / 32 * kGroup * block_bytes(format) bytes) = w (n rows, row_bytes
 // apart) regrouped.

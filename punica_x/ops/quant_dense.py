@@ -5,7 +5,7 @@ the file stores them (ggml's layouts: Q4_0, Q4_1, Q8_0; fp16 scale, and min for 
 is expanded to a float copy at load. With x_bits 16 or 8 (ModelConfig.quant_activations
 "int16", the default, or "int8") the CPU kernel rounds each block of 32 values of x to integers
 with a scale each and multiplies in integer dot products (int8: llama.cpp's arithmetic) with
-the blocks regrouped at load, 4 rows side by side (the same bytes; csrc/quant/quant.h); with
+the blocks regrouped at load, 16 rows side by side (the same bytes; csrc/quant/quant.h); with
 0 ("float") it unpacks blocks in registers (a few rows, decode) or into a per-thread panel
 (more rows, prefill) and computes in float32 with x in the serving dtype (float32 or
 bfloat16), the blocks' exact reference. `rows()` dequantizes rows of
@@ -22,7 +22,7 @@ import torch
 BLOCK = 32
 FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 FORMAT_BY_TYPE = {ggml: name for name, (ggml, _) in FORMATS.items()}
-GROUP = 4  # rows of W side by side per block for the integer-activation kernel (quant.h)
+GROUP = 16  # rows of W side by side per block for the integer-activation kernel (quant.h)
 # ModelConfig.quant_activations -> the kernels' x_bits
 X_BITS = {"int16": 16, "int8": 8, "float": 0}
 
@@ -101,7 +101,7 @@ def dequantize_blocks(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
 class QuantCpuDense:
     """The dense backend for one format (csrc/quant): prepare() takes QuantBlocks. x_bits:
     8 or 16, x rounded to integers per block of 32 for the blocks' products, and W regrouped
-    at prepare() (4 rows side by side per block, csrc/quant/quant.h: group_rows_cpu; the same
+    at prepare() (16 rows side by side per block, csrc/quant/quant.h: group_rows_cpu; the same
     bytes); 0, x as it is, W in the file's layout. From `dequant_from` rows on (None: never),
     forward() dequantizes W to the serving dtype for the call and multiplies with torch
     (oneDNN: AMX or AVX512-BF16 where the CPU has them), where first-load timing found that
