@@ -63,6 +63,17 @@ constexpr int block_bytes(int format) {
   return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : 0;
 }
 
+// fn(std::integral_constant<int, F>) for the format id F; nothing for an unknown one (the
+// bindings check formats first).
+template <typename Fn>
+inline void for_format(int format, const Fn& fn) {
+  switch (format) {
+    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
+  }
+}
+
 // T: float or simd::bf16 for x, y and bias (float32 accumulation). w: N rows of K / 32 blocks,
 // row-major, rows `w_row_bytes` apart. bias: null or [N].
 template <typename T>

@@ -256,33 +256,24 @@ void dequant_grouped_rows(T* out, int64_t os, const uint8_t* w, const int64_t* r
   });
 }
 
-template <typename Fn>
-void by_format(int format, const Fn& fn) {
-  switch (format) {
-    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
-    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
-    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
-  }
-}
-
 }  // namespace
 
 template <typename T>
 void qgemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, int format, const T* bias,
                int m, int k, int n) {
-  by_format(format, [&](auto f) { qgemm<decltype(f)::value>(y, ys, x, xs, w, wrb, bias, m, k, n); });
+  for_format(format, [&](auto f) { qgemm<decltype(f)::value>(y, ys, x, xs, w, wrb, bias, m, k, n); });
 }
 
 template <typename T>
 void dequant_rows_cpu(T* out, int64_t os, const uint8_t* w, int64_t wrb, int format, const int64_t* rows,
                       int64_t count, int k) {
-  by_format(format, [&](auto f) { dequant_rows<decltype(f)::value>(out, os, w, wrb, rows, count, k); });
+  for_format(format, [&](auto f) { dequant_rows<decltype(f)::value>(out, os, w, wrb, rows, count, k); });
 }
 
 template <typename T>
 void dequant_grouped_rows_cpu(T* out, int64_t os, const uint8_t* w, int format, const int64_t* rows, int64_t count,
                               int k) {
-  by_format(format, [&](auto f) { dequant_grouped_rows<decltype(f)::value>(out, os, w, rows, count, k); });
+  for_format(format, [&](auto f) { dequant_grouped_rows<decltype(f)::value>(out, os, w, rows, count, k); });
 }
 
 int64_t first_bad_row(const uint8_t* w, int64_t wrb, int format, int64_t n, int k) {

@@ -400,38 +400,20 @@ void qgemm_grouped(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, c
   });
 }
 
-// fn(std::integral_constant<int, F>) for the format id; nothing for an unknown one (checked by the
-// callers).
-template <typename Fn>
-void by_format_id(int format, const Fn& fn) {
-  switch (format) {
-    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
-    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
-    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
-  }
-}
-
-template <int P, typename T>
-void by_format(int format, T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, const T* bias, int m, int k,
-               int n) {
-  switch (format) {
-    case kQ4_0: return qgemm_grouped<kQ4_0, P>(y, ys, x, xs, w, bias, m, k, n);
-    case kQ4_1: return qgemm_grouped<kQ4_1, P>(y, ys, x, xs, w, bias, m, k, n);
-    case kQ8_0: return qgemm_grouped<kQ8_0, P>(y, ys, x, xs, w, bias, m, k, n);
-  }
-}
-
 }  // namespace
 
 template <typename T>
 void qgemm_grouped_cpu(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int format, const T* bias, int m,
                        int k, int n, int x_bits) {
-  if (x_bits == 8) return by_format<1>(format, y, ys, x, xs, w, bias, m, k, n);
-  return by_format<2>(format, y, ys, x, xs, w, bias, m, k, n);
+  for_format(format, [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    if (x_bits == 8) return qgemm_grouped<F, 1>(y, ys, x, xs, w, bias, m, k, n);
+    qgemm_grouped<F, 2>(y, ys, x, xs, w, bias, m, k, n);
+  });
 }
 
 void group_rows_cpu(uint8_t* out, const uint8_t* w, int64_t wrb, int format, int64_t n, int k) {
-  by_format_id(format, [&](auto f) {
+  for_format(format, [&](auto f) {
     constexpr int F = decltype(f)::value, bb = block_bytes(F), qs = bb - row_qs(F);
     const int nb = k / kBlock;
     const int64_t groups = (n + kGroup - 1) / kGroup, gb = int64_t(kGroup) * bb;
@@ -453,7 +435,7 @@ void group_rows_cpu(uint8_t* out, const uint8_t* w, int64_t wrb, int format, int
 }
 
 void ungroup_row(uint8_t* out, const uint8_t* w, int format, int64_t row, int k) {
-  by_format_id(format, [&](auto f) {
+  for_format(format, [&](auto f) {
     constexpr int F = decltype(f)::value, bb = block_bytes(F), qs = bb - row_qs(F);
     const int nb = k / kBlock, r = int(row % kGroup);
     const uint8_t* group = w + row / kGroup * nb * int64_t(kGroup) * bb;
