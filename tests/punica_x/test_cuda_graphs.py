@@ -50,7 +50,12 @@ def _attach(llm: LLM, capture=replay_capture, max_batch_size: int = 8) -> Decode
 def _requests(n: int = 5):
     prompts = [f"question {i}: " + "tell me more " * (1 + 3 * i) for i in range(n)]
     adapters = [None, "r4", "r8", "r16", "r64", "r8", None][:n]
-    params = [SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True, logprobs=2) for i in range(n)]
+    # seeded: each request's tokens depend on its own seed and position only, not on which
+    # rows share its steps (unseeded rows draw from the engine's generator in batch order, so
+    # two engines whose steps group the rows differently would draw different tokens)
+    params = [
+        SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True, logprobs=2, seed=i) for i in range(n)
+    ]
     return prompts, adapters, params
 
 
