@@ -70,6 +70,38 @@ class CpuAttentionPlan:
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
 
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether rope_write_attend() can run this step's layers (no long prefill chunks)."""
+        return not self.long_prefills
+
+    def rope_write_attend(
+        self, qkv, kv, layer: int, heads: int, positions, cos, sin, scale, window=0, softcap=0.0
+    ) -> torch.Tensor:
+        """A layer's attention from its fused projection output qkv [T, (H_q + 2 N_kv) D] in
+        one native call: q's and k's heads rotated in place by the RoPE tables cos/sin
+        [max_pos, D] at positions [T] (the cpu fused backend's rope_, bit for bit), then
+        write_kv(k, v) and attend(q). Returns out [T, H_q * D]. Only where fuses_rope."""
+        ks = self.short
+        out, _ = self.ext.rope_write_attend(
+            qkv,
+            heads,
+            positions,
+            cos,
+            sin,
+            kv,
+            layer,
+            self.slot_blocks,
+            self.slot_offsets,
+            ks.seqs,
+            ks.table_start,
+            ks.block_table,
+            scale,
+            window,
+            softcap,
+        )
+        return out
+
     def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.ext.write_kv(
             kv, layer, k.contiguous(), v.contiguous(), self.slot_blocks, self.slot_offsets

@@ -80,9 +80,13 @@ class Dense(nn.Module):
         """x: [T, in_features] -> [T, out_features]. ``prefetch``: regions the next kernel
         reads, pulled into the caches during the GEMM where the backend can
         (ops.dense.prefetches)."""
+        # weight and bias straight from _parameters (bias is there or a plain None): a
+        # Module.__getattr__ lookup costs ~0.5 us, and a decode step makes ~120 of these calls
+        params = self._parameters
+        w, bias = params["weight"], params.get("bias")
         if prefetch is not None and self.prefetches:
-            return self.backend.forward(x, self.weight, self.out_features, self.bias, prefetch)
-        return self.backend.forward(x, self.weight, self.out_features, self.bias)
+            return self.backend.forward(x, w, self.out_features, bias, prefetch)
+        return self.backend.forward(x, w, self.out_features, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W ([T] int64 -> [T, in_features]), read from the backend's layout

@@ -64,8 +64,8 @@ EXTENSIONS = {
         ("sgmv/sgmv.h", "sgmv/expand_dot.h", "sgmv/amx.h", "sgmv/amx_machine.h"),
     ),
     "attention_cpu": (
-        ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp"),
-        ("attention/paged_attention.h",),
+        ("attention/bindings.cpp", "attention/paged_attention_cpu.cpp", "layers/fused_cpu.cpp"),
+        ("attention/paged_attention.h", "layers/fused.h"),
     ),
     "dense_cpu": (("dense/bindings.cpp", "dense/dense_cpu.cpp"), ("dense/dense.h",)),
     "layers_cpu": (("layers/bindings.cpp", "layers/fused_cpu.cpp"), ("layers/fused.h",)),

@@ -145,12 +145,11 @@ class QuantCpuDense:
                 ids = self._all_rows[n] = torch.arange(n)
             w = self._dequant(prepared, x.shape[1], n, ids, x.dtype)
             return torch.nn.functional.linear(x, w, bias)
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
         if self.x_bits:
-            self.ext.qgemm_grouped(y, x.contiguous(), prepared, self.type, bias, self.x_bits)
-        else:
-            self.ext.qgemm(y, x.contiguous(), prepared, self.type, bias)
-        return y
+            return self.ext.qgemm_grouped_new(
+                x.contiguous(), prepared, self.type, bias, self.x_bits, n
+            )
+        return self.ext.qgemm_new(x.contiguous(), prepared, self.type, bias)
 
     def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
         """W[ids] dequantized to the serving dtype: [T, K]."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, tiny_llm
 
+from punica_x import SamplingParams
 from punica_x.attention.paged import AttentionMeta, SeqSpan
 from punica_x.config import ModelConfig
 from punica_x.core import Batch
@@ -188,3 +189,38 @@ def test_the_index_names_the_checkpoint_files(tmp_path, tiny_model_dir):
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": bad}))
         with pytest.raises((ValueError, FileNotFoundError), match=match):
             load_model(ModelConfig(model=str(folder), dtype="float32"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_native_attention_call_changes_no_output(tiny_model_dir, monkeypatch, dtype):
+    """With the cpu fused and attention backends, a layer's RoPE, K/V write and attention run
+    as one native call (CpuAttentionPlan.rope_write_attend) in steps without long prefills;
+    the separate calls give the same tokens and logprobs, bit for bit, prompt rows included."""
+    from punica_x.attention.cpu import CpuAttentionPlan
+
+    monkeypatch.setenv("PUNICA_X_ATTENTION_BACKEND", "cpu")
+    calls = []
+    fused_call = CpuAttentionPlan.rope_write_attend
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return fused_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAttentionPlan, "rope_write_attend", counted)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    sp_prompt = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    prompts = ["hello world", "paged attention keeps every block of the cache in use"]
+
+    def run():
+        llm = tiny_llm(tiny_model_dir, dtype=dtype, fused_backend="cpu")
+        return llm.generate(prompts, sampling=[sp, sp_prompt])
+
+    fused = run()
+    assert calls, "the fused call did not run"
+    monkeypatch.setattr(CpuAttentionPlan, "fuses_rope", property(lambda self: False))
+    calls.clear()
+    separate = run()
+    assert not calls
+    for a, b in zip(fused, separate):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs

@@ -96,6 +96,15 @@ def test_kernel_checks_its_inputs(cpu_isa):
         (lambda: ext.qgemm_grouped(y, x, g, 8, torch.zeros(15), 8), r"bias must be \[16\]"),
         (lambda: ext.qgemm_grouped(y, x.bfloat16(), g, 8, None, 8), "y must be"),
         (lambda: ext.qgemm_grouped(y[:, :0], x, g, 8, None, 8), "N must be"),
+        (lambda: ext.qgemm_new(x, w, 5, None), "unknown block format 5"),
+        (lambda: ext.qgemm_new(x[0], w, 8, None), "x and w must be 2-D"),
+        (lambda: ext.qgemm_new(x.int(), w, 8, None), "float32 or bfloat16"),
+        (lambda: ext.qgemm_grouped_new(x, g, 8, None, 8, 0), "N must be 1"),
+        (lambda: ext.qgemm_grouped_new(x, g, 8, None, 8, -3), "N must be 1"),
+        (lambda: ext.qgemm_grouped_new(x, g, 8, None, 8, 2**40), "N must be 1"),
+        (lambda: ext.qgemm_grouped_new(x, g, 8, None, 8, 17), r"\[2, 1088\]"),
+        (lambda: ext.qgemm_grouped_new(x[0], g, 8, None, 8, 16), "x must be 2-D"),
+        (lambda: ext.qgemm_grouped_new(x, g, 8, None, 4, 16), "x_bits must be 8 or 16"),
         (lambda: ext.group_rows(w, 2, 64), "w rows must hold 36 bytes"),
         (lambda: ext.dequant_grouped_rows(g, 8, 64, 16, torch.tensor([16]), f32), "out of"),
         (lambda: ext.dequant_grouped_rows(g, 8, 64, 17, torch.tensor([0]), f32), "17 rows"),
@@ -108,6 +117,12 @@ def test_kernel_checks_its_inputs(cpu_isa):
     for call, message in bad:
         with pytest.raises(RuntimeError, match=message):
             call()
+    # the allocating forms compute what the y forms do
+    ext.qgemm(y, x, w, 8, None)
+    assert torch.equal(ext.qgemm_new(x, w, 8, None), y)
+    ext.qgemm_grouped(y, x, g, 8, None, 16)
+    assert torch.equal(ext.qgemm_grouped_new(x, g, 8, None, 16, 16), y)
+    assert ext.qgemm_grouped_new(x.bfloat16(), g, 8, None, 8, 16).dtype == torch.bfloat16
     ext.qgemm(torch.empty(0, 16), torch.empty(0, 64), w, 8, None)  # no rows: nothing to do
     ext.qgemm_grouped(torch.empty(0, 16), torch.empty(0, 64), g, 8, None, 8)
 
