@@ -4,9 +4,10 @@ SmolLM2-135M-Instruct, --requests requests all decoding (prompts of ~40 tokens p
 generated ones), without adapters and with rank-16 adapters on all 7 projections
 (Distinct: one adapter per request; Identical: one adapter for all), each request with its
 own cache salt (no KV blocks shared, as in common/engine_timing). Every backend call of
-the engine (dense projections, lm_head, SGMV, attention, KV writes, fused element-wise ops)
-and every step phase (scheduling, planning, the model call, sampling, post-processing) is
-wrapped with a timer;
+the engine (dense projections, lm_head, SGMV, attention, KV writes, fused element-wise ops;
+attention includes RoPE and the K/V write where a layer does the three in one call, steps
+without long prefills) and every step phase (scheduling, planning, the model call,
+sampling, post-processing) is wrapped with a timer;
 CPU kernels are synchronous, so the wall time of a call is its cost. The model's remainder
 (embedding, views, Python between kernels) is the model call minus its timed parts.
 
@@ -83,6 +84,9 @@ def instrument(llm: LLM, timers: Timers, vocab: int) -> None:
     for op in ("rms_norm", "add_rms_norm", "rope_", "silu_and_mul"):
         timers.wrap(model.fused, op, "elementwise")
     CpuAttentionPlan.attend = timers.timed("attention", CpuAttentionPlan.attend)
+    # RoPE, the K/V write and attention of a layer in one call (steps without long prefills)
+    fused_attention = CpuAttentionPlan.rope_write_attend
+    CpuAttentionPlan.rope_write_attend = timers.timed("attention", fused_attention)
     CpuAttentionPlan.write_kv = timers.timed("kv_write", CpuAttentionPlan.write_kv)
     timers.wrap(engine.batcher, "schedule", "schedule")
     timers.wrap(engine.planner, "plan", "plan")

@@ -74,6 +74,12 @@ class RotaryEmbedding(nn.Module):
             "sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False
         )
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [max_positions, head_dim], read from _buffers: Module.__getattr__ costs
+        ~0.5 us a lookup, twice per layer of every step."""
+        buffers = self._buffers
+        return buffers["cos"], buffers["sin"]
+
     def rotate_(self, x: torch.Tensor, heads: int, positions: torch.Tensor, fused) -> None:
         """In place on x: [T, heads * head_dim] (a column slice of the fused qkv output)."""
         fused.rope_(x, heads, self.cos.shape[1], positions, self.cos, self.sin)

@@ -190,7 +190,7 @@ class LlamaAttention(nn.Module):
         plan = batch.attention
         if self.q_norm is None and fused.name == "cpu" and getattr(plan, "fuses_rope", False):
             # RoPE, the KV write and attention in one native call (CpuAttentionPlan)
-            args = (self.num_heads, batch.positions, rope.cos, rope.sin, self.scale)
+            args = (self.num_heads, batch.positions, *rope.tables(), self.scale)
             out = plan.rope_write_attend(qkv, kv, layer, *args, self.window, self.softcap)
             return self.o_proj.forward(out, batch.lora, layer, backend)
         q, k, v = qkv.split_with_sizes(self.qkv_proj.out_slices, dim=-1)
@@ -353,13 +353,12 @@ class LlamaForCausalLM(nn.Module):
             _add_embed_lora(residual, ids, batch.lora.embed)
         if self.dims.embed_scale != 1.0:  # Gemma: the scale in the serving dtype, as HF
             residual.mul_(torch.tensor(self.dims.embed_scale, dtype=residual.dtype))
-        normed = self.layers[0].input_layernorm(residual)
-        last, fused = len(self.layers) - 1, self.fused
+        layers, fused = list(self.layers), self.fused
+        normed = layers[0].input_layernorm(residual)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         # forward() called directly here and in the layers: Module.__call__'s hook checks cost
         # ~2 us a call, ~6 calls a layer (no hooks are registered on these modules)
-        for i, layer in enumerate(self.layers):
-            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
-            rope = self.layer_ropes[i]
+        for i, (layer, next_norm, rope) in enumerate(zip(layers, next_norms, self.layer_ropes)):
             normed = layer.forward(normed, residual, next_norm, batch, i, kv, rope, backend, fused)
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
         x = normed[rows]
