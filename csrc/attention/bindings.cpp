@@ -6,6 +6,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "../common/dispatch.h"
 #include "../common/simd.h"
 #include "../layers/fused.h"
 #include "paged_attention.h"
@@ -82,19 +83,8 @@ void check_slots(const torch::Tensor& blocks, const torch::Tensor& offsets, int6
               ": slot (", b[t], ", ", o[t], ") out of range");
 }
 
-// f(pointer cast to T*) for T the storage type of the cache (float32 or bfloat16).
-template <typename F>
-void dispatch(at::ScalarType dtype, const F& f) {
-  if (dtype == at::kFloat)
-    f(static_cast<float*>(nullptr));
-  else
-    f(static_cast<bf16*>(nullptr));
-}
-
-template <typename T>
-T* ptr(const torch::Tensor& t) {
-  return static_cast<T*>(t.data_ptr());
-}
+using punica_x::dispatch;
+using punica_x::ptr;
 
 // out, lse = attention of q's rows (see paged_attention.h); seqs = [row_start, num_rows,
 // kv_len] as int32 [3, S]; table_start int32 [S + 1]; block_table int32.

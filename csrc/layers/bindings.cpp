@@ -2,6 +2,7 @@
 // Tensors are float32 or bfloat16, all of one call in the same dtype.
 #include <torch/extension.h>
 
+#include "../common/dispatch.h"
 #include "../common/simd.h"
 #include "fused.h"
 
@@ -25,19 +26,8 @@ void check_rows(const torch::Tensor& t, const char* name, int64_t cols, at::Scal
             "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 
-// f(pointer cast to T*) for T the storage type of `dtype` (float32 or bfloat16).
-template <typename F>
-void dispatch(at::ScalarType dtype, const F& f) {
-  if (dtype == at::kFloat)
-    f(static_cast<float*>(nullptr));
-  else
-    f(static_cast<bf16*>(nullptr));
-}
-
-template <typename T>
-T* ptr(const torch::Tensor& t) {
-  return static_cast<T*>(t.data_ptr());
-}
+using punica_x::dispatch;
+using punica_x::ptr;
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const auto dtype = x.scalar_type();

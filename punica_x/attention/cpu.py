@@ -38,6 +38,10 @@ class KernelSeqs:
     table_start: torch.Tensor
     block_table: torch.Tensor
 
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seqs, table_start, block_table), as the kernel's calls take them."""
+        return self.seqs, self.table_start, self.block_table
+
     @classmethod
     def of(cls, spans: list[SeqSpan], block_size: int) -> KernelSeqs:
         starts, table = [0], []
@@ -82,24 +86,9 @@ class CpuAttentionPlan:
         one native call: q's and k's heads rotated in place by the RoPE tables cos/sin
         [max_pos, D] at positions [T] (the cpu fused backend's rope_, bit for bit), then
         write_kv(k, v) and attend(q). Returns out [T, H_q * D]. Only where fuses_rope."""
-        ks = self.short
-        out, _ = self.ext.rope_write_attend(
-            qkv,
-            heads,
-            positions,
-            cos,
-            sin,
-            kv,
-            layer,
-            self.slot_blocks,
-            self.slot_offsets,
-            ks.seqs,
-            ks.table_start,
-            ks.block_table,
-            scale,
-            window,
-            softcap,
-        )
+        rope, slots = (positions, cos, sin), (self.slot_blocks, self.slot_offsets)
+        attention = (*self.short.args(), scale, window, softcap)
+        out, _ = self.ext.rope_write_attend(qkv, heads, *rope, kv, layer, *slots, *attention)
         return out
 
     def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -125,19 +114,7 @@ class CpuAttentionPlan:
         plain = not window and not softcap
         ks = self.short if plain or self.every is None else self.every
         if ks.seqs.shape[1]:
-            self.ext.paged_attention(
-                out,
-                lse,
-                q,
-                kv,
-                layer,
-                ks.seqs,
-                ks.table_start,
-                ks.block_table,
-                scale,
-                window,
-                softcap,
-            )
+            self.ext.paged_attention(out, lse, q, kv, layer, *ks.args(), scale, window, softcap)
         if self.long_prefills and plain:
             kvl = kv[:, layer]
             for seq, mask in zip(self.long_prefills, self.long_masks):

@@ -52,7 +52,7 @@ CSRC_ROOT = _csrc_root()
 CSRC = CSRC_ROOT / "sgmv"
 # compiled for when no GPU is visible at build time (or PUNICA_X_CUDA_ARCHS says otherwise)
 CUDA_ARCHS = ("80", "90")
-COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h")
+COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h", "common/dispatch.h")
 # kind: (sources, headers), paths relative to csrc/
 EXTENSIONS = {
     "sgmv_cpu": (
