@@ -126,7 +126,8 @@ def main() -> None:
     print(describe_machine(), flush=True)
     mode = EMULATED if args.emulated else HARDWARE
     before = module.sgmv_amx(OFF, args.min_rows)
-    llm = LLM(dtype="bfloat16", model=model_path(args.model, args.tokenizer))
+    # the float weights: the question is the bf16 GEMMs' tiles, not a GGUF file's blocks
+    llm = LLM(dtype="bfloat16", model=model_path(args.model, args.tokenizer), quantization="none")
     n = 32
     prompts = make_prompts(llm.tokenizer, n)
     tmp = scratch_dir("bench-amx-")

@@ -36,7 +36,7 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    llms = {d: LLM(dtype=d) for d in DTYPES}
+    llms = {d: LLM(dtype=d, quantization="none") for d in DTYPES}  # the float weights
     auto = dtype_name(ModelConfig().torch_dtype())
     first = llms["float32"]
     prompts = make_prompts(first.tokenizer, n)

@@ -27,6 +27,8 @@ family: q/k/v biases, a 151,936-token tied head; benchmarks/common/shapes.py), o
                                         [--peer vllm] [--dtype auto|float32|bfloat16]
                                         [--heap-objects 1000000]
 
+punica-x serves the model's float weights (--quantization none, as vLLM and HF do; the
+product's default serves a GGUF file's own blocks: bench_quant.py compares that).
 --dtype sets punica-x's serving dtype (auto: bfloat16 on CPUs with AVX512-BF16 / AMX-BF16,
 else float32) and, unless --peer-dtype names another, vLLM's too, so the two columns compare
 one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay float32. When
@@ -64,6 +66,7 @@ from common.workload import (
     load_adapters,
     make_adapters,
     make_prompts,
+    weights_dir,
     workload_names,
 )
 
@@ -126,6 +129,13 @@ def parse_args():
     )
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
     ap.add_argument(
+        "--quantization",
+        choices=["none", "auto", "int8", "int4"],
+        default="none",
+        help="punica-x's --quantization (default none: the float weights vLLM and HF serve; "
+        "auto: the default model's own Q4_1 blocks, bench_quant.py's question)",
+    )
+    ap.add_argument(
         "--heap-objects",
         type=int,
         default=0,
@@ -156,7 +166,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     model = model_path(args.model, args.tokenizer)
-    llm = LLM(dtype=args.dtype, model=model)
+    llm = LLM(dtype=args.dtype, model=model, quantization=args.quantization)
     ours_dtype = dtype_name(llm.engine.dtype)
     args.peer_dtype = args.peer_dtype or ours_dtype
     print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
@@ -184,7 +194,7 @@ def main() -> None:
         del llm
         model_dir = add_fp32(rows, prompts, paths, names, sp, model)
     else:
-        model_dir = llm.engine.loaded.model_dir
+        model_dir = weights_dir(llm, model)  # HF's weights (a GGUF file's float copy)
     hf_backbone = add_hf(rows, args, model_dir, paths, prompts, names)
 
     summary = summarize(args, rows, peer, ours_backbone, hf_backbone, step["backbone"], ours_dtype)
@@ -274,7 +284,7 @@ def add_heap(rows, args, llm: LLM, prompts, names, sp) -> None:
 def add_fp32(rows, prompts, paths, names, sp, model: str | None = None) -> Path:
     """A float32 punica-x engine on the same workloads (ours_fp32_tok_s, x_fp32 = the served
     dtype over float32); returns the model's folder."""
-    fp32 = LLM(dtype="float32", model=model)
+    fp32 = LLM(dtype="float32", model=model, quantization="none")  # HF's reference weights
     load_adapters(fp32, paths)
     warm_up(fp32, prompts)
     for row in rows:

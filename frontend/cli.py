@@ -234,10 +234,12 @@ def _quant_args(s) -> None:
     s.add_argument(
         "--quantization",
         choices=QUANTIZATION_CHOICES,
-        default="none",
-        help="auto: serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors in their own blocks (CPU, "
-        "llama-architecture files); none (default): dequantize the file to the serving dtype; "
-        "int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 projections)",
+        default="auto",
+        help="auto (default): serve a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors (and GPTQ / AWQ "
+        "projections) in their own blocks on the CPU (llama-architecture files; dequantized on "
+        "a GPU, with a warning); none: dequantize the file to the serving dtype (the exact "
+        "reference); int8 / int4: also quantize float weights on load (Q8_0 / Q4_1 "
+        "projections; CPU only)",
     )
     s.add_argument(
         "--quant-activations",

@@ -24,12 +24,15 @@ class ModelConfig:
     with float32 arithmetic, but is asked for explicitly), bfloat16 (or float16 where bf16 is
     unsupported) on CUDA. max_model_len: None takes the model's own limit.
     dense_backend / fused_backend: None chooses by device (punica_x.ops.dense, .fused).
-    quantization: "auto" serves a GGUF file's quantized tensors in their own blocks where the
-    CPU kernels take them (Q4_0, Q4_1, Q8_0 of a llama-architecture file:
-    punica_x.models.gguf_native), "none" dequantizes the whole file to the serving dtype (the
-    exact reference); other checkpoints load as they are with either. "int8" / "int4" read a
-    GGUF file as auto does and quantize the float weights of any checkpoint on load
-    (punica_x.models.quantize: Q8_0 / Q4_1 projections, a Q8_0 head).
+    quantization: "auto" (the default) serves a GGUF file's quantized tensors in their own
+    blocks where the CPU kernels take them (Q4_0, Q4_1, Q8_0 of a llama-architecture file:
+    punica_x.models.gguf_native; GPTQ / AWQ projections as blocks too), so the default model
+    runs in its own Q4_1; off the CPU (no kernels for blocks there yet) auto dequantizes them
+    to the serving dtype, says so in the log and reports the dtype as the weight format.
+    "none" dequantizes the whole file to the serving dtype (the exact reference); other
+    checkpoints load as they are with either. "int8" / "int4" read a GGUF file as auto does
+    and quantize the float weights of any checkpoint on load (punica_x.models.quantize: Q8_0 /
+    Q4_1 projections, a Q8_0 head); CPU only, refused at start on other devices.
     quant_activations: how x meets weights served in blocks. "int16" (default) and "int8"
     round each block of 32 values of x to integers with its own scale and multiply in integer
     dot products: int16 (steps of 1/16256 of a block's largest value) within a few times
@@ -44,7 +47,7 @@ class ModelConfig:
     max_model_len: int | None = None
     dense_backend: str | None = None
     fused_backend: str | None = None
-    quantization: str = "none"
+    quantization: str = "auto"
     quant_activations: str = "int16"
 
     QUANTIZATION = ("auto", "none", "int8", "int4")
@@ -68,6 +71,19 @@ class ModelConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def served_quantization(self) -> str:
+        """What the loader does with quantized weights on this config's device: the asked
+        quantization on the CPU; off it, "auto" is "none" (blocks have CPU kernels only) and
+        "int8" / "int4" are refused (ValueError)."""
+        if self.quantization == "none" or self.torch_device().type == "cpu":
+            return self.quantization
+        if self.quantization == "auto":
+            return "none"
+        raise ValueError(
+            f"quantization {self.quantization!r} runs on the CPU only for now (no kernels for "
+            f"quantized blocks on {self.torch_device().type}); use auto or none there"
+        )
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -3,6 +3,7 @@ convert the default model, so no request path (a server's start, a test) ever wa
 compiler. scripts/bootstrap.sh runs it; `punica-x prepare` is the same command.
 
     python -m punica_x.prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
+                               [--model PATH] [--quantization auto|none|int8|int4]
 
 Prints one line per kernel (built, with its time, or already built) and one for the model.
 Kernels build in parallel processes, one per extension; the build directories' locks make
@@ -19,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
 
+from punica_x.config import ModelConfig
 from punica_x.ops import isa as isa_mod
 from punica_x.ops._build import CPU_KINDS, is_built, load_extension
 
@@ -58,12 +60,18 @@ def build_kernels(jobs: list[tuple[str, str]], workers: int) -> None:
             print(f"prepare: kernel {kind} ({isa}) built in {future.result():.0f} s", flush=True)
 
 
-def prepare_model(model: str | None) -> None:
+def prepare_model(model: str | None, quantization: str) -> None:
+    """The model's directory as a runner with `quantization` reads it on this machine (a GGUF
+    file's metadata directory where it is read natively, its float copy where it is
+    dequantized), made now and cached."""
+    from punica_x.config import ModelConfig
     from punica_x.models.loader import resolve_model_dir
 
     start = time.perf_counter()
-    path = resolve_model_dir(model)
-    print(f"prepare: model ready at {path} ({time.perf_counter() - start:.0f} s)", flush=True)
+    served = ModelConfig(model=model, quantization=quantization).served_quantization()
+    path = resolve_model_dir(model, served)
+    took = time.perf_counter() - start
+    print(f"prepare: model ({served}) ready at {path} ({took:.0f} s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-isas", action="store_true", help="every level this CPU runs")
     ap.add_argument("--no-model", action="store_true", help="skip the default model")
     ap.add_argument("--model", default=None, help="a model to convert instead of the default")
+    ap.add_argument(
+        "--quantization",
+        choices=ModelConfig.QUANTIZATION,
+        default=ModelConfig.quantization,
+        help="the serve option the model is prepared for (none: its dequantized copy)",
+    )
     ap.add_argument("--workers", type=int, default=max(1, min(4, torch.get_num_threads())))
     args = ap.parse_args(argv)
     levels = ", ".join(isa_mod.runnable_levels())
@@ -82,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("prepare: no x86 AVX2/AVX-512 here: the PyTorch paths are the default, no kernels")
     if not args.no_model:
-        prepare_model(args.model)
+        prepare_model(args.model, args.quantization)
     return 0
 
 

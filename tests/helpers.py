@@ -289,11 +289,13 @@ def chat_prompts(tokenizer, questions) -> list[str]:
 
 
 def llm_with_adapters(adapters: dict, **kwargs):
-    """The default model (LLM(**kwargs), float32 unless `dtype` says otherwise, as tiny_llm)
-    with every {name: path} adapter loaded."""
+    """The default model (LLM(**kwargs), float32 unless `dtype` says otherwise, as tiny_llm;
+    dequantized unless `quantization` says otherwise: the model HF + PEFT load from the GGUF
+    file, which these tests compare against) with every {name: path} adapter loaded."""
     from punica_x import LLM
 
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("quantization", "none")
     llm = LLM(**kwargs)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))

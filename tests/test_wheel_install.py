@@ -71,6 +71,7 @@ def test_the_installed_wheel_prepares_and_serves_the_default_model(clean_venv):
         r = httpx.post(url + "/admin/tenants", json={"name": "t"}, headers=admin)
         key = {"Authorization": f"Bearer {r.json()['api_key']}"}
         model = httpx.get(url + "/v1/models", headers=key).json()["data"][0]
+        assert model["weight_format"] == "Q4_1,Q8_0"  # the file's own blocks, by default
         body = {"model": model["id"], "prompt": "The capital of France is", "max_tokens": 8}
         r = httpx.post(url + "/v1/completions", json=body, headers=key, timeout=120)
         assert r.status_code == 200, r.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.peers import run as run_peer
-from common.workload import make_prompts
+from common.workload import make_prompts, weights_dir
 from punica_x import LLM
 
 
@@ -29,7 +29,7 @@ def run_vllm(args, llm: LLM, prompts, paths, names, tmp: Path, bind: str) -> dic
     workloads, one without for the backbone (each in its own process)."""
     job = dict(
         out_dir=str(tmp),
-        model=str(llm.engine.loaded.model_dir),
+        model=str(weights_dir(llm, getattr(args, "model", None))),  # a GGUF's float copy
         prompts=prompts,
         warm_prompts=make_prompts(llm.tokenizer, len(prompts), warm_up=True),
         max_tokens=args.max_tokens,

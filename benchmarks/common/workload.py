@@ -59,11 +59,15 @@ def make_prompts(tokenizer, n: int, warm_up: bool = False) -> list[str]:
 
 def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
     """n PEFT adapters of `rank` on all 7 projections (random, seeds 1000..), saved to
-    root/a0, root/a1, ..."""
+    root/a0, root/a1, ... The adapters do not depend on the base's weights: a directory
+    without them (a GGUF file's metadata directory, read natively) gives the same ones."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if any(Path(model_dir).glob("*.safetensors")):
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     paths = []
     for i in range(n):
         torch.manual_seed(1000 + i)

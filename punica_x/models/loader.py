@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from punica_x.config import ModelConfig
+from punica_x.config import ModelConfig, dtype_name
 from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
 from punica_x.models import gguf_native, packed_checkpoint
@@ -111,7 +111,7 @@ def native_gguf(cfg: ModelConfig) -> Path | None:
     """The GGUF file whose tensors load as the file stores them (quantization other than
     none, a llama-architecture file: models.gguf_native), else None."""
     path = gguf_file(cfg.model)
-    if path is None or cfg.quantization == "none":
+    if path is None or cfg.served_quantization() == "none":
         return None
     if not gguf_native.is_native(path):
         log.warning(
@@ -242,7 +242,7 @@ class ModelMeta:
 def describe_model(cfg: ModelConfig) -> ModelMeta:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    model_dir = resolve_model_dir(cfg.model, cfg.quantization)
+    model_dir = resolve_model_dir(cfg.model, cfg.served_quantization())
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = LlamaDims.from_hf_config(hf_config)
     max_len = min(cfg.max_model_len or dims.max_positions, dims.max_positions)
@@ -261,19 +261,28 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     meta = describe_model(cfg)
     model_dir, hf_config, dims = meta.model_dir, meta.hf_config, meta.dims
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    quantization = cfg.served_quantization()
     gguf = native_gguf(cfg)
+    packed = None if gguf else packed_checkpoint.packed_format(hf_config)
+    if quantization != cfg.quantization and (packed or gguf_file(cfg.model)):
+        log.warning(
+            "quantization %s on %s: the quantized weights are dequantized to %s (their "
+            "kernels run on the CPU only)",
+            cfg.quantization,
+            device.type,
+            dtype_name(dtype),
+        )
     with torch.no_grad():
         model = LlamaForCausalLM(dims, hf_config, dtype, device)
         if gguf:
             seen = _read_gguf(model, gguf)
         else:
-            packed = packed_checkpoint.packed_format(hf_config)
-            seen = _read_safetensors(model, model_dir, packed, cfg.quantization != "none")
+            seen = _read_safetensors(model, model_dir, packed, quantization != "none")
     _check_complete(dims, seen)
     with torch.no_grad():  # before the head is packed: what edge LoRA's base copies must be
         model.edge_digests = _edge_digests(model, dtype)
-    if cfg.quantization in ON_LOAD:
-        quantize_on_load(model, cfg.quantization)
+    if quantization in ON_LOAD:
+        quantize_on_load(model, quantization)
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
         choose_fused(device, dtype, dims, cfg.fused_backend),

@@ -19,6 +19,33 @@ def test_serve_dtype_reaches_the_model_config():
         assert engine.cache.kv_cache_bytes == 1048576  # the other flags still arrive
 
 
+def test_serve_quantization_defaults_to_the_files_own_blocks(capsys):
+    assert _engine().model.quantization == "auto"
+    for value in ("auto", "none", "int8", "int4"):
+        assert _engine("--quantization", value).model.quantization == value
+    for bad in ("", "q4", "AUTO", "nan"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["serve", "--quantization", bad])
+        assert exit_.value.code == 2
+        assert f"invalid choice: '{bad}'" in capsys.readouterr().err
+
+
+def test_prepare_readies_what_serve_reads(tmp_path, monkeypatch, capsys):
+    """prepare --quantization X makes the directory a runner with X reads (auto: the GGUF
+    file's metadata directory; none: its dequantized copy), without building kernels."""
+    from punica_x import prepare
+    from punica_x.models import loader
+
+    asked = []
+    monkeypatch.setattr(loader, "resolve_model_dir", lambda m, q: asked.append(q) or tmp_path)
+    monkeypatch.setattr(prepare, "build_kernels", lambda jobs, workers: None)
+    assert prepare.main(["--no-model"]) == 0 and asked == []
+    for flag, want in (((), "auto"), (("--quantization", "none"), "none")):
+        assert prepare.main([*flag]) == 0
+        assert asked[-1] == want
+        assert f"prepare: model ({want}) ready at {tmp_path}" in capsys.readouterr().out
+
+
 def test_serve_refuses_an_unknown_dtype(capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["serve", "--dtype", "int8"])

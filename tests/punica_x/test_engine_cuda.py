@@ -130,3 +130,25 @@ def test_cuda_graph_decode_bfloat16_against_eager(head64_model):
     # same shapes (8 rows: no padding), same kernels; only the attention's padded width differs
     assert same >= 0.75 * sum(map(len, eager)), (graphed, eager)
     assert [g[:2] for g in graphed] == [e[:2] for e in eager]
+
+
+@pytest.mark.gpu
+def test_default_model_is_served_dequantized_on_cuda(caplog):
+    """--quantization auto (the default) keeps a GGUF file's blocks on the CPU only: on CUDA
+    the default model loads dequantized, with a warning, reports its dtype as the weight
+    format and answers; int8, which asks for blocks, is refused before loading."""
+    from punica_x import LLM
+
+    with caplog.at_level("WARNING", logger="punica_x.models.loader"):
+        llm = LLM(device="cuda", dtype="bfloat16")
+    assert "dequantized to bfloat16" in caplog.text
+    assert llm.engine.model.weight_formats() == "bfloat16"
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    out = llm.generate([prompt], sampling=SamplingParams(max_tokens=12, temperature=0))[0]
+    assert "Paris" in out.text
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        LLM(device="cuda", quantization="int8")

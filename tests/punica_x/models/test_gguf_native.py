@@ -5,6 +5,7 @@ none), and the reader's refusals."""
 from __future__ import annotations
 
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -55,6 +56,73 @@ def test_quantization_setting_is_checked():
     for bad in ("int3", "", "AUTO", "q4_1", None, 4):
         with pytest.raises(ValueError, match="quantization must be one of"):
             ModelConfig(quantization=bad)
+
+
+def test_auto_dequantizes_off_the_cpu_and_int8_int4_are_refused_there():
+    """The block kernels run on the CPU only: auto serves a GPU dequantized (the loader warns
+    and reports the dtype); int8 / int4, which ask for blocks, are refused before loading."""
+    assert ModelConfig(device="cpu").served_quantization() == "auto"
+    assert ModelConfig(device="cuda").served_quantization() == "none"
+    assert ModelConfig(device="cuda", quantization="none").served_quantization() == "none"
+    for asked in ("int8", "int4"):
+        assert ModelConfig(device="cpu", quantization=asked).served_quantization() == asked
+        with pytest.raises(ValueError, match=f"quantization '{asked}' runs on the CPU only"):
+            ModelConfig(device="cuda", quantization=asked).served_quantization()
+
+
+def _header(pairs: list[bytes]) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(pairs)) + b"".join(pairs)
+
+
+def _string(text: str) -> bytes:
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def test_architecture_is_read_past_other_keys_of_every_type(tmp_path):
+    """general.architecture after scalars, a string, arrays of numbers and of strings (the
+    header reader skips each by its type) and before a key it must not reach."""
+    pairs = [
+        _string("a.u8") + struct.pack("<IB", 0, 7),
+        _string("a.f64") + struct.pack("<Id", 12, 1.5),
+        _string("a.str") + struct.pack("<I", 8) + _string("hello"),
+        _string("a.ints") + struct.pack("<IIQ", 9, 5, 3) + struct.pack("<3i", 1, 2, 3),
+        _string("a.strs") + struct.pack("<IIQ", 9, 8, 2) + _string("x") + _string("yz"),
+        _string("general.architecture") + struct.pack("<I", 8) + _string("mistral"),
+        _string("z.bad") + struct.pack("<I", 99),
+    ]
+    path = tmp_path / "m.gguf"
+    path.write_bytes(_header(pairs))
+    assert gguf_native.architecture(path) == "mistral"
+    path.write_bytes(_header(pairs[:5]))
+    assert gguf_native.architecture(path) == ""
+
+
+def test_architecture_matches_the_gguf_reader_on_the_default_model():
+    from gguf import GGUFReader
+
+    path = default_model_path()
+    field = GGUFReader(str(path)).fields["general.architecture"]
+    assert gguf_native.architecture(path) == str(field.contents()) == "llama"
+
+
+def test_a_malformed_header_is_refused(tmp_path):
+    path = tmp_path / "bad.gguf"
+    cases = {
+        "a key of 1 TiB": _header([struct.pack("<Q", 1 << 40)]),
+        "cut inside a key": _header([_string("general.architecture")[:12]]),
+        "cut after a key": _header([_string("general.architecture")]),
+        "an unknown type": _header([_string("k") + struct.pack("<I", 99)]),
+        "not GGUF": b"NOPE" + bytes(40),
+        "version 1": b"GGUF" + struct.pack("<IQQ", 1, 0, 0),
+        "empty": b"",
+        "arrays in arrays": _header([_string("k") + struct.pack("<IIQ", 9, 9, 1) * 10000]),
+        "not UTF-8": _header([struct.pack("<Q", 2) + b"\xff\xfe"]),
+    }
+    for what, data in cases.items():
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match="^bad.gguf: a malformed GGUF header"):
+            gguf_native.architecture(path)
+            pytest.fail(what)
 
 
 @pytest.mark.slow
@@ -162,8 +230,11 @@ def test_quantized_float_mix_in_one_layer_is_dequantized():
 
 @pytest.mark.slow
 def test_default_model_natively_in_bfloat16_answers():
-    """The serving dtype of AVX512-BF16 / AMX CPUs (x and y in bf16, float32 sums)."""
-    llm = LLM(quantization="auto", dtype="bfloat16")
+    """The default settings serve the default file in its own blocks; in bf16, the serving
+    dtype of AVX512-BF16 / AMX CPUs (x and y in bf16, float32 sums)."""
+    assert ModelConfig().quantization == "auto"
+    llm = LLM(dtype="bfloat16")
+    assert llm.engine.model.weight_formats() == "Q4_1,Q8_0"
     prompts = chat_prompts(llm.tokenizer, ["What is the capital of France?"])
     out = llm.generate(prompts, sampling=SamplingParams(max_tokens=12, temperature=0))
     assert "Paris" in llm.tokenizer.decode(out[0].token_ids)
