@@ -35,6 +35,7 @@ from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig 
 from punica_x.core import SamplingParams  # noqa: E402
 from punica_x.engine import Engine  # noqa: E402
 from punica_x.models.loader import load_model  # noqa: E402
+from punica_x.request import EngineRequest
 from scheduler.distkv.network import KVNetwork, default_caps  # noqa: E402
 
 BLOCK = 16
@@ -127,7 +128,7 @@ def ray_decode(model: str, context: int, decode: int, transport: str | None) -> 
 
     async def go() -> list[float]:
         stamps: list[float] = []
-        async for out in await sched.open(prompt, sp, None, "ray-decode"):
+        async for out in await sched.open(EngineRequest(prompt, sp, None, "ray-decode")):
             stamps += [time.perf_counter()] * len(out.new_token_ids)
         return stamps
 

@@ -22,6 +22,7 @@ from frontend.tenant_adapters import TenantAdapters, adapter_key
 from punica_x.core import RequestOutput, SamplingParams
 from punica_x.errors import ContextTooLong, InvalidRequest
 from punica_x.lora.pool import UnknownAdapterError
+from punica_x.request import EngineRequest
 from scheduler.cluster import NoRunner, Scheduler
 from scheduler.fairness import QUEUE_OVERFLOW
 
@@ -194,14 +195,9 @@ class FrontendManager:
         if salt is None:
             salt = cache_salt(caller.tenant, adapter, None)
         try:
+            request = EngineRequest(prompt, sampling, adapter, f"req-{uuid.uuid4().hex}", salt)
             stream = await self.scheduler.open(
-                prompt,
-                sampling,
-                adapter,
-                f"req-{uuid.uuid4().hex}",
-                tenant=caller.tenant.name,
-                weight=caller.tenant.weight,
-                cache_salt=salt,
+                request, tenant=caller.tenant.name, weight=caller.tenant.weight
             )
         except UnknownAdapterError:
             raise ApiError(

@@ -3,6 +3,7 @@
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, LoraConfig, ModelConfig
 from punica_x.core import FinishReason, RequestOutput, SamplingParams
 from punica_x.lora.adapter import AdapterError
+from punica_x.request import EngineRequest
 
 __all__ = [
     "LLM",
@@ -10,6 +11,7 @@ __all__ = [
     "BatchConfig",
     "CacheConfig",
     "EngineConfig",
+    "EngineRequest",
     "FinishReason",
     "LoraConfig",
     "ModelConfig",

@@ -197,6 +197,11 @@ class RequestStatus(enum.Enum):
 _ids = itertools.count()
 
 
+def new_request_id() -> str:
+    """A request id unique in this process ("req-N"), for callers that give none."""
+    return f"req-{next(_ids)}"
+
+
 @dataclass(eq=False)
 class Request:
     """One generation. `all_token_ids` = prompt + generated; the first `num_computed_tokens`
@@ -205,7 +210,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     adapter: AdapterRef | None = None
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=new_request_id)
     on_output: Callable[[RequestOutput], None] | None = None
     on_preempt: Callable[[str], None] | None = None  # told after a step that preempted it
     arrival_time: float = field(default_factory=time.monotonic)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from punica_x.core import SamplingParams
-from punica_x.errors import InvalidRequest
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo
+from punica_x.request import EngineRequest
 from scheduler.adapters import AdapterRegistry
 from scheduler.dispatch import Dispatcher
 from scheduler.distkv.dgfm import Swap
@@ -192,31 +192,19 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
     async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        tenant: str = "",
-        weight: float = 1.0,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, tenant: str = "", weight: float = 1.0
     ) -> ClusterStream:
         """Place a request (or queue it here when no runner has room, or while the only
         runners are starting: a dead one being replaced) and return its output stream;
         refusals (ValueError, UnknownAdapterError) raise here, NoRunner when no runner is
         active or starting. Closing the stream aborts the request. tenant, weight: whose
-        request it is and that tenant's weight, for fair share. cache_salt: it reuses only
-        prefix-cached KV of requests with the same salt (the frontend sets it per tenant)."""
+        request it is and that tenant's weight, for fair share."""
         if not self.accepting():
             raise NoRunner("no runner is active")
         if self.distkv is not None:
             self.distkv.start(self.dispatch.spawn, self._live, lambda: self.fleet.closed)
-        self._validate(prompt, sampling, adapter)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
-        stream = ClusterStream(
-            self, list(prompt), sampling, adapter, request_id, tenant, cache_salt
-        )
+        self._validate(list(request.prompt), request.sampling, request.adapter)
+        stream = ClusterStream(self, request, tenant)
         stream.arrival = next(self._arrivals)
         self._queue.set_weight(tenant, weight)
         target = None if self._queue else self.dispatch.place(stream)

@@ -84,13 +84,7 @@ class Dispatcher:
         stream.runners_seen.append(slot.runner_id)
         try:
             inner = await slot.handle.open(
-                stream.prompt,
-                stream.sampling,
-                stream.adapter,
-                stream.request_id,
-                stream.resume,
-                on_preempt=lambda: self.on_preempt(stream),
-                cache_salt=stream.cache_salt,
+                stream.request.resumed(stream.resume), lambda: self.on_preempt(stream)
             )
         except RunnerLost as exc:
             self._unplace(stream, slot)

@@ -11,6 +11,7 @@ from punica_x.core import Resume, SamplingParams
 from punica_x.engine.async_engine import RequestStream
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo
+from punica_x.request import EngineRequest
 
 
 @dataclass(frozen=True)
@@ -151,19 +152,11 @@ class RunnerHandle(Protocol):
         adding the request."""
 
     async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        resume: Resume | None = None,
-        on_preempt: Callable[[], None] | None = None,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, on_preempt: Callable[[], None] | None = None
     ) -> RequestStream:
         """Add a request (refusals raise here) and return its output stream; closing the
-        stream aborts the request. resume: continue a request moved here from its tokens (or
-        its KV); on_preempt: called when the runner preempts it; cache_salt: it reuses only
-        prefix-cached KV of requests with the same salt (Engine.add_request)."""
+        stream aborts the request. A request with `resume` continues one moved here from its
+        tokens (or its KV); on_preempt: called when the runner preempts it."""
 
     async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         """Take a request out to move it (its stream ends with StreamMoved); with_kv: its

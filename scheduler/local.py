@@ -21,6 +21,7 @@ from punica_x.engine.async_engine import AsyncEngine, RequestStream
 from punica_x.engine.memory import weights_bytes
 from punica_x.lora.pool import AdapterInfo
 from punica_x.models.loader import LoadedModel
+from punica_x.request import EngineRequest
 from scheduler.interface import ModelInfo, RequestLimits, RunnerInfo, RunnerStats
 
 
@@ -171,18 +172,9 @@ class LocalRunner:
         )
 
     async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        resume: Resume | None = None,
-        on_preempt: Callable[[], None] | None = None,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, on_preempt: Callable[[], None] | None = None
     ) -> RequestStream:
-        return await self.async_engine.open(
-            prompt, sampling, adapter, request_id, resume, on_preempt, cache_salt
-        )
+        return await self.async_engine.open(request, on_preempt)
 
     async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
         return await self.async_engine.take(request_id, with_kv)

@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 from punica_x.config import EngineConfig
-from punica_x.core import Resume, SamplingParams
+from punica_x.core import Resume
 from punica_x.engine.async_engine import RunnerLost
 from punica_x.lora.pool import AdapterInfo
+from punica_x.request import EngineRequest
 from scheduler.distkv.actor import KVActorMethods
 from scheduler.interface import RunnerInfo
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
@@ -65,15 +66,9 @@ class RunnerActor(KVActorMethods):
         if self.wakeup is not None:
             self.wakeup.set()
 
-    async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        resume: Resume | None,
-        cache_salt: str | None = None,
-    ) -> str:
+    async def open(self, request: EngineRequest) -> str:
+        request_id = request.request_id
+
         def deliver(out):
             if isinstance(out, RunnerLost):
                 self._push(LostEvent, request_id, str(out), out.in_failed_step)
@@ -83,9 +78,7 @@ class RunnerActor(KVActorMethods):
         def preempted():
             self._push(PreemptEvent, request_id)
 
-        return await self.async_engine.add(
-            prompt, sampling, adapter, request_id, resume, deliver, preempted, cache_salt
-        )
+        return await self.async_engine.add(request, deliver, preempted)
 
     async def take(
         self, request_id: str, with_kv: bool = False

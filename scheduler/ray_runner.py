@@ -31,6 +31,7 @@ from punica_x.config import EngineConfig
 from punica_x.core import RequestOutput, Resume, SamplingParams
 from punica_x.engine.async_engine import RequestStream, RunnerLost
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from punica_x.request import EngineRequest
 from scheduler.interface import RequestLimits, RunnerInfo, RunnerStats
 from scheduler.ray_actor import ADAPTER_FILES, RunnerActor
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
@@ -127,25 +128,16 @@ class RayRunner:
         )
 
     async def open(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        resume: Resume | None = None,
-        on_preempt: Callable[[], None] | None = None,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, on_preempt: Callable[[], None] | None = None
     ) -> RequestStream:
         self._ensure_pump()
         if self.error is not None:
             raise RunnerLost(self.error)
+        request_id = request.request_id
         outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
         self._streams[request_id] = (outputs.put_nowait, on_preempt)
         try:
-            opened = self.actor.open.remote(
-                prompt, sampling, adapter, request_id, resume, cache_salt
-            )
-            await self._call(opened)
+            await self._call(self.actor.open.remote(request))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
 from punica_x.engine.async_engine import RequestStream, RunnerLost, StreamMoved
+from punica_x.request import EngineRequest
 from scheduler.placement import Demand
 
 
@@ -38,21 +39,10 @@ class StreamOwner(Protocol):
 class ClusterStream:
     """One request's outputs as its client sees them, across moves between runners."""
 
-    def __init__(
-        self,
-        owner: StreamOwner,
-        prompt: list[int],
-        sampling: SamplingParams,
-        adapter: str | None,
-        request_id: str,
-        tenant: str = "",
-        cache_salt: str | None = None,
-    ) -> None:
+    def __init__(self, owner: StreamOwner, request: EngineRequest, tenant: str = "") -> None:
         self.owner = owner
-        self.prompt, self.sampling, self.adapter = prompt, sampling, adapter
-        self.request_id = request_id
+        self.request = request  # as its caller made it; each runner gets it with `resume`
         self.tenant = tenant  # whose request (fair share)
-        self.cache_salt = cache_salt  # whose prefix-cached KV it may reuse (on every runner)
         self.prefix_names: tuple[int, list[bytes]] | None = None  # (block size, its prompt's)
         self.arrival = 0  # its place in the order requests arrived (the scheduler sets it)
         self.created = time.monotonic()
@@ -77,6 +67,27 @@ class ClusterStream:
         self.prompt_logprobs: list | None = None
         self._text: list[str] = []
         self._emitted_chars = 0
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Whose prefix-cached KV it may reuse (on every runner)."""
+        return self.request.cache_salt
 
     @property
     def suspect(self) -> bool:
@@ -111,7 +122,7 @@ class ClusterStream:
             return
         self._final = RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=self.prompt,
+            prompt_token_ids=list(self.prompt),
             token_ids=list(self.token_ids),
             text="".join(self._text),
             new_token_ids=[],

@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from punica_x.core import RequestOutput, Resume, SamplingParams
+from punica_x.core import RequestOutput, Resume, SamplingParams, new_request_id
 from punica_x.engine import Engine
+from punica_x.request import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,42 +77,20 @@ class AsyncEngine:
 
     # -- API ------------------------------------------------------------------------------
     async def open(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams | None = None,
-        adapter: str | None = None,
-        request_id: str | None = None,
-        resume: Resume | None = None,
-        on_preempt: Callable[[], None] | None = None,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, on_preempt: Callable[[], None] | None = None
     ) -> RequestStream:
         """Add a request (raising ValueError / UnknownAdapterError at once if it is refused)
-        and return the stream of its outputs. resume, cache_salt: see Engine.add_request.
-        on_preempt is called on this event loop after a step that preempted the request for
-        KV memory."""
+        and return the stream of its outputs (Engine.submit). on_preempt is called on this
+        event loop after a step that preempted the request for KV memory."""
         outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
-        rid = await self.add(
-            prompt,
-            sampling,
-            adapter,
-            request_id,
-            resume,
-            outputs.put_nowait,
-            on_preempt,
-            cache_salt,
-        )
+        rid = await self.add(request, outputs.put_nowait, on_preempt)
         return RequestStream(rid, outputs, functools.partial(_abort, weakref.ref(self), rid))
 
     async def add(
         self,
-        prompt: str | list[int],
-        sampling: SamplingParams | None,
-        adapter: str | None,
-        request_id: str | None,
-        resume: Resume | None,
+        request: EngineRequest,
         deliver: Callable[[RequestOutput | RunnerLost], None],
         on_preempt: Callable[[], None] | None = None,
-        cache_salt: str | None = None,
     ) -> str:
         """open() without a stream object: deliver(output) is called on this event loop for
         each output (all of one step's outputs in one wake-up of the loop), and
@@ -128,9 +107,7 @@ class AsyncEngine:
                 self._outbox.append((loop, on_preempt))
 
         def add():
-            req = self.engine.add_request(
-                prompt, sampling, adapter, request_id, on_output, resume, preempted, cache_salt
-            )
+            req = self.engine.submit(request, on_output, preempted)
             self._open[req.request_id] = (loop, deliver)
             return req
 
@@ -154,7 +131,9 @@ class AsyncEngine:
         """Yield a RequestOutput per step that produced tokens for this request, the last one
         with finished=True. Raises ValueError / UnknownAdapterError before the first item
         when the request is refused."""
-        stream = await self.open(prompt, sampling, adapter, request_id)
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        rid = request_id if request_id is not None else new_request_id()
+        stream = await self.open(EngineRequest(ids, sampling or SamplingParams(), adapter, rid))
         try:
             async for out in stream:
                 yield out

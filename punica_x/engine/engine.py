@@ -15,6 +15,7 @@ from punica_x.core import (
     Resume,
     SamplingParams,
     TokenLogprob,
+    new_request_id,
 )
 from punica_x.dtypes import dtype_name
 from punica_x.engine import memory
@@ -33,6 +34,7 @@ from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
+from punica_x.request import EngineRequest
 from punica_x.sampling.detokenizer import Detokenizer
 from punica_x.sampling.sampler import Sampler
 from punica_x.sampling.structured import Grammars
@@ -150,31 +152,33 @@ class Engine(DistKVPart):
         on_preempt=None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a generation. Raises ValueError (bad prompt) or UnknownAdapterError.
+        """Queue a generation offline (LLM, tests): the prompt may be text (tokenized here),
+        sampling None takes the defaults and request_id None a fresh id; the rest is
+        EngineRequest's (see there) and submit()'s. Raises what submit() raises."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        rid = request_id if request_id is not None else new_request_id()
+        request = EngineRequest(ids, sampling or SamplingParams(), adapter, rid, cache_salt, resume)
+        return self.submit(request, on_output, on_preempt)
 
-        resume: continue a request that ran elsewhere (see Resume): its generated tokens are
-        recomputed with the prompt and generation goes on from there; outputs carry the
-        totals (token_ids, text, logprobs) of the whole request, and new_* only what is new.
-        cache_salt: with prefix caching on, the request reuses only KV cached by requests
-        with the same salt (and model or adapter version); None or "" shares with others
-        that give none (the server always gives one: the tenant's, see frontend)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        sampling = sampling or SamplingParams()
+    def submit(self, request: EngineRequest, on_output=None, on_preempt=None) -> Request:
+        """Queue `request`; on_output(RequestOutput) is called in the steps that produce for
+        it, on_preempt(request_id) after a step that preempted it. Raises InvalidRequest,
+        UnknownAdapterError, or ValueError (a duplicate id). With `resume` (see Resume) its
+        generated tokens are recomputed with the prompt and generation goes on; outputs carry
+        the whole request's totals (token_ids, text, logprobs), new_* only what is new."""
+        ids, sampling, resume = list(request.prompt), request.sampling, request.resume
         self.check_prompt(ids, sampling)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
-        ref = self.adapters.acquire(adapter) if adapter is not None else None
+        ref = self.adapters.acquire(request.adapter) if request.adapter is not None else None
         req = Request(
             prompt_token_ids=ids,
             sampling=sampling,
             adapter=ref,
+            request_id=request.request_id,
             on_output=on_output,
             on_preempt=on_preempt,
         )
-        if request_id is not None:
-            req.request_id = request_id
         if self.batcher.prefix is not None:
-            req.cache_key = cache_key(ref.cache_id if ref is not None else None, cache_salt)
+            req.cache_key = cache_key(ref.cache_id if ref is not None else None, request.cache_salt)
         if req.request_id in self.requests:
             if ref is not None:
                 self.adapters.release(ref)

@@ -12,6 +12,7 @@ from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
+from punica_x.request import EngineRequest
 from scheduler.autoscale import AutoscaleConfig, Autoscaler
 from scheduler.cluster import Scheduler
 from scheduler.local import LocalRunner
@@ -48,8 +49,8 @@ def test_queue_scales_up_and_idle_scales_down(factory):
         task = asyncio.create_task(scaler.run())
         # `a` holds runner-0's one batch slot until `b` is done, however fast this machine
         # decodes (30 tokens of the tiny model could finish before a new runner starts)
-        a = await sched.open([5, 6, 7], LONG, None, "a")
-        b = await sched.open([8, 9, 10], SP, None, "b")
+        a = await sched.open(EngineRequest([5, 6, 7], LONG, None, "a"))
+        b = await sched.open(EngineRequest([8, 9, 10], SP, None, "b"))
         assert b.slot is None  # queued: runner-0's batch is full
         outs = await drain_all([b])
         await a.aclose()
@@ -78,7 +79,7 @@ def test_a_dead_runner_is_replaced(factory):
             raise RuntimeError("dead engine")
 
         sched.slots[0].handle.engine.step = boom
-        stream = await sched.open([1, 2, 3], SP, None, "x")
+        stream = await sched.open(EngineRequest([1, 2, 3], SP, None, "x"))
         last = (await drain_all([stream]))[0]
         await scaler.tick()
         rows = sched.runners()
@@ -103,7 +104,7 @@ def test_a_runner_the_scheduler_replaces_is_not_replaced_twice(factory):
             raise RuntimeError("dead engine")
 
         sched.slots[0].handle.engine.step = boom
-        stream = await sched.open([1, 2, 3], SP, None, "x")
+        stream = await sched.open(EngineRequest([1, 2, 3], SP, None, "x"))
         last = (await drain_all([stream]))[0]
         await scaler.tick()  # at once: the replacement may still be starting
         for _ in range(500):

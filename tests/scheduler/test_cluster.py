@@ -14,6 +14,7 @@ from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
+from punica_x.request import EngineRequest
 from scheduler.cluster import ClusterError, NoRunner, Scheduler, SchedulerConfig
 from scheduler.local import LocalRunner
 
@@ -83,13 +84,35 @@ async def with_adapter(sched, tiny_adapters):
     await sched.register_adapter("r8", tiny_adapters["r8"])
 
 
+def test_the_request_reaches_the_engine_as_its_caller_made_it(shared, reference):
+    """One EngineRequest from Scheduler.open through the runner to Engine.submit: the engine
+    gets the caller's object itself (a moved request: the same with its Resume)."""
+    prompts, _ = reference
+    request = EngineRequest(prompts[0], GREEDY, None, "same", "salt")
+
+    async def main():
+        sched = make_cluster(shared, n=1)
+        engine = sched.fleet.slots[0].handle.engine
+        got = []
+        submit = engine.submit
+        engine.submit = lambda req, *rest: got.append(req) or submit(req, *rest)
+        await consume(await sched.open(request))
+        sched.shutdown()
+        return got
+
+    assert [r is request for r in asyncio.run(main())] == [True]
+
+
 def test_placement_consolidates_then_spills(shared, reference, tiny_adapters):
     prompts, ref = reference
 
     async def main():
         sched = make_cluster(shared)
         await with_adapter(sched, tiny_adapters)
-        streams = [await sched.open(p, GREEDY, "r8", f"q{i}") for i, p in enumerate(prompts[:5])]
+        streams = [
+            await sched.open(EngineRequest(p, GREEDY, "r8", f"q{i}"))
+            for i, p in enumerate(prompts[:5])
+        ]
         placed = [s.slot.runner_id for s in streams]
         results = await asyncio.gather(*(consume(s) for s in streams))
         sched.shutdown()
@@ -106,7 +129,10 @@ def test_requests_queue_at_the_scheduler_when_every_runner_is_full(shared, refer
 
     async def main():
         sched = make_cluster(shared, n=2, batch=1)
-        streams = [await sched.open(p, GREEDY, None, f"q{i}") for i, p in enumerate(prompts[:4])]
+        streams = [
+            await sched.open(EngineRequest(p, GREEDY, None, f"q{i}"))
+            for i, p in enumerate(prompts[:4])
+        ]
         queued = [s.slot is None for s in streams]
         assert sched.stats().waiting >= 2 and sched.advice().action == "scale_up"
         results = await asyncio.gather(*(consume(s) for s in streams))
@@ -127,8 +153,8 @@ def test_kv_shortage_moves_the_newest_request_to_a_runner_with_room(shared, refe
 
     async def main():
         sched = make_cluster(shared, n=2, batch=4, num_blocks=6)  # 96 tokens per runner
-        a = await sched.open(prompts[0], sp, None, "old")
-        b = await sched.open(prompts[1], sp, None, "new")
+        a = await sched.open(EngineRequest(prompts[0], sp, None, "old"))
+        b = await sched.open(EngineRequest(prompts[1], sp, None, "new"))
         assert a.slot.runner_id == b.slot.runner_id == "runner-0"
         results = await asyncio.gather(consume(a), consume(b))
         seen = (a.runners_seen, b.runners_seen)
@@ -153,7 +179,9 @@ def test_drain_moves_every_request_and_refuses_the_last_runner(
         sched = make_cluster(shared)
         await with_adapter(sched, tiny_adapters)
         sps = [GREEDY, SEEDED] * 2
-        streams = [await sched.open(prompts[i], sps[i], "r8", f"q{i}") for i in range(4)]
+        streams = [
+            await sched.open(EngineRequest(prompts[i], sps[i], "r8", f"q{i}")) for i in range(4)
+        ]
         heads = [await consume(s, steps=3) for s in streams]  # every request is mid-stream
         assert {s.slot.runner_id for s in streams} == {"runner-0", "runner-1"}
         moved = sum(s.slot.runner_id == "runner-0" for s in streams)
@@ -196,7 +224,9 @@ def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, t
 
         engine.step = step
         sps = [GREEDY if i % 2 == 0 else SEEDED for i in range(6)]
-        streams = [await sched.open(prompts[i], sps[i], None, f"q{i}") for i in range(6)]
+        streams = [
+            await sched.open(EngineRequest(prompts[i], sps[i], None, f"q{i}")) for i in range(6)
+        ]
         results = await asyncio.gather(*(consume(s) for s in streams))
         rows = sched.runners()
         sched.shutdown()
@@ -219,11 +249,11 @@ def test_no_runner_left_ends_streams_with_an_error_and_refuses_new_ones(shared, 
         def step():
             raise RuntimeError("boom")
 
-        stream = await sched.open(prompts[0], GREEDY, None, "q")
+        stream = await sched.open(EngineRequest(prompts[0], GREEDY, None, "q"))
         engine.step = step
         _, _, last = await consume(stream)
         with pytest.raises(NoRunner):
-            await sched.open(prompts[1], GREEDY, None, "q2")
+            await sched.open(EngineRequest(prompts[1], GREEDY, None, "q2"))
         assert not sched.ready()
         sched.shutdown()
         return last
@@ -240,9 +270,9 @@ def test_scale_up_adds_a_runner_that_takes_work_with_every_adapter(
     async def main():
         sched = make_cluster(shared, n=1, batch=1)
         await with_adapter(sched, tiny_adapters)
-        first = await sched.open(prompts[0], GREEDY, "r8", "q0")
+        first = await sched.open(EngineRequest(prompts[0], GREEDY, "r8", "q0"))
         assert await sched.add_runners(1) == ["runner-1"]
-        second = await sched.open(prompts[1], GREEDY, "r8", "q1")
+        second = await sched.open(EngineRequest(prompts[1], GREEDY, "r8", "q1"))
         placed = second.slot.runner_id
         results = await asyncio.gather(consume(first), consume(second))
         sched.shutdown()
@@ -340,16 +370,21 @@ def test_a_conversation_goes_back_to_the_runner_holding_its_prefix(shared, refer
 
     async def main():
         sched = make_cluster(shared, n=2, batch=3)
-        turn1 = await sched.open(system, GREEDY, None, "turn1", cache_salt="me")
+        turn1 = await sched.open(EngineRequest(system, GREEDY, None, "turn1", cache_salt="me"))
         tokens, _, _ = await consume(turn1)
-        longs = [await sched.open(prompts[i + 1], long, None, f"long{i}") for i in range(5)]
+        longs = [
+            await sched.open(EngineRequest(prompts[i + 1], long, None, f"long{i}"))
+            for i in range(5)
+        ]
         placed = [s.slot.runner_id for s in longs]
         for s in longs[:2]:
             await s.aclose()  # runner-0 holds 1 request, runner-1 holds 2
         engines = [slot.handle.async_engine for slot in sched.slots]
         releases = [e.hold() for e in engines]
         turn2_prompt = system + tokens + prompts[6]
-        task = asyncio.create_task(sched.open(turn2_prompt, GREEDY, None, "turn2", cache_salt="me"))
+        task = asyncio.create_task(
+            sched.open(EngineRequest(turn2_prompt, GREEDY, None, "turn2", cache_salt="me"))
+        )
         await asyncio.sleep(0.05)  # placed, waiting for the held engine to take it
         chosen = sched.slots[0].streams.get("turn2") is not None
         for release in releases:

@@ -18,6 +18,7 @@ from helpers import tiny_llm
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
+from punica_x.request import EngineRequest
 
 ray = pytest.importorskip("ray")
 
@@ -100,7 +101,9 @@ def test_runners_are_processes_and_place_by_consolidation(cluster, reference):
     assert len({r.pid for r in rows} | {os.getpid()}) == 3
 
     async def main():
-        streams = [await cluster.open(prompts[i], SP, "r8", f"p{i}") for i in range(4)]
+        streams = [
+            await cluster.open(EngineRequest(prompts[i], SP, "r8", f"p{i}")) for i in range(4)
+        ]
         placed = [s.slot.runner_id for s in streams]
         return placed, await asyncio.gather(*(consume(s) for s in streams))
 
@@ -125,7 +128,9 @@ def test_drain_moves_streams_between_processes(cluster, reference):
     async def main():
         await cluster.add_runners(1)
         sps = [SP, SEEDED, SP]
-        streams = [await cluster.open(prompts[i], sps[i], "r8", f"d{i}") for i in range(3)]
+        streams = [
+            await cluster.open(EngineRequest(prompts[i], sps[i], "r8", f"d{i}")) for i in range(3)
+        ]
         source = streams[0].slot.runner_id
         heads = [await consume(s, until=5) for s in streams]
         await cluster.drain(source)
@@ -173,7 +178,8 @@ def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
         sps = [SP if i % 2 == 0 else SEEDED for i in range(4)]
         adapters = [rng.choice([None, "r8"]) for _ in range(4)]
         streams = [
-            await cluster.open(prompts[i], sps[i], adapters[i], f"k{trial}-{i}") for i in range(4)
+            await cluster.open(EngineRequest(prompts[i], sps[i], adapters[i], f"k{trial}-{i}"))
+            for i in range(4)
         ]
         victim = streams[0].slot
         head = await consume(streams[0], until=after)
@@ -222,8 +228,8 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
     async def main():
         runners = [RayRunner(config, f"runner-{i}") for i in range(2)]
         sched = Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
-        a = await sched.open(prompts[0], sp, None, "old")
-        b = await sched.open(prompts[1], sp, None, "new")
+        a = await sched.open(EngineRequest(prompts[0], sp, None, "old"))
+        b = await sched.open(EngineRequest(prompts[1], sp, None, "new"))
         results = await asyncio.gather(consume(a), consume(b))
         sched.shutdown()
         return results, (a.runners_seen, b.runners_seen), sched.migrations
@@ -272,12 +278,12 @@ def test_distkv_between_processes_serves_a_request_no_runner_holds(
             distkv_transport=transport,
         )
         try:
-            first = await consume(await sched.open(prompt, sp, None, "long"))
+            first = await consume(await sched.open(EngineRequest(prompt, sp, None, "long")))
             counts = ray.get([r.actor.kv_counts.remote() for r in runners])
             assert sum(c["calls"] for c in counts) > 0, counts  # creditors ran micro-attention
             frames = sum(c["frames"] for c in counts)
             assert frames > 0 if transport == "socket" else frames == 0, counts
-            stream = await sched.open(prompt, sp2, None, "long-2")
+            stream = await sched.open(EngineRequest(prompt, sp2, None, "long-2"))
             tokens, victim, last = [], None, None
             async for out in stream:
                 tokens += out.new_token_ids
@@ -333,8 +339,10 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
             for r in runners:
                 await asyncio.to_thread(group.join, r)
             streams = [
-                await a.open(short, SamplingParams(max_tokens=60, ignore_eos=True), None, "s"),
-                await a.open(w0, sp, None, "w0"),  # while s holds 10 of A's blocks
+                await a.open(
+                    EngineRequest(short, SamplingParams(max_tokens=60, ignore_eos=True), None, "s")
+                ),
+                await a.open(EngineRequest(w0, sp, None, "w0")),  # while s holds 10 of A's blocks
             ]
             debts = {}
             for _ in range(500):  # w0 has borrowed on B
@@ -349,7 +357,7 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
                     break
                 await asyncio.sleep(0.01)
             ray.get(group.gmanager.heartbeats.remote(beats))  # not the periodic ones: w0 is short
-            streams[0] = await b.open(w1, sp, None, "w1")  # it borrows them
+            streams[0] = await b.open(EngineRequest(w1, sp, None, "w1"))  # it borrows them
             for _ in range(500):
                 debts = await asyncio.to_thread(group.debts)
                 if debts.get(("B", "A"), 0) >= 4:
@@ -423,8 +431,11 @@ def test_a_poison_request_fails_alone_across_the_process_boundary(
             restart=RestartPolicy(backoff_s=0.05),
         )
         try:
-            streams = [await sched.open(p, SP, None, f"p{i}") for i, p in enumerate(prompts[:2])]
-            streams.append(await sched.open(poison, SP, None, "poison"))
+            streams = [
+                await sched.open(EngineRequest(p, SP, None, f"p{i}"))
+                for i, p in enumerate(prompts[:2])
+            ]
+            streams.append(await sched.open(EngineRequest(poison, SP, None, "poison")))
             results = await asyncio.gather(*(consume(s) for s in streams))
             return results, sched.restarts, sched.quarantined
         finally:

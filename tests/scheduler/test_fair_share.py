@@ -15,6 +15,7 @@ from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
+from punica_x.request import EngineRequest
 from scheduler.cluster import Scheduler
 from scheduler.local import LocalRunner
 
@@ -73,12 +74,18 @@ def flood_then_light(shared, reference, fair_share: bool, policy: str = "fcfs"):
 
     async def main():
         sched = one_runner(shared, fair_share, policy)
-        flood = [await sched.open(p, FLOOD, None, f"a{i}", tenant="a") for i, p in enumerate(a)]
+        flood = [
+            await sched.open(EngineRequest(p, FLOOD, None, f"a{i}"), tenant="a")
+            for i, p in enumerate(a)
+        ]
         readers = [asyncio.ensure_future(read(s)) for s in flood]
         while len(first_token) < 4:  # A's first 4 are running; 8 wait at the scheduler
             await asyncio.sleep(0.005)
         assert sched.queued == 8
-        light = [await sched.open(p, LIGHT, None, f"b{i}", tenant="b") for i, p in enumerate(b)]
+        light = [
+            await sched.open(EngineRequest(p, LIGHT, None, f"b{i}"), tenant="b")
+            for i, p in enumerate(b)
+        ]
         b_tokens = await asyncio.gather(*(read(s) for s in light))
         a_tokens = await asyncio.gather(*readers)
         moves = sum(n for (reason, _), n in sched.migrations.items() if reason == "fair_share")

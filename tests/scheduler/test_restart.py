@@ -22,6 +22,7 @@ from punica_x.engine.async_engine import RunnerLost
 from punica_x.errors import ContextTooLong
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.models.loader import load_model
+from punica_x.request import EngineRequest
 from scheduler.cluster import NoRunner, RestartPolicy, Scheduler
 from scheduler.local import LocalRunner
 
@@ -139,9 +140,11 @@ def test_a_poison_request_fails_alone_and_the_runner_comes_back(shared, referenc
     async def main():
         factory = poisoned_factory(shared, faults)
         sched = Scheduler([factory("runner-0")], factory, restart=FAST)
-        streams = [await sched.open(p, GREEDY, None, f"q{i}") for i, p in enumerate(prompts)]
+        streams = [
+            await sched.open(EngineRequest(p, GREEDY, None, f"q{i}")) for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*(consume(s) for s in streams))
-        after = await consume(await sched.open(prompts[1], GREEDY, None, "after"))
+        after = await consume(await sched.open(EngineRequest(prompts[1], GREEDY, None, "after")))
         metrics = Metrics(
             sched.stats, sched.runners, lambda: sched.migrations, lambda: sched.restarts
         )
@@ -179,7 +182,9 @@ def test_a_fault_that_does_not_repeat_retries_the_request(shared, reference):
     async def main():
         factory = poisoned_factory(shared, faults)
         sched = Scheduler([factory("runner-0")], factory, restart=FAST)
-        streams = [await sched.open(p, GREEDY, None, f"q{i}") for i, p in enumerate(prompts)]
+        streams = [
+            await sched.open(EngineRequest(p, GREEDY, None, f"q{i}")) for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*(consume(s) for s in streams))
         sched.shutdown()
         return sched, results
@@ -202,7 +207,7 @@ def test_requests_wait_while_the_only_runner_is_replaced(shared, reference, tiny
         factory = poisoned_factory(shared, faults, gate)
         sched = Scheduler([factory("runner-0")], factory, restart=FAST)
         await sched.register_adapter("r8", tiny_adapters["r8"])
-        poison = await sched.open(prompts[-1], GREEDY, None, "poison")
+        poison = await sched.open(EngineRequest(prompts[-1], GREEDY, None, "poison"))
         for _ in range(500):  # the step raised, the replacement waits for the gate
             sched.check_runners()
             if sched.slots[0].state == "dead":
@@ -210,12 +215,12 @@ def test_requests_wait_while_the_only_runner_is_replaced(shared, reference, tiny
             await asyncio.sleep(0.01)
         states = [s.state for s in sched.slots]
         ready, accepting = sched.ready(), sched.accepting()
-        waiting = await sched.open(prompts[2], GREEDY, "r8", "waiting")
+        waiting = await sched.open(EngineRequest(prompts[2], GREEDY, "r8", "waiting"))
         queued = waiting.slot is None and sched.queued >= 1
         with pytest.raises(UnknownAdapterError):
-            await sched.open(prompts[2], GREEDY, "unknown", "refused")
+            await sched.open(EngineRequest(prompts[2], GREEDY, "unknown", "refused"))
         with pytest.raises(ContextTooLong):
-            await sched.open(prompts[2] * 100, GREEDY, None, "too-long")
+            await sched.open(EngineRequest(prompts[2] * 100, GREEDY, None, "too-long"))
         gate.set()
         results = await asyncio.gather(consume(poison), consume(waiting))
         sched.shutdown()
@@ -236,9 +241,11 @@ def test_a_scheduler_without_restart_keeps_a_dead_runner_dead(shared, reference)
     async def main():
         factory = poisoned_factory(shared, faults)
         sched = Scheduler([factory("runner-0")], factory, restart=None)
-        _, last = await consume(await sched.open(prompts[-1], GREEDY, None, "poison"))
+        _, last = await consume(
+            await sched.open(EngineRequest(prompts[-1], GREEDY, None, "poison"))
+        )
         with pytest.raises(NoRunner):
-            await sched.open(prompts[0], GREEDY, None, "q")
+            await sched.open(EngineRequest(prompts[0], GREEDY, None, "q"))
         sched.shutdown()
         return last, [s.state for s in sched.slots], sched.restarts
 
@@ -265,7 +272,7 @@ def test_runner_lost_names_the_requests_that_were_in_the_failed_step(shared, ref
         assert await asyncio.to_thread(held.wait, 30)
         order = [prompts[-1], *prompts[:3]]
         opening = asyncio.gather(
-            *(runner.open(p, GREEDY, None, f"r{i}") for i, p in enumerate(order))
+            *(runner.open(EngineRequest(p, GREEDY, None, f"r{i}")) for i, p in enumerate(order))
         )
         await asyncio.sleep(0.05)
         release.set()

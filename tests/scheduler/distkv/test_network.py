@@ -14,6 +14,7 @@ from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason, SamplingParams
 from punica_x.engine import Engine
 from punica_x.models.loader import load_model
+from punica_x.request import EngineRequest
 from scheduler.distkv.network import KVNetwork, default_caps
 
 BLOCK = 16
@@ -225,14 +226,14 @@ def test_the_scheduler_places_a_too_long_request_and_the_runners_lend(shared, re
 
     async def main():
         sched = cluster(shared, [6, 6, 6])
-        stream = await sched.open(PROMPT, GREEDY, None, "long")
+        stream = await sched.open(EngineRequest(PROMPT, GREEDY, None, "long"))
         tokens, views = [], []
         async for out in stream:
             tokens += out.new_token_ids
             if len(tokens) == 30:
                 views = sched.runners()
         with pytest.raises(ContextTooLong, match=r"KV caches \(DistKV\) hold 256"):
-            await sched.open([5] * 300, GREEDY, None, "too-long")  # 6 + 5 + 5 blocks
+            await sched.open(EngineRequest([5] * 300, GREEDY, None, "too-long"))  # 6 + 5 + 5 blocks
         after = sched.runners()
         sched.shutdown()
         return tokens, views, after
@@ -264,7 +265,7 @@ def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared, ki
         try:
             assert all(s.handle.engine.rmanager is None for s in sched.slots)
             with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
-                await sched.open(PROMPT, GREEDY, None, "long")
+                await sched.open(EngineRequest(PROMPT, GREEDY, None, "long"))
         finally:
             sched.shutdown()
 
