@@ -19,15 +19,21 @@ def test_serve_dtype_reaches_the_model_config():
         assert engine.cache.kv_cache_bytes == 1048576  # the other flags still arrive
 
 
+def _check_choices(capsys, flag: str, field: str, good: tuple, bad: tuple) -> None:
+    """Each good value of `flag` reaches ModelConfig.<field>; each bad one exits 2 naming it."""
+    for value in good:
+        assert getattr(_engine(flag, value).model, field) == value
+    for value in bad:
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["serve", flag, value])
+        assert exit_.value.code == 2
+        assert f"invalid choice: '{value}'" in capsys.readouterr().err
+
+
 def test_serve_quantization_defaults_to_the_files_own_blocks(capsys):
     assert _engine().model.quantization == "auto"
-    for value in ("auto", "none", "int8", "int4"):
-        assert _engine("--quantization", value).model.quantization == value
-    for bad in ("", "q4", "AUTO", "nan"):
-        with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args(["serve", "--quantization", bad])
-        assert exit_.value.code == 2
-        assert f"invalid choice: '{bad}'" in capsys.readouterr().err
+    good, bad = ("auto", "none", "int8", "int4"), ("", "q4", "AUTO", "nan")
+    _check_choices(capsys, "--quantization", "quantization", good, bad)
 
 
 def test_prepare_readies_what_serve_reads(tmp_path, monkeypatch, capsys):
@@ -89,10 +95,5 @@ def test_serve_refuses_bad_memory_flags(flag, value, capsys):
 
 def test_serve_quant_activations_reach_the_model_config(capsys):
     assert _engine().model.quant_activations == "int16"
-    for mode in ("int16", "int8", "float"):
-        assert _engine("--quant-activations", mode).model.quant_activations == mode
-    for bad in ("int4", "INT8", "", "fp32"):
-        with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args(["serve", "--quant-activations", bad])
-        assert exit_.value.code == 2
-        assert f"invalid choice: '{bad}'" in capsys.readouterr().err
+    good, bad = ("int16", "int8", "float"), ("int4", "INT8", "", "fp32")
+    _check_choices(capsys, "--quant-activations", "quant_activations", good, bad)
