@@ -64,7 +64,6 @@ def prepare_model(model: str | None, quantization: str) -> None:
     """The model's directory as a runner with `quantization` reads it on this machine (a GGUF
     file's metadata directory where it is read natively, its float copy where it is
     dequantized), made now and cached."""
-    from punica_x.config import ModelConfig
     from punica_x.models.loader import resolve_model_dir
 
     start = time.perf_counter()

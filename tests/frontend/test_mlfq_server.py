@@ -12,7 +12,7 @@ import pytest
 from live_server import start_server
 
 PROMPTS = {"long": "a long story about", "short-1": "hello world", "short-2": "kv cache in"}
-LENGTHS = {"long": 600, "short-1": 8, "short-2": 8}
+LENGTHS = {"long": 1200, "short-1": 8, "short-2": 8}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,11 @@ def mlfq_server(srv_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def complete(srv, key: str, name: str, done: dict) -> None:
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+def client(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+
+
+def complete(srv, client: openai.OpenAI, name: str, done: dict) -> None:
     r = client.completions.create(
         model=srv.model_id,
         prompt=PROMPTS[name],
@@ -44,18 +47,21 @@ def complete(srv, key: str, name: str, done: dict) -> None:
 def test_short_requests_overtake_a_long_one_with_fcfs_tokens(mlfq_server, server):
     key = mlfq_server.create_tenant("mlfq")
     done: dict = {}
-    long = threading.Thread(target=complete, args=(mlfq_server, key, "long", done))
+    # clients made before the long request starts (an SSL context takes a while to make on a
+    # busy machine): the short requests then arrive while it runs
+    clients = {name: client(mlfq_server, key) for name in PROMPTS}
+    long = threading.Thread(target=complete, args=(mlfq_server, clients["long"], "long", done))
     long.start()
     time.sleep(0.3)  # the long request runs alone, and uses up its first quanta
     shorts = [
-        threading.Thread(target=complete, args=(mlfq_server, key, name, done))
+        threading.Thread(target=complete, args=(mlfq_server, clients[name], name, done))
         for name in ("short-1", "short-2")
     ]
     for t in shorts:
         t.start()
     for t in [long, *shorts]:
         t.join(120)
-    # batch of one: under FCFS both short requests would wait for all 600 long tokens
+    # batch of one: under FCFS both short requests would wait for all 1200 long tokens
     assert done["short-1"][1] < done["long"][1] and done["short-2"][1] < done["long"][1]
     assert mlfq_server.metric("punica_x_mlfq_pauses_total") >= 1
     with mlfq_server.http(mlfq_server.admin_token) as c:
@@ -63,8 +69,8 @@ def test_short_requests_overtake_a_long_one_with_fcfs_tokens(mlfq_server, server
     for direction in ("out", "in"):  # counted (no KV pressure here, so no swaps)
         assert f'punica_x_kv_swaps_total{{direction="{direction}"}} 0.0' in text
         assert f'punica_x_kv_swap_bytes_total{{direction="{direction}"}} 0.0' in text
-    fcfs_key = server.create_tenant("fcfs-reference")
+    fcfs = client(server, server.create_tenant("fcfs-reference"))
     reference: dict = {}
     for name in PROMPTS:
-        complete(server, fcfs_key, name, reference)
+        complete(server, fcfs, name, reference)
         assert done[name][0] == reference[name][0], name
