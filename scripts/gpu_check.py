@@ -185,6 +185,19 @@ def steps_for(args, work: Path) -> list[Step]:
     ]
 
 
+def chosen_steps(steps: list[Step], only: str) -> list[Step]:
+    """--only's steps in the order it names them (the step whose figures matter most can run
+    first, before the budget is spent); ValueError naming the unknown or repeated ones."""
+    names = only.split(",")
+    by_name = {s.name: s for s in steps}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise ValueError(f"unknown steps {unknown} (known: {', '.join(by_name)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a step named twice in --only {only!r}")
+    return [by_name[n] for n in names]
+
+
 def gpu_test_files() -> list[str]:
     """The test files with gpu-marked tests: collecting the whole suite would import modules
     whose packages a lent machine lacks (ray, selenium, ...), and a collection error there
@@ -301,7 +314,7 @@ def parse_args(argv=None):
     ap.add_argument("--test-timeout-s", type=float, default=90.0, help="one test (pytest-timeout)")
     ap.add_argument("--bench-timeout-s", type=float, default=240.0)
     ap.add_argument("--serve-timeout-s", type=float, default=200.0)
-    ap.add_argument("--only", default=None, help="comma-separated step names to run")
+    ap.add_argument("--only", default=None, help="comma-separated steps to run, in that order")
     args = ap.parse_args(argv)
     if args.budget_s <= 0 or not args.budget_s < float("inf"):
         ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
@@ -323,13 +336,12 @@ def main(argv=None) -> int:
     if readme.exists() and not args.dry_run:  # generated sections land in the real README
         shutil.copy(readme, cuda / "README.md")
     steps = steps_for(args, work)
-    if args.only:
-        wanted = set(args.only.split(","))
-        unknown = wanted - {s.name for s in steps}
-        if unknown:
-            print(f"gpu_check: unknown steps {sorted(unknown)}", file=sys.stderr)
+    if args.only is not None:
+        try:
+            steps = chosen_steps(steps, args.only)
+        except ValueError as exc:
+            print(f"gpu_check: {exc}", file=sys.stderr)
             return 2
-        steps = [s for s in steps if s.name in wanted]
     start = time.monotonic()
     report = {
         "mode": "dry-run (CPU)" if args.dry_run else "GPU",

@@ -105,9 +105,11 @@ punica_x::DType cuda_dtype(at::ScalarType t) {
 }
 #endif
 
-// v[t, 0:R_s] = x[t] @ A_s[layer]^T for the rows of every segment s with an adapter.
-void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
-                 torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank) {
+// v[t, 0:R_s] = x[t] @ A_s[layer]^T for the rows of every segment s with an adapter. On CUDA
+// the rest of v is zeroed too, unless `scratch` (v is add_lora's workspace: expand reads only
+// what shrink wrote, so a kernel that writes rather than adds needs no memset first).
+void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
+            torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank, bool scratch) {
   check_rows(x, "x");
   check_rows(v, "v");
   CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
@@ -131,14 +133,24 @@ void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::T
   }
 #ifdef PUNICA_X_WITH_CUDA
   const c10::cuda::CUDAGuard guard(x.device());
-  v.zero_();
+  const punica_x::DType dtype = cuda_dtype(x.scalar_type());
+  if (!scratch || punica_x::sgmv_shrink_accumulates(dtype, static_cast<int>(max_rows), h_in,
+                                                    x.data_ptr(), x.stride(0)))
+    v.zero_();
   const bool ok = punica_x::sgmv_shrink_cuda(
-      cuda_dtype(x.scalar_type()), v.data_ptr<float>(), v.stride(0), x.data_ptr(), x.stride(0),
-      h_in, p, static_cast<int>(max_rows), static_cast<int>(max_rank), c10::cuda::getCurrentCUDAStream().stream());
+      dtype, v.data_ptr<float>(), v.stride(0), x.data_ptr(), x.stride(0), h_in, p,
+      static_cast<int>(max_rows), static_cast<int>(max_rank),
+      c10::cuda::getCurrentCUDAStream().stream());
   CHECK_ARG(ok, "no CUDA shrink kernel for dtype ", x.scalar_type());
 #else
   CHECK_ARG(false, "this build has no CUDA kernels (x is on ", x.device(), ")");
 #endif
+}
+
+void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
+                 torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank) {
+  shrink(std::move(v), std::move(x), std::move(w_ptr), std::move(ranks), std::move(seg), layer,
+         max_rows, max_rank, /*scratch=*/false);
 }
 
 // y[t, yoff_j : yoff_j + h_out[j]] += v[t, voff_j : voff_j + r_j] @ B_s,j[layer].
@@ -191,7 +203,7 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
 void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Tensor a_ptr,
                    torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
                    std::vector<int64_t> h_out, int64_t layer, int64_t max_rows, int64_t max_rank) {
-  sgmv_shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank);
+  shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank, /*scratch=*/true);
   sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank);
 }
 

@@ -107,34 +107,58 @@ __global__ void shrink_kernel(float* v, int64_t vs, const T* x, int64_t xs, int 
   }
 }
 
-// 16 bytes of T at a time; requires h_in * sizeof(T), the row strides and k_chunk * sizeof(T)
-// to be multiples of 16 (checked by the launcher).
-template <typename T>
+// One-row segments (the distinct-adapter decode case, and every CUDA-graph decode step): a
+// block owns kThreads / kWarp / W rank rows of one segment, W warps per rank row, each warp
+// walking its W-th of h_in with 16-byte loads of A and x (unrolled: several loads in flight per
+// thread, the product being memory-bound). The W partial sums meet in shared memory and one
+// thread writes v[t, j]: no atomics, so v needs no zeroing first (sgmv_shrink_accumulates).
+// Requires h_in, x's row stride and x to be 16-byte multiples (checked by the launcher); a
+// segment whose A is not 16-byte aligned takes the scalar loop.
+template <typename T, int W>
 __global__ void shrink_one_row_kernel(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
-                                      SgmvSegments p, int k_chunk) {
+                                      SgmvSegments p) {
   constexpr int kVec = 16 / sizeof(T);
+  constexpr int kWarps = kThreads / kWarp, kRowsPerBlock = kWarps / W;
+  __shared__ float partial[kWarps];
   const int s = blockIdx.x;
   const int64_t wp = p.w_ptr[s];
-  if (wp == 0 || p.seg[s + 1] == p.seg[s]) return;
-  const int t = p.seg[s];
+  if (wp == 0 || p.seg[s + 1] == p.seg[s]) return;  // the whole block returns together
   const int rank = rank_sum(p, s);
-  const int k0 = blockIdx.y * k_chunk;
-  const int k1 = min(h_in, k0 + k_chunk);
-  const T* a = reinterpret_cast<const T*>(wp) + int64_t(p.layer) * rank * h_in;
+  const int j0 = blockIdx.y * kRowsPerBlock;
+  if (j0 >= rank) return;
+  const int t = p.seg[s];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  for (int j = warp; j < rank; j += blockDim.x / kWarp) {
-    const T* arow = a + int64_t(j) * h_in;
-    float acc = 0.f;
-    for (int k = k0 + lane * kVec; k < k1; k += kWarp * kVec) {
-      const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + t * xs + k);
-      const T* ae = reinterpret_cast<const T*>(&av);
-      const T* xe = reinterpret_cast<const T*>(&xv);
+  const int j = j0 + warp / W;
+  float acc = 0.f;
+  if (j < rank) {
+    const T* arow = reinterpret_cast<const T*>(wp) + (int64_t(p.layer) * rank + j) * h_in;
+    const T* xr = x + int64_t(t) * xs;
+    const int step = W * kWarp * kVec;
+    int k = ((warp % W) * kWarp + lane) * kVec;
+    if (reinterpret_cast<uintptr_t>(arow) % 16 == 0) {
+#pragma unroll 4
+      for (; k < h_in; k += step) {
+        const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
+        const T* ae = reinterpret_cast<const T*>(&av);
+        const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc += to_f32(xe[e]) * to_f32(ae[e]);
+        for (int e = 0; e < kVec; ++e) acc += to_f32(xe[e]) * to_f32(ae[e]);
+      }
+    } else {
+      for (; k < h_in; k += step)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc += to_f32(xr[k + e]) * to_f32(arow[k + e]);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) atomicAdd(v + t * vs + j, acc);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) partial[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x < kRowsPerBlock && j0 + int(threadIdx.x) < rank) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) sum += partial[threadIdx.x * W + w];
+    v[int64_t(t) * vs + j0 + threadIdx.x] = sum;
   }
 }
 
@@ -215,6 +239,7 @@ __global__ void expand_one_row_kernel(T* y, int64_t ys, const float* v, int64_t 
   const float* vt = v + int64_t(t) * vs + o.v_off;
   float acc[kVec] = {};
   if (reinterpret_cast<uintptr_t>(b) % 16 == 0) {
+#pragma unroll 4
     for (int i = 0; i < r; ++i) {
       const uint4 bv = *reinterpret_cast<const uint4*>(b + int64_t(i) * h_out);
       const T* be = reinterpret_cast<const T*>(&bv);
@@ -240,32 +265,60 @@ __global__ void expand_one_row_kernel(T* y, int64_t ys, const float* v, int64_t 
 int row_tiles(int max_rows) { return (max_rows + kRowTile - 1) / kRowTile; }
 
 // K chunks per (segment, row tile): enough blocks for two per SM, each chunk >= 256 wide.
+int multiprocessors();
+
 int split_k(int h_in, int blocks) {
-  int device = 0, sms = 108;
-  if (cudaGetDevice(&device) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int sms = multiprocessors();
   const int want = (2 * sms + blocks - 1) / blocks;
   const int most = h_in / 256 > 0 ? h_in / 256 : 1;
   return want < 1 ? 1 : (want > most ? most : want);
 }
 
+bool one_row_shrink(int max_rows, int h_in, const void* x, int64_t xs, int elem_size) {
+  const int vec = 16 / elem_size;
+  return max_rows == 1 && h_in % vec == 0 && xs % vec == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+int multiprocessors() {
+  int device = 0, sms = 108;
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
+// W warps per rank row: the fewest (1, 2, 4 or 8) that put 16 warps on each multiprocessor,
+// while each warp still has 16-byte loads to make (W * 32 * kVec <= h_in).
+template <typename T>
+void launch_shrink_one_row(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
+                           const SgmvSegments& p, int max_rank, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t rows = int64_t(p.num_segments) * max_rank;
+  const int64_t want = int64_t(multiprocessors()) * 16;
+  int w = 1;
+  while (w < 8 && rows * w < want && 2 * w * kWarp * kVec <= h_in) w *= 2;
+  const int per_block = kThreads / kWarp / w;
+  const dim3 grid(p.num_segments, (max_rank + per_block - 1) / per_block);
+  switch (w) {
+    case 1: shrink_one_row_kernel<T, 1><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    case 2: shrink_one_row_kernel<T, 2><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    case 4: shrink_one_row_kernel<T, 4><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    default: shrink_one_row_kernel<T, 8><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p);
+  }
+}
+
 template <typename T>
 void launch_shrink(float* v, int64_t vs, const T* x, int64_t xs, int h_in, const SgmvSegments& p,
-                   int max_rows, cudaStream_t stream) {
+                   int max_rows, int max_rank, cudaStream_t stream) {
+  if (one_row_shrink(max_rows, h_in, x, xs, sizeof(T))) {
+    launch_shrink_one_row(v, vs, x, xs, h_in, p, max_rank, stream);
+    return;
+  }
   const int tiles = row_tiles(max_rows);
   const int splits = split_k(h_in, p.num_segments * tiles);
-  constexpr int kVec = 16 / sizeof(T);
-  int k_chunk = (h_in + splits - 1) / splits;
-  const bool vectorizable =
-      h_in % kVec == 0 && xs % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (max_rows == 1 && vectorizable) {
-    k_chunk = (k_chunk + kVec - 1) / kVec * kVec;
-    const dim3 grid(p.num_segments, splits);
-    shrink_one_row_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
-  } else {
-    const dim3 grid(p.num_segments, splits, tiles);
-    shrink_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
-  }
+  const int k_chunk = (h_in + splits - 1) / splits;
+  const dim3 grid(p.num_segments, splits, tiles);
+  shrink_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);
 }
 
 template <typename T>
@@ -294,20 +347,28 @@ void launch_expand(T* y, int64_t ys, const float* v, int64_t vs, const int32_t* 
 
 }  // namespace
 
+bool sgmv_shrink_accumulates(DType dtype, int max_rows, int h_in, const void* x,
+                             int64_t x_stride) {
+  const int elem = dtype == DType::kFloat32 ? 4 : 2;
+  return !one_row_shrink(max_rows, h_in, x, x_stride, elem);
+}
+
 bool sgmv_shrink_cuda(DType dtype, float* v, int64_t v_stride, const void* x, int64_t x_stride,
                       int h_in, const SgmvSegments& p, int max_rows, int max_rank, void* stream) {
   if (p.num_segments == 0 || max_rows == 0 || max_rank == 0) return true;
   auto st = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case DType::kFloat32:
-      launch_shrink(v, v_stride, static_cast<const float*>(x), x_stride, h_in, p, max_rows, st);
+      launch_shrink(v, v_stride, static_cast<const float*>(x), x_stride, h_in, p, max_rows,
+                    max_rank, st);
       return true;
     case DType::kFloat16:
-      launch_shrink(v, v_stride, static_cast<const __half*>(x), x_stride, h_in, p, max_rows, st);
+      launch_shrink(v, v_stride, static_cast<const __half*>(x), x_stride, h_in, p, max_rows,
+                    max_rank, st);
       return true;
     case DType::kBFloat16:
       launch_shrink(v, v_stride, static_cast<const __nv_bfloat16*>(x), x_stride, h_in, p,
-                    max_rows, st);
+                    max_rows, max_rank, st);
       return true;
   }
   return false;

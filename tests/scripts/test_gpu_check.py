@@ -125,6 +125,8 @@ def test_junit_counts(tmp_path):
         ["--budget-s", "inf"],
         ["--tests-timeout-s", "-1"],
         ["--only", "nosuchstep"],
+        ["--only", "env,env"],
+        ["--only", ""],
     ],
 )
 def test_bad_arguments_exit_2(bad, tmp_path):
@@ -136,3 +138,12 @@ def test_bad_arguments_exit_2(bad, tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
+
+
+def test_only_runs_the_steps_in_the_order_it_names():
+    gc = _module()
+    steps = gc.steps_for(gc.parse_args(["--dry-run"]), Path("/tmp/w"))
+    got = gc.chosen_steps(steps, "env,build,serve,bench_generate")
+    assert [s.name for s in got] == ["env", "build", "serve", "bench_generate"]
+    with pytest.raises(ValueError, match="unknown steps"):
+        gc.chosen_steps(steps, "env,nosuch")

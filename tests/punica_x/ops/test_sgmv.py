@@ -417,3 +417,44 @@ def test_sgmv_cuda_matches_reference(popularity, batch, dtype):
     y_our = add_lora_sgmv(y.clone(), x, w, 1, backend=get_backend(dev))
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(y_our, y_ref, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h_in", [4096, 14336, 136])
+@pytest.mark.parametrize("layout", ["aligned", "x-unaligned", "a-unaligned"])
+def test_sgmv_cuda_one_row_segments_write_every_value_expand_reads(dtype, h_in, layout):
+    """The distinct-adapter decode case: one row per segment, base rows between them, rank
+    sums of 48 over three slices and 8 over one. The workspace starts as NaN, as add_lora
+    leaves it unzeroed when the one-row shrink writes (not adds) every value expand reads: a
+    value it missed would show. x out of 16-byte units takes the split-K kernel (zeroed v);
+    an adapter's A out of them takes the one-row kernel's scalar loop."""
+    gen, seed = fresh_generator()
+    dev = torch.device("cuda")
+    h_out = [256, 64, 64]
+    lens = [1, 1, 1, 1, 1, 1, 1]
+    ranks = [[16, 16, 16], None, [8, 0, 0], [16, 16, 16], None, [16, 16, 16], [4, 2, 2]]
+    w_cpu = make_weights(gen, lens, ranks, h_in, h_out, layers=2)
+    a = [None if t is None else t.to(dev, dtype) for t in w_cpu.a]
+    if layout == "a-unaligned":  # one element past a 16-byte boundary
+        buf = torch.empty(a[0].numel() + 1, device=dev, dtype=dtype)
+        buf[1:] = a[0].flatten()
+        a[0] = buf[1:].view_as(a[0])
+    b = [None if t is None else t.to(dev, dtype) for t in w_cpu.b]
+    w = SgmvWeights.build(
+        list(w_cpu.seg_host), a, b, [list(r) for r in w_cpu.ranks_host], h_out, dev
+    )
+    rows = w.seg_host[-1]
+    if layout == "x-unaligned":
+        x = torch.randn(rows, h_in + 1, device=dev, dtype=dtype)[:, 1:]
+    else:
+        x = torch.randn(rows, h_in, device=dev, dtype=dtype)
+    y = torch.randn(rows, sum(h_out), device=dev, dtype=dtype)
+    workspace = torch.full((rows, w.max_rank), float("nan"), device=dev)
+    y_ref = add_lora_sgmv(y.clone(), x, w, 1, backend=REF)
+    y_our = add_lora_sgmv(y.clone(), x, w, 1, workspace=workspace, backend=get_backend(dev))
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(y_our, y_ref, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
+    v_ref = sgmv_shrink(x, w, 1, backend=REF)
+    v_our = sgmv_shrink(x, w, 1, backend=get_backend(dev))  # public shrink: v zeroed around
+    torch.testing.assert_close(v_our, v_ref, rtol=tol, atol=tol * 10)
