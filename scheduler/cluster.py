@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from punica_x.core import SamplingParams
+from punica_x.engine.report import EngineStats, ModelInfo
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterInfo
 from punica_x.request import EngineRequest
@@ -38,7 +39,7 @@ from scheduler.distkv.dgfm import Swap
 from scheduler.distkv.service import DGFM_MIN_SWAP, DistKV, holdable_runners, make_distkv
 from scheduler.errors import ClusterError, NoRunner
 from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
-from scheduler.interface import ModelInfo, RunnerHandle, RunnerStats
+from scheduler.interface import RunnerHandle
 from scheduler.mover import Mover
 from scheduler.placement import Advice, advise, drain_choice
 from scheduler.rows import RunnerRow
@@ -287,7 +288,7 @@ class Scheduler:
         idle = {s.runner_id: now - s.idle_since for s in self.slots if not s.streams}
         return advise(self.dispatch.snapshots(), len(self._queue), idle, self.idle_after)
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         """Sums over live runners; `waiting` includes requests waiting at the scheduler."""
         return self.fleet.stats(waiting=len(self._queue))
 

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from punica_x.engine.report import EngineStats, RequestLimits
 from punica_x.heap import thaw
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.side_thread import in_side_thread
 from scheduler.errors import ClusterError
-from scheduler.interface import RequestLimits, RunnerHandle, RunnerStats
+from scheduler.interface import RunnerHandle
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
 from scheduler.prefix_index import PrefixIndex
 from scheduler.rows import RunnerRow, runner_row
@@ -177,9 +178,9 @@ class Fleet:
         if adapter is not None and adapter not in registered:
             raise UnknownAdapterError(adapter)
 
-    def stats(self, waiting: int = 0) -> RunnerStats:
+    def stats(self, waiting: int = 0) -> EngineStats:
         """Sums over live runners, `waiting` (requests waiting in front of them) added."""
-        return RunnerStats.total([h.stats() for h in self.live_handles()], waiting)
+        return EngineStats.total([h.stats() for h in self.live_handles()], waiting)
 
     def live_handles(self) -> list:
         return [s.handle for s in self.slots if s.handle is not None and s.state != "dead"]

@@ -16,7 +16,7 @@ from punica_x.engine.async_engine import RunnerLost
 from punica_x.lora.pool import AdapterInfo
 from punica_x.request import EngineRequest
 from scheduler.distkv.actor import KVActorMethods
-from scheduler.interface import RunnerInfo
+from scheduler.interface import RunnerInfo, describe_runner
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
 
 POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
@@ -41,9 +41,7 @@ class RunnerActor(KVActorMethods):
         self.runner_id = runner_id
         self.engine = Engine(config)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
-        from scheduler.local import describe_runner
-
-        self.info_ = describe_runner(self.engine, config)
+        self.info_ = describe_runner(self.engine.describe())
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
         # kept until a poll acknowledges them: a reply lost on the way (its caller gone) is
         # sent again, so no output is ever dropped
@@ -56,9 +54,7 @@ class RunnerActor(KVActorMethods):
         return self.info_
 
     def stop_lending(self) -> None:
-        from scheduler.local import stop_lending
-
-        stop_lending(self.engine)
+        self.engine.stop_lending()
 
     def _push(self, event: type, request_id: str, *payload) -> None:
         self.seq += 1
@@ -104,10 +100,8 @@ class RunnerActor(KVActorMethods):
         return list(self.events), self._snapshot()
 
     def _snapshot(self) -> Snapshot:
-        from scheduler.local import engine_stats
-
         pool = self.engine.adapters
-        return Snapshot(engine_stats(self.engine), pool.resident(), pool.versions())
+        return Snapshot(self.engine.stats(), pool.resident(), pool.versions())
 
     def register_adapter(
         self, name: str, files: dict[str, bytes], sha256: str | None, version: int | None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from punica_x.core import RequestOutput
-from scheduler.interface import RunnerStats
+from punica_x.engine.report import EngineStats
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,6 @@ class Snapshot:
     """What a poll reply carries besides the events: the runner's stats, the adapters
     resident on its device and the adapter versions it still holds."""
 
-    stats: RunnerStats
+    stats: EngineStats
     resident: frozenset[str]
     versions: frozenset[int]

@@ -30,9 +30,10 @@ from pathlib import Path
 from punica_x.config import EngineConfig
 from punica_x.core import RequestOutput, Resume, SamplingParams
 from punica_x.engine.async_engine import RequestStream, RunnerLost
+from punica_x.engine.report import EngineStats, RequestLimits
 from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
 from punica_x.request import EngineRequest
-from scheduler.interface import RequestLimits, RunnerInfo, RunnerStats
+from scheduler.interface import RunnerInfo
 from scheduler.ray_actor import ADAPTER_FILES, RunnerActor
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
 
@@ -104,7 +105,7 @@ class RayRunner:
         self.error: str | None = None
         self._names: set[str] = set()
         self._streams: dict[str, tuple[Callable, Callable | None]] = {}
-        empty = RunnerStats(0, 0, 0, info.kv_blocks_total, 0, 0, 0, 0)
+        empty = EngineStats(0, 0, 0, info.kv_blocks_total, 0, 0, 0, 0)
         self._snapshot = Snapshot(empty, frozenset(), frozenset())
         self._pump: asyncio.Task | None = None
         self._acked = 0  # highest event seq the pump has dispatched
@@ -257,7 +258,7 @@ class RayRunner:
         if self.error is None:
             self.actor.stop_lending.remote()  # fire and forget: it lends nothing from then on
 
-    def stats(self) -> RunnerStats:
+    def stats(self) -> EngineStats:
         # a runner that never took a request still reports (a DistKV creditor's loans)
         with contextlib.suppress(RuntimeError):  # no running event loop here
             self._ensure_pump()

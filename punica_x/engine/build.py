@@ -1,8 +1,10 @@
 """An engine's parts sized from its config: the KV cache (and the host swap pool and MLFQ
-batcher when the policy is mlfq), the attention backend, and the log line naming the
-serving dtype."""
+batcher when the policy is mlfq), the attention backend, the CUDA decode graphs, and the log
+line naming the serving dtype."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -10,9 +12,12 @@ from punica_x.attention import choose_attention
 from punica_x.batching.batcher import Batcher
 from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig, ModelConfig
+from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
+
+log = logging.getLogger("punica_x.engine.engine")
 
 
 def build_kv(
@@ -68,3 +73,29 @@ def dtype_reason(model: ModelConfig) -> str:
         has = "has" if isa.native_bf16() else "lacks"
         reason = f": this CPU {has} AVX512-BF16 / AMX-BF16"
     return f" (dtype={model.dtype}{reason})"
+
+
+def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:
+    """CUDA graphs for `engine`'s decode steps (an Engine, built but for them), captured now
+    (engine/cuda_graphs.py); None on a CPU, with config.cuda_graphs off, or with an attention
+    backend they do not cover."""
+    if engine.device.type != "cuda" or not config.cuda_graphs:
+        return None
+    attention = engine.planner.attention.name
+    if attention != "torch":
+        log.info("CUDA graphs: off (the %s attention backend runs eagerly)", attention)
+        return None
+    graphs = DecodeGraphs(
+        engine.model,
+        engine.cache.kv,
+        engine.sgmv,
+        engine.cache.allocator,
+        engine.planner.lora.h_out,
+        config.cache.block_size,
+        engine.max_model_len,
+        config.batch.max_batch_size,
+        config.lora.max_lora_rank,
+        engine.device,
+    )
+    graphs.capture_start()
+    return graphs

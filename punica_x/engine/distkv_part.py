@@ -3,6 +3,7 @@ borrowing for requests too long for it, and DGFM's moves home; Engine inherits i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from punica_x.attention.dist import DistContext
@@ -58,6 +59,11 @@ class DistKVPart:
     def _peers_lend(self) -> bool:
         borrowing = self.batcher.borrowing
         return borrowing is not None and borrowing.capacity_blocks() > 0
+
+    def stop_lending(self) -> None:
+        """Lend no more blocks to peers (a runner being drained); nothing without DistKV."""
+        if self.rmanager is not None:
+            self.rmanager.caps = dataclasses.replace(self.rmanager.caps, max_blocks=0)
 
     def capacity_blocks(self) -> int:
         """The most KV blocks one request can hold: this runner's cache, plus what its peers

@@ -18,8 +18,8 @@ from punica_x.core import (
     new_request_id,
 )
 from punica_x.dtypes import dtype_name
-from punica_x.engine import memory
-from punica_x.engine.build import build_attention, build_kv, dtype_reason
+from punica_x.engine import memory, report
+from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, dtype_reason
 from punica_x.engine.checks import check_request
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
@@ -73,7 +73,7 @@ class Engine(DistKVPart):
             self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
         self._build(config)
-        self.graphs = self._decode_graphs(config)
+        self.graphs = build_decode_graphs(self, config)
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def _build(self, config: EngineConfig) -> None:
@@ -108,29 +108,17 @@ class Engine(DistKVPart):
         self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
 
-    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps, captured now (engine/cuda_graphs.py); None on a
-        CPU, with config.cuda_graphs off, or with an attention backend they do not cover."""
-        if self.device.type != "cuda" or not config.cuda_graphs:
-            return None
-        attention = self.planner.attention.name
-        if attention != "torch":
-            log.info("CUDA graphs: off (the %s attention backend runs eagerly)", attention)
-            return None
-        graphs = DecodeGraphs(
-            self.model,
-            self.cache.kv,
-            self.sgmv,
-            self.cache.allocator,
-            self.planner.lora.h_out,
-            config.cache.block_size,
-            self.max_model_len,
-            config.batch.max_batch_size,
-            config.lora.max_lora_rank,
-            self.device,
-        )
-        graphs.capture_start()
-        return graphs
+    def describe(self) -> report.EngineInfo:
+        """What this engine is (device, model, LoRA and KV limits): punica_x/engine/report.py."""
+        return report.describe(self)
+
+    def stats(self) -> report.EngineStats:
+        """Its gauges and counters now; safe to call from another thread (a snapshot)."""
+        return report.stats(self)
+
+    def limits(self) -> report.RequestLimits:
+        """What check_prompt checks a prompt against now."""
+        return report.limits(self)
 
     def unregister_adapter(self, name: str) -> None:
         """Remove an adapter (AdapterPool.unregister: running requests finish on the weights

@@ -255,8 +255,6 @@ def test_a_deleted_adapters_counters_go_with_it(tiny_model_dir, tiny_adapters):
     """A tenant uploading and deleting adapters in a loop must not grow the runner's
     statistics or /metrics' series: unregistering drops the adapter's prefix counters, and
     the stats a runner reports name only the base model and registered adapters."""
-    from scheduler.local import _prefix_counters
-
     llm = tiny_llm(tiny_model_dir)
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     for i in range(3):
@@ -269,5 +267,5 @@ def test_a_deleted_adapters_counters_go_with_it(tiny_model_dir, tiny_adapters):
     llm.unload_adapter("a1")
     assert set(stats.queries) == {"", "a2"} and set(stats.hits) <= {"", "a2"}
     stats.record("a1", 5, 0)  # a request of a1 still running when it was deleted
-    shown = [a for a, _, _ in _prefix_counters(llm.engine)["prefix_cache"]]
+    shown = [a for a, _, _ in llm.engine.stats().prefix_cache]
     assert shown == ["", "a2"]
