@@ -48,10 +48,11 @@ from punica_x.batching.batcher import Batcher
 from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
-from punica_x.core import Request, SamplingParams
+from punica_x.core import SamplingParams
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.prefix import PrefixCache, cache_key
 from punica_x.kv.swap import SwapPool
+from punica_x.runtime import Request
 from punica_x.workloads import output_lengths, poisson_arrivals, zipf_sampler
 from scheduler import placement
 from scheduler.fairness import FairQueue
@@ -89,7 +90,7 @@ class StepCost:
 
 
 PROFILES = {
-    # Punica (seed 004, sec. 2 and 7): Llama-2-7B fp16 on an A100. Decode: 11 ms at batch 1,
+    # Punica (sec. 2 and 7): Llama-2-7B fp16 on an A100. Decode: 11 ms at batch 1,
     # 13 ms at 32 (short sequences) -> 0.065 ms a token; 34 ms at 32 long (2k) sequences ->
     # 0.32 us a KV token; LoRA adds ~2 ms a step over 32 adapters -> 0.06 ms an adapter.
     # Prefill is compute-bound: 14 GFLOP a token at ~200 TFLOP/s -> 0.07 ms (the token term).

@@ -1,1 +1,2 @@
-"""User-facing entry points (CLI now; REST, OpenAI-compatible API and web chat with their issue)."""
+"""User-facing entry points: tenants and adapter uploads (REST), the OpenAI-compatible API, the
+streaming websocket chat and its page, /metrics, and the CLI (serve, prepare, admin)."""

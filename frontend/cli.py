@@ -137,7 +137,7 @@ def runner_devices(args) -> tuple[str, ...]:
 
 def engine_config(args):
     """The runners' EngineConfig from `serve`'s arguments (a Ray runner gets it whole)."""
-    from punica_x.config import EngineConfig, MemoryConfig, ModelConfig
+    from punica_x.api import EngineConfig, MemoryConfig, ModelConfig
 
     model = ModelConfig(
         model=args.model,
@@ -163,7 +163,7 @@ def engine_config(args):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
-        from punica_x.prepare import main as prepare
+        from punica_x.api import prepare_main as prepare
 
         return prepare(argv[1:])
     args = build_parser().parse_args(argv)

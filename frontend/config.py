@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from punica_x.config import EngineConfig
+from punica_x.api import EngineConfig
 
 MiB = 1 << 20
 RUNNER_BACKENDS = ("thread", "ray")

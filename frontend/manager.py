@@ -19,10 +19,14 @@ from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBui
 from frontend.protocol import TenantCreate, TenantUpdate
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.tenant_adapters import TenantAdapters, adapter_key
-from punica_x.core import RequestOutput, SamplingParams
-from punica_x.errors import ContextTooLong, InvalidRequest
-from punica_x.lora.pool import UnknownAdapterError
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    ContextTooLong,
+    EngineRequest,
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    UnknownAdapterError,
+)
 from scheduler.cluster import NoRunner, Scheduler
 from scheduler.fairness import QUEUE_OVERFLOW
 

@@ -17,7 +17,7 @@ from frontend.errors import ApiError
 from frontend.manager import Caller, FrontendManager
 from frontend.recovery import recover
 from frontend.store import Store
-from punica_x.heap import freeze_heap
+from punica_x.api import freeze_heap
 from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
 from scheduler.devices import device_of
 from scheduler.local import LocalRunner
@@ -90,7 +90,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
 
         n = max(n, AutoscaleConfig.parse(config.autoscale).min_runners)
     if config.runner_backend == "ray":
-        from punica_x.models.loader import describe_model
+        from punica_x.api import describe_model
         from scheduler.ray_runner import RayRunner, ensure_ray
 
         meta = describe_model(engine.model)  # the tokenizer here; weights only in the actors

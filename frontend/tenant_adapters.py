@@ -19,8 +19,7 @@ from frontend.durable import StorageFull
 from frontend.errors import ApiError, bad_request, not_found
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.uploads import CONFIG, WEIGHTS
-from punica_x.lora.adapter import AdapterError, load_peft_adapter
-from punica_x.lora.pool import UnknownAdapterError
+from punica_x.api import AdapterError, UnknownAdapterError, load_peft_adapter
 from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,2 @@
-"""Cluster control plane: placement, migration, MLFQ, gManager (see DESIGN.md)."""
+"""Cluster control plane: runners (threads or Ray actors) behind one Scheduler, placement,
+migration, fair share, autoscale and DistKV's KV groups (docs/cluster.md, docs/distkv.md)."""

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
+from punica_x.api import AdapterInfo, UnknownAdapterError
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from punica_x.core import SamplingParams
-from punica_x.engine.report import EngineStats, ModelInfo
-from punica_x.lora.adapter import LoraTarget
-from punica_x.lora.pool import AdapterInfo
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    AdapterInfo,
+    EngineRequest,
+    EngineStats,
+    LoraTarget,
+    ModelInfo,
+    SamplingParams,
+)
 from scheduler.adapters import AdapterRegistry
 from scheduler.dispatch import Dispatcher
 from scheduler.distkv.dgfm import Swap

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from punica_x.engine.async_engine import RunnerLost
+from punica_x.api import RunnerLost
 from scheduler.fleet import Fleet, RunnerSlot
 from scheduler.placement import ACTIVE, RunnerSnapshot, fits_alone, place, place_distributed
 from scheduler.prefix_index import PrefixTracker

@@ -21,10 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from punica_x.engine.report import EngineStats, RequestLimits
-from punica_x.heap import thaw
-from punica_x.lora.pool import UnknownAdapterError
-from punica_x.side_thread import in_side_thread
+from punica_x.api import EngineStats, RequestLimits, UnknownAdapterError, in_side_thread, thaw
 from scheduler.errors import ClusterError
 from scheduler.interface import RunnerHandle
 from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for

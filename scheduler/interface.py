@@ -9,11 +9,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
-from punica_x.core import Resume, SamplingParams
-from punica_x.engine.async_engine import RequestStream
-from punica_x.engine.report import EngineInfo, EngineStats, RequestLimits
-from punica_x.lora.pool import AdapterInfo
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    AdapterInfo,
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    RequestLimits,
+    RequestStream,
+    Resume,
+    SamplingParams,
+)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,19 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from punica_x.config import EngineConfig
-from punica_x.core import Resume, SamplingParams
-from punica_x.engine import Engine
-from punica_x.engine.async_engine import AsyncEngine, RequestStream
-from punica_x.engine.report import EngineStats, RequestLimits
-from punica_x.lora.pool import AdapterInfo
-from punica_x.models.loader import LoadedModel
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    AdapterInfo,
+    AsyncEngine,
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    LoadedModel,
+    RequestLimits,
+    RequestStream,
+    Resume,
+    SamplingParams,
+)
 from scheduler.interface import describe_runner
 
 

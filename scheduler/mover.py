@@ -17,7 +17,7 @@ import asyncio
 import collections
 import logging
 
-from punica_x.engine.async_engine import RunnerLost
+from punica_x.api import RunnerLost
 from scheduler.dispatch import Dispatcher
 from scheduler.fleet import Fleet, RunnerSlot
 from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode

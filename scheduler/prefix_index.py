@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from punica_x.kv.prefix import block_name, cache_key
+from punica_x.api import block_name, cache_key
 
 
 def block_names(

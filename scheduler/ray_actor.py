@@ -10,11 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from punica_x.config import EngineConfig
-from punica_x.core import Resume
-from punica_x.engine.async_engine import RunnerLost
-from punica_x.lora.pool import AdapterInfo
-from punica_x.request import EngineRequest
+from punica_x.api import AdapterInfo, EngineConfig, EngineRequest, Resume, RunnerLost
 from scheduler.distkv.actor import KVActorMethods
 from scheduler.interface import RunnerInfo, describe_runner
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
@@ -31,8 +27,7 @@ class RunnerActor(KVActorMethods):
 
         import torch
 
-        from punica_x.engine import Engine
-        from punica_x.engine.async_engine import AsyncEngine
+        from punica_x.api import AsyncEngine, Engine
 
         # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
         # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.

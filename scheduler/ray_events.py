@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from punica_x.core import RequestOutput
-from punica_x.engine.report import EngineStats
+from punica_x.api import EngineStats, RequestOutput
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,19 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from punica_x.config import EngineConfig
-from punica_x.core import RequestOutput, Resume, SamplingParams
-from punica_x.engine.async_engine import RequestStream, RunnerLost
-from punica_x.engine.report import EngineStats, RequestLimits
-from punica_x.lora.pool import AdapterInfo, UnknownAdapterError
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    AdapterInfo,
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    RequestLimits,
+    RequestOutput,
+    RequestStream,
+    Resume,
+    RunnerLost,
+    SamplingParams,
+    UnknownAdapterError,
+)
 from scheduler.interface import RunnerInfo
 from scheduler.ray_actor import ADAPTER_FILES, RunnerActor
 from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot

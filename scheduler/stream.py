@@ -12,9 +12,16 @@ import asyncio
 import time
 from typing import Protocol
 
-from punica_x.core import FinishReason, RequestOutput, Resume, SamplingParams
-from punica_x.engine.async_engine import RequestStream, RunnerLost, StreamMoved
-from punica_x.request import EngineRequest
+from punica_x.api import (
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    RequestStream,
+    Resume,
+    RunnerLost,
+    SamplingParams,
+    StreamMoved,
+)
 from scheduler.placement import Demand
 
 

@@ -65,6 +65,22 @@ def test_imports_only_go_down_the_layers():
     assert not up
 
 
+PUBLIC_FACE = ("punica_x", "punica_x.api")  # what scheduler/ and frontend/ may import of it
+
+
+def test_scheduler_and_frontend_use_only_the_runners_public_face():
+    """scheduler/ and frontend/ reach punica_x through punica_x/api.py (and the package's
+    own names): the runner's internals can change without them (issue 48)."""
+    reaches = [
+        f"{m} imports {d}"
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] in ("scheduler", "frontend")
+        for d in deps
+        if d.split(".")[0] == "punica_x" and d not in PUBLIC_FACE
+    ]
+    assert not reaches, "\n".join(sorted(reaches))
+
+
 def test_no_import_circle():
     """Tarjan's strongly connected components over the module graph: none has two modules."""
     index: dict[str, int] = {}

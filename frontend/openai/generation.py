@@ -22,8 +22,7 @@ from frontend.openai.protocol import (
     SamplingFields,
     WsChatFrame,
 )
-from punica_x.core import SamplingParams
-from punica_x.sampling.structured import JSON_OBJECT, canonical_schema
+from punica_x.api import JSON_OBJECT, SamplingParams, canonical_schema
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from punica_x.core import TokenLogprob
+from punica_x.api import TokenLogprob
 
 NO_CHANCE = -9999.0
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from punica_x.core import MAX_LOGPROBS
+from punica_x.api import MAX_LOGPROBS
 
 MAX_PROMPTS = 16  # prompts of one completions request (each may have n choices)
 MAX_STOP = 4  # OpenAI's cap on stop strings

@@ -11,7 +11,7 @@ import uuid
 
 from frontend.openai.generation import GenerationRequest
 from frontend.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from punica_x.core import RequestOutput
+from punica_x.api import RequestOutput
 
 
 def finish_reason(out: RequestOutput) -> str:

@@ -19,7 +19,7 @@ from frontend.openai.logprobs_format import TokenText
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.openai.responses import ResponseBuilder, finish_reason
 from frontend.request_body import read_json, validate
-from punica_x.core import RequestOutput
+from punica_x.api import RequestOutput
 
 _DONE = object()
 

@@ -18,10 +18,10 @@ from collections import deque
 
 from punica_x.batching.planner import ScheduledRequest
 from punica_x.config import BatchConfig
-from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.borrowing import Borrow, KVBorrowing
 from punica_x.kv.prefix import PrefixCache
+from punica_x.runtime import Request, RequestStatus
 
 
 class Batcher:

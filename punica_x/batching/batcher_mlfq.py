@@ -36,9 +36,9 @@ from punica_x.batching.batcher import Batcher
 from punica_x.batching.planner import ScheduledRequest
 from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
-from punica_x.core import Request, RequestStatus
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.swap import SwapPool
+from punica_x.runtime import Request, RequestStatus
 
 
 class MLFQBatcher(Batcher):

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from punica_x.core import LoraBatchMeta
 from punica_x.lora.adapter import LoraAdapter
 from punica_x.ops.sgmv_weights import SgmvWeights
+from punica_x.runtime import LoraBatchMeta
 
 
 def _edges(seg: Sequence[int], weights: Sequence[LoraAdapter | None], group: str) -> tuple:

@@ -1,4 +1,4 @@
-"""Skip-join multi-level feedback queue (FastServe, seed 002): who a runner serves first.
+"""Skip-join multi-level feedback queue (FastServe): who a runner serves first.
 
 Pure policy: functions of per-request `Priority` state and the times given to them (no
 clock, no engine), so the runner's MLFQ batcher and the cluster simulator run the same code.

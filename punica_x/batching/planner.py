@@ -12,8 +12,8 @@ import torch
 from punica_x.attention.dist import DistContext, DistSeq, plan_dist
 from punica_x.attention.paged import SeqSpan
 from punica_x.batching.lora_plan import LoraPlanner
-from punica_x.core import Batch, LoraBatchMeta, Request
 from punica_x.lora.adapter import GROUPS, LoraTarget
+from punica_x.runtime import Batch, LoraBatchMeta, Request
 
 
 class ScheduledRequest(NamedTuple):

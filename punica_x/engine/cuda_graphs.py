@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from punica_x.attention.paged import AttentionMeta
-from punica_x.core import Batch, LoraBatchMeta
 from punica_x.ops.sgmv_weights import SgmvWeights
+from punica_x.runtime import Batch, LoraBatchMeta
 
 log = logging.getLogger("punica_x.engine.cuda_graphs")
 

@@ -9,9 +9,7 @@ from punica_x.batching.planner import BatchPlanner, ScheduledRequest
 from punica_x.config import EngineConfig
 from punica_x.core import (
     FinishReason,
-    Request,
     RequestOutput,
-    RequestStatus,
     Resume,
     SamplingParams,
     TokenLogprob,
@@ -35,6 +33,7 @@ from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
 from punica_x.request import EngineRequest
+from punica_x.runtime import Request, RequestStatus
 from punica_x.sampling.detokenizer import Detokenizer
 from punica_x.sampling.sampler import Sampler
 from punica_x.sampling.structured import Grammars

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 
-from punica_x.core import KVSnapshot, Request, Resume
+from punica_x.core import KVSnapshot, Resume
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.swap import SwapPool
+from punica_x.runtime import Request
 from punica_x.sampling.detokenizer import Detokenizer
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from punica_x.core import FinishReason, Request, RequestOutput
+from punica_x.core import FinishReason, RequestOutput
+from punica_x.runtime import Request
 from punica_x.sampling.detokenizer import Detokenizer
 
 log = logging.getLogger(__name__)

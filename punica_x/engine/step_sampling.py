@@ -10,7 +10,8 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from punica_x.core import Request, TokenLogprob
+from punica_x.core import TokenLogprob
+from punica_x.runtime import Request
 from punica_x.sampling.logprobs import record_prompt_logprobs, sampled_logprobs
 from punica_x.sampling.sampler import NoTokenAllowed, Sampler
 

@@ -14,9 +14,10 @@ import enum
 import random
 import time
 
-from punica_x.core import RemoteExtent, Request
+from punica_x.core import RemoteExtent
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.rmanager import KVBorrower
+from punica_x.runtime import Request
 
 BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
 BORROW_PATIENCE_S = 2.0  # refused this long: it gives its blocks back (YIELD)

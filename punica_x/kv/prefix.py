@@ -30,8 +30,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from punica_x.core import Request
 from punica_x.kv.blocks import BlockAllocator
+from punica_x.runtime import Request
 
 DIGEST_SIZE = 16  # bytes of each block name (blake2b): collisions are out of reach
 

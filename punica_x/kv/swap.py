@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from punica_x.core import Request
 from punica_x.kv.blocks import KVCache, KVCacheSpec, blocks_needed
+from punica_x.runtime import Request
 
 
 @dataclass

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from punica_x.core import RemoteExtent, Request
+from punica_x.core import RemoteExtent
 from punica_x.kv.blocks import KVCache
+from punica_x.runtime import Request
 
 Pick = tuple[str, tuple[int, ...]]
 

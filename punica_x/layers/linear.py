@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from punica_x.core import LoraBatchMeta
 from punica_x.ops.dense import DenseBackend, prefetches
 from punica_x.ops.quant_dense import QuantBlocks, cat_blocks, dequantize_blocks
 from punica_x.ops.sgmv import SgmvBackend, add_lora_sgmv
+from punica_x.runtime import LoraBatchMeta
 
 
 class Dense(nn.Module):

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from punica_x.core import Batch
 from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
 from punica_x.layers.rope import RotaryEmbedding, per_layer_type
 from punica_x.models.registry import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
 from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend, has_rows
 from punica_x.ops.sgmv import SgmvBackend
+from punica_x.runtime import Batch
 
 # dense(n, k, rows) -> the backend for an [n, k] weight that sees x of about `rows` rows
 DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from punica_x.core import Request, TokenLogprob
+from punica_x.core import TokenLogprob
+from punica_x.runtime import Request
 
 
 def _score(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:

@@ -15,7 +15,7 @@ from collections.abc import Collection
 
 import torch
 
-from punica_x.core import Request
+from punica_x.runtime import Request
 from punica_x.sampling.structured import mask_constrained
 
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment

@@ -37,7 +37,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
-from punica_x.kv.rmanager import MicroPlan, PeerLost
+from punica_x.api import MicroPlan, PeerLost
 
 CALL_TIMEOUT_S = 30.0
 _RUN = struct.Struct("<IdB5I")  # layer, scale, dtype code, R, H_q, D, W, N_kv

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from punica_x.side_thread import in_side_thread
+from punica_x.api import in_side_thread
 from scheduler.distkv.dgfm import Swap, plan_swaps
 from scheduler.distkv.network import KVNetwork, default_caps
 

@@ -13,8 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from punica_x.core import RemoteExtent
-from punica_x.kv.rmanager import LendCaps, PeerLost, RManager
+from punica_x.api import LendCaps, PeerLost, RemoteExtent, RManager
 from scheduler.distkv.dgfm import Swap, plan_swaps
 from scheduler.distkv.ledger import DebtLedger, Heartbeat
 

@@ -21,8 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from punica_x.core import RemoteExtent
-from punica_x.kv.rmanager import MicroPlan, PeerLost
+from punica_x.api import MicroPlan, PeerLost, RemoteExtent
 from scheduler.distkv.channel import ChannelAddress, KVChannel
 from scheduler.distkv.ledger import DebtLedger, Heartbeat
 

@@ -11,9 +11,10 @@ from helpers import compute_scheduled, tiny_llm
 from punica_x import SamplingParams
 from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import BatchConfig
-from punica_x.core import FinishReason, Request
+from punica_x.core import FinishReason
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.swap import SwapPool
+from punica_x.runtime import Request
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
 

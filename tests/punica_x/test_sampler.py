@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from punica_x.core import Request, SamplingParams
+from punica_x.core import SamplingParams
+from punica_x.runtime import Request
 from punica_x.sampling.sampler import Sampler
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from punica_x.core import Request, SamplingParams
+from punica_x.core import SamplingParams
 from punica_x.kv.blocks import BlockAllocator
 from punica_x.kv.prefix import PrefixCache, cache_key
+from punica_x.runtime import Request
 from scheduler.prefix_index import PrefixIndex, PrefixTracker, block_names
 
 

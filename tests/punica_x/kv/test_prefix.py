@@ -3,9 +3,10 @@ cover, in-batch deferral, and what is never named."""
 
 from __future__ import annotations
 
-from punica_x.core import RemoteExtent, Request, SamplingParams
+from punica_x.core import RemoteExtent, SamplingParams
 from punica_x.kv.blocks import BlockAllocator
 from punica_x.kv.prefix import PrefixCache, block_name, cache_key
+from punica_x.runtime import Request
 
 
 def request(tokens, key=b"k" * 16, **sampling) -> Request:

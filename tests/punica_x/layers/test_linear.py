@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
-from punica_x.core import LoraBatchMeta
 from punica_x.layers.linear import LoraLinear
 from punica_x.ops.dense import PackedCpuDense, TorchDense
 from punica_x.ops.sgmv import get_backend
 from punica_x.ops.sgmv_weights import PREFETCH_MAX_ROWS, SgmvWeights
+from punica_x.runtime import LoraBatchMeta
 
 LAYERS, H_IN, SLICES, RANK = 3, 64, (48, 32), 8
 

@@ -10,9 +10,9 @@ from helpers import make_tiny_llama, tiny_llm
 from punica_x import SamplingParams
 from punica_x.attention.paged import AttentionMeta, SeqSpan
 from punica_x.config import ModelConfig
-from punica_x.core import Batch
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.models.loader import load_model
+from punica_x.runtime import Batch
 
 
 def our_logits(loaded, ids: list[int], split: int) -> torch.Tensor:

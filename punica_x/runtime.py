@@ -1,0 +1,120 @@
+"""The engine's own state types: a request as it runs (Request, RequestStatus) and one step's
+batch (Batch, LoraBatchMeta). Not part of the runner's public face (punica_x/api.py): what
+callers see are punica_x/core.py's types."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from punica_x.core import (
+    FinishReason,
+    RemoteExtent,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    new_request_id,
+)
+from punica_x.ops.sgmv_weights import SgmvWeights  # a leaf: it imports only torch
+
+if TYPE_CHECKING:  # (annotations only: the pool's handle of a request's adapter)
+    from punica_x.lora.pool import AdapterRef
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `all_token_ids` = prompt + generated; the first `num_computed_tokens`
+    of them have KV in `block_ids`. A preempted request keeps its tokens and recomputes."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    adapter: AdapterRef | None = None
+    request_id: str = field(default_factory=new_request_id)
+    on_output: Callable[[RequestOutput], None] | None = None
+    on_preempt: Callable[[str], None] | None = None  # told after a step that preempted it
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # KV swapped out to the host pool (MLFQ): it holds the first num_computed_tokens tokens
+    host_block_ids: list[int] = field(default_factory=list)
+    # DistKV: blocks borrowed from peer runners, after block_ids in logical order (a request
+    # with remote blocks grows only there); borrow_after: when a refused borrow is retried;
+    # borrow_since: when its peers first refused it, since it last got blocks (None: not waiting)
+    remote: list[RemoteExtent] = field(default_factory=list)
+    borrow_after: float = 0.0
+    borrow_since: float | None = None
+    # starving_since: when its peers first refused it since it last got blocks, kept over its
+    # yields (KVBorrowing.give_up_s bounds the whole wait)
+    starving_since: float | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    # prompt_logprobs[i]: of prompt token i (None for i = 0), filled as prefill chunks run
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
+    prompt_logprobs_sent: bool = False  # an output carried them (RequestOutput)
+    matcher: object | None = None  # llguidance matcher when sampling.json_schema is set
+    # prefix caching (punica_x/kv/prefix.py): the parent name of its first block (what
+    # computes its KV, who may share it), None when it is not cached; the names of its full
+    # blocks computed so far
+    cache_key: bytes | None = None
+    block_names: list[bytes] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class LoraBatchMeta:
+    """SGMV metadata of one step, one entry per projection group ("qkv", "o", "gate_up",
+    "down"), planned once and read by every layer. workspace: float32 [T, max rank sum].
+    embed / head: LoRA on the embedding and the LM head, (first row, end row, A^T, B^T) of
+    each run of rows whose adapter has it (empty: no row's adapter does, nothing to add)."""
+
+    groups: dict[str, SgmvWeights]
+    workspace: torch.Tensor
+    embed: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+    head: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One model invocation: rows of all scheduled requests, grouped by adapter.
+
+    input_ids, positions: [T] int64; sample_rows: [B] int64 rows whose logits are sampled
+    (the last row of each request that finishes its prompt or decodes this step).
+    logit_rows: [B + P] int64, sample_rows then the P rows whose logits score prompt tokens
+    (requests with prompt_logprobs), or None when P = 0; prompt_targets: per such request,
+    the prompt positions those rows score, in row order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: object  # the attention backend's plan: write_kv(...) and attend(...)
+    lora: LoraBatchMeta | None
+    sample_rows: torch.Tensor
+    logit_rows: torch.Tensor | None = None
+    prompt_targets: tuple[tuple[Request, tuple[int, ...]], ...] = ()
