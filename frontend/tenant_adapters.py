@@ -13,13 +13,11 @@ import contextlib
 import logging
 from pathlib import Path
 
-import torch
-
 from frontend.durable import StorageFull
 from frontend.errors import ApiError, bad_request, not_found
 from frontend.store import AdapterRecord, Store, Tenant
 from frontend.uploads import CONFIG, WEIGHTS
-from punica_x.api import AdapterError, UnknownAdapterError, load_peft_adapter
+from punica_x.api import AdapterError, UnknownAdapterError, check_peft_header
 from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)
@@ -129,13 +127,15 @@ class TenantAdapters:
         return record
 
     async def _install(self, tenant: Tenant, name: str, files: dict[str, bytes]) -> AdapterRecord:
-        """Stage the files, run every runner check on them (off the event loop), reserve the
-        version (a `pending` row) and move the files into its directory."""
+        """Stage the files, run the checks that need no tensor values on them (off the event
+        loop), reserve the version (a `pending` row) and move the files into its directory."""
         staging = await _storage(asyncio.to_thread(self.store.stage, files))
         try:
             info = self.scheduler.info
+            # the checks that need no tensor values (no torch here): a runner parses the
+            # values once, when it registers the adapter, and refuses NaN / Inf there
             parsed = await asyncio.to_thread(
-                load_peft_adapter, staging, info.lora_target, info.max_lora_rank, torch.float32
+                check_peft_header, staging, info.lora_target, info.max_lora_rank
             )
             size = sum(len(files[f]) for f in (CONFIG, WEIGHTS))
             pending = await _storage(

@@ -26,7 +26,7 @@ _WHERE: dict[str, str] = {
     "InvalidRequest": "punica_x.errors",
     "ContextTooLong": "punica_x.errors",
     "UnknownAdapterError": "punica_x.lora.pool",
-    "AdapterError": "punica_x.lora.adapter",
+    "AdapterError": "punica_x.lora.peft_checks",
     "RunnerLost": "punica_x.engine.async_engine",
     "StreamMoved": "punica_x.engine.async_engine",
     # configuration
@@ -46,8 +46,8 @@ _WHERE: dict[str, str] = {
     "RequestLimits": "punica_x.engine.report",
     # adapters
     "AdapterInfo": "punica_x.lora.pool",
-    "LoraTarget": "punica_x.lora.adapter",
-    "load_peft_adapter": "punica_x.lora.adapter",
+    "LoraTarget": "punica_x.lora.peft_checks",
+    "check_peft_header": "punica_x.lora.peft_checks",  # an upload's checks without torch
     # prefix caching: the block names a prefix-aware placement computes as the runners do
     "block_name": "punica_x.kv.prefix",
     "cache_key": "punica_x.kv.prefix",

@@ -15,6 +15,7 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 
 from punica_x import AdapterError, SamplingParams
+from punica_x.lora.peft_checks import check_peft_header
 
 SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -34,6 +35,9 @@ def base(tiny_model_dir):
 
 
 def refused(llm, path, code: str, match: str) -> None:
+    """The runner refuses `path` with `code`, and so does the frontend's torch-free check of
+    the same files (peft_checks.check_peft_header)."""
+    header_check(llm, path, code)
     before = llm.generate(["hello world"], ["good"], SP)[0].token_ids
     with pytest.raises(AdapterError, match=match) as info:
         llm.load_adapter("bad", str(path))
@@ -42,6 +46,16 @@ def refused(llm, path, code: str, match: str) -> None:
     with pytest.raises(AdapterError):  # a refused new version never replaces a good one
         llm.load_adapter("good", str(path))
     assert llm.generate(["hello world"], ["good"], SP)[0].token_ids == before
+
+
+def header_check(llm, path, code: str | None) -> None:
+    target, max_rank = llm.engine.adapters.target, llm.engine.config.lora.max_lora_rank
+    if code is None:
+        check_peft_header(path, target, max_rank)
+        return
+    with pytest.raises(AdapterError) as info:
+        check_peft_header(path, target, max_rank)
+    assert info.value.code == code, str(info.value)
 
 
 def test_pickle_weights_refused_and_never_unpickled(llm, tiny_adapters, tmp_path):
