@@ -112,7 +112,7 @@ def ray_decode(model: str, context: int, decode: int, transport: str | None) -> 
     import asyncio
 
     from scheduler.cluster import Scheduler
-    from scheduler.ray_runner import RayRunner
+    from scheduler.runners.ray_runner import RayRunner
 
     need = -(-(context + decode + 1) // BLOCK)
     size = need + 2 if transport is None else -(-(need // 2 + 2) * 10 // 9)

@@ -30,7 +30,7 @@ from common.report import describe_machine, print_table, pyplot, save_plot, writ
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from punica_x.core import SamplingParams  # noqa: E402
 from scheduler.cluster import Scheduler  # noqa: E402
-from scheduler.migration import COPY, RECOMPUTE, MigrationCosts, choose_mode  # noqa: E402
+from scheduler.policy.migration import COPY, RECOMPUTE, MigrationCosts, choose_mode  # noqa: E402
 
 MODES = (RECOMPUTE, COPY)
 
@@ -38,12 +38,12 @@ MODES = (RECOMPUTE, COPY)
 def build(backend: str, config: EngineConfig) -> Scheduler:
     if backend == "ray":
         from punica_x.models.loader import describe_model
-        from scheduler.ray_runner import RayRunner, ensure_ray
+        from scheduler.runners.ray_runner import RayRunner, ensure_ray
 
         ensure_ray()
         runners = [RayRunner(config, f"runner-{i}") for i in range(2)]
         return Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
-    from scheduler.local import LocalRunner
+    from scheduler.runners.local import LocalRunner
 
     first = LocalRunner(config, "runner-0")
     second = LocalRunner(config, "runner-1", shared=first.engine.loaded)

@@ -2,9 +2,9 @@
 simulated time, with the live system's policy code.
 
 Discrete events over many simulated runners. Every decision is made by the code the server
-runs, imported and not copied: which runner takes a request (`scheduler.placement.place`),
-when to add a runner (`scheduler.placement.advise`) and which to drain
-(`scheduler.placement.consolidation_choice`), and which requests run each step
+runs, imported and not copied: which runner takes a request (`scheduler.policy.placement.place`),
+when to add a runner (`scheduler.policy.placement.advise`) and which to drain
+(`scheduler.policy.placement.consolidation_choice`), and which requests run each step
 (`punica_x.batching.batcher.Batcher` for FCFS,
 `punica_x.batching.batcher_mlfq.MLFQBatcher` for skip-join MLFQ,
 over a KV pool with the runner's block count whose blocks hold no data). Only time is
@@ -54,8 +54,8 @@ from punica_x.kv.prefix import PrefixCache, cache_key
 from punica_x.kv.swap import SwapPool
 from punica_x.runtime import Request
 from punica_x.workloads import output_lengths, poisson_arrivals, zipf_sampler
-from scheduler import placement
-from scheduler.fairness import FairQueue
+from scheduler.policy import placement
+from scheduler.policy.fairness import FairQueue
 from scheduler.prefix_index import PrefixIndex, block_names
 
 # A block holds no data here: 1 layer, 1 head, 1 dim (the batcher only counts blocks).
@@ -441,7 +441,7 @@ def make_job(t: float, prompt_len: int, out_len: int, adapter: int, tenant: str 
 # -- fair share between tenants ---------------------------------------------------------------
 @dataclass
 class FairSim(Sim):
-    """A Sim whose scheduler queue is the live fair-share policy (scheduler/fairness.py
+    """A Sim whose scheduler queue is the live fair-share policy (scheduler/policy/fairness.py
     FairQueue: VTC order across tenants, a slot taken back from a tenant above its share, the
     moved request recomputing later), with one fixed pool of runners (no autoscaling)."""
 

@@ -122,7 +122,7 @@ def parse_limits(items: list[str]):
 
 
 def runner_devices(args) -> tuple[str, ...]:
-    """The thread runners' devices from --devices (scheduler/devices.py); () for Ray runners
+    """The thread runners' devices from --devices (scheduler/runners/devices.py); () for Ray runners
     (Ray gives each one GPU), where --devices is refused. ValueError naming the problem."""
     if args.runner_backend == "ray":
         if args.devices is not None:
@@ -130,7 +130,7 @@ def runner_devices(args) -> tuple[str, ...]:
         return ()
     import torch
 
-    from scheduler.devices import parse_devices
+    from scheduler.runners.devices import parse_devices
 
     return parse_devices(args.devices, torch.cuda.device_count())
 
@@ -321,7 +321,7 @@ def _cluster_args(s) -> None:
         "--no-fair-share",
         action="store_true",
         help="serve waiting requests first come, first served (by default tenants share the "
-        "runners by weighted service: scheduler/fairness.py)",
+        "runners by weighted service: scheduler/policy/fairness.py)",
     )
     s.add_argument(
         "--no-runner-restart",

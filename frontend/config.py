@@ -42,7 +42,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     runners: int = 1  # runners started with the server (admin scale adds and removes them)
     runner_backend: str = "thread"
-    # thread runners' devices, runner-i on devices[i % len] (scheduler/devices.py); () : the
+    # thread runners' devices, runner-i on devices[i % len] (scheduler/runners/devices.py); () : the
     # engine config's own device for all
     devices: tuple[str, ...] = ()
     ray_address: str | None = None  # join this Ray cluster ("auto": the local one); else start one
@@ -50,7 +50,8 @@ class ServerConfig:
     idle_after_s: float = 60.0  # a runner idle this long (others with room) is advised away
     # DistKV: a prompt too long for one runner borrows KV blocks on the others (thread runners)
     distkv: bool = True
-    # tenants share the runners by weighted service while requests wait (scheduler/fairness.py)
+    # tenants share the runners by weighted service while requests wait
+    # (scheduler/policy/fairness.py)
     fair_share: bool = True
     restart_runners: bool = True  # a dead runner is replaced (scheduler RestartPolicy)
 

@@ -28,7 +28,7 @@ from punica_x.api import (
     UnknownAdapterError,
 )
 from scheduler.cluster import NoRunner, Scheduler
-from scheduler.fairness import QUEUE_OVERFLOW
+from scheduler.policy.fairness import QUEUE_OVERFLOW
 
 log = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ def _prefix_cache(rows: list):
 
 
 class TenantCollector:
-    """Each tenant's fair-share state (scheduler/fairness.py): its virtual token counter,
+    """Each tenant's fair-share state (scheduler/policy/fairness.py): its virtual token counter,
     the tokens served to it, its requests waiting at the scheduler and placed on runners.
     rows(): TenantRow objects."""
 

@@ -17,7 +17,7 @@ Weight = Annotated[float, Field(gt=0, le=1000)]
 class TenantCreate(Strict):
     """POST /admin/tenants. max_concurrent, tokens_per_minute: the tenant's own caps (None:
     the server's). weight: its share of the runners while tenants wait, relative to the
-    others' (scheduler/fairness.py; default 1). share_prefix_cache: its base-model requests
+    others' (scheduler/policy/fairness.py; default 1). share_prefix_cache: its base-model requests
     share prefix-cached KV with the other tenants that allow it (frontend/cache_scope.py;
     default false: a tenant only reuses what its own requests computed)."""
 

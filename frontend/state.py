@@ -19,8 +19,8 @@ from frontend.recovery import recover
 from frontend.store import Store
 from punica_x.api import freeze_heap
 from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
-from scheduler.devices import device_of
-from scheduler.local import LocalRunner
+from scheduler.runners.devices import device_of
+from scheduler.runners.local import LocalRunner
 
 log = logging.getLogger("punica_x.server")
 GC_INTERVAL = 5.0
@@ -39,7 +39,7 @@ class ServerState:
         if config.runner_backend == "ray":
             # here, on the main thread: Ray's head processes die with the thread that
             # started them (PR_SET_PDEATHSIG), and the loader thread below ends
-            from scheduler.ray_runner import ensure_ray
+            from scheduler.runners.ray_runner import ensure_ray
 
             ensure_ray(config.ray_address)
 
@@ -91,7 +91,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         n = max(n, AutoscaleConfig.parse(config.autoscale).min_runners)
     if config.runner_backend == "ray":
         from punica_x.api import describe_model
-        from scheduler.ray_runner import RayRunner, ensure_ray
+        from scheduler.runners.ray_runner import RayRunner, ensure_ray
 
         meta = describe_model(engine.model)  # the tokenizer here; weights only in the actors
         ensure_ray(config.ray_address)

@@ -68,7 +68,9 @@ class Tenant:
     revoked: bool
     max_concurrent: int | None
     tokens_per_minute: int | None
-    weight: float = 1.0  # its share of the runners while tenants wait (scheduler/fairness.py)
+    weight: float = (
+        1.0  # its share of the runners while tenants wait (scheduler/policy/fairness.py)
+    )
     # its base-model requests share prefix-cached KV with other tenants that allow it
     # (frontend/cache_scope.py); adapter requests never do
     share_prefix_cache: bool = False

@@ -1,13 +1,13 @@
 """The scheduler the frontend talks to: one control plane over N runners, composed of parts:
 
 - fleet.py: the runners (start, drain, death, replacement under a RestartPolicy);
-- waiting.py + fairness.py: requests that find no room wait here, served across tenants by
+- waiting.py + policy/fairness.py: requests that find no room wait here, served across tenants by
   fair share (VTC), first come first served within one;
-- dispatch.py: placement (placement.py: consolidation, Punica sec. 5.1) and opening a
+- dispatch.py: placement (policy/placement.py: consolidation, Punica sec. 5.1) and opening a
   request on its runner, and placing what waits as room appears;
 - mover.py: moves (Punica sec. 5.3) under KV pressure, off a draining runner, off a dead
   one (nothing is lost: requests continue from what they streamed; poison requests end
-  with an error), recomputed or with their KV copied (migration.py);
+  with an error), recomputed or with their KV copied (policy/migration.py);
 - sharing.py: a tenant below its share of the batch slots takes one from the tenant
   furthest above its share;
 - distkv/: a request whose KV fits on no single runner borrows blocks on the others
@@ -42,10 +42,10 @@ from scheduler.distkv.dgfm import Swap
 from scheduler.distkv.service import DGFM_MIN_SWAP, DistKV, holdable_runners, make_distkv
 from scheduler.errors import ClusterError, NoRunner
 from scheduler.fleet import DEFAULT_RESTART, Fleet, RestartPolicy, RunnerSlot
-from scheduler.interface import RunnerHandle
 from scheduler.mover import Mover
-from scheduler.placement import Advice, advise, drain_choice
+from scheduler.policy.placement import Advice, advise, drain_choice
 from scheduler.rows import RunnerRow
+from scheduler.runners.interface import RunnerHandle
 from scheduler.sharing import SlotSharing
 from scheduler.stream import ClusterStream
 from scheduler.waiting import TenantRow, WaitingQueue
@@ -73,7 +73,7 @@ class SchedulerConfig:
     restart: how a dead runner is replaced through the factory; None leaves dead runners
     dead. fair_share: requests waiting here are served across tenants by their virtual token
     counters, and a tenant below its share of the batch slots takes one from the tenant
-    furthest above its share (scheduler/fairness.py); False: first come, first served."""
+    furthest above its share (scheduler/policy/fairness.py); False: first come, first served."""
 
     idle_after: float = 60.0
     distkv: bool = True
@@ -226,7 +226,7 @@ class Scheduler:
 
     def admits(self, tenant: str, max_queue: int) -> bool:
         """Whether a request of `tenant` may wait here: the queue (max_queue) is shared
-        fairly (scheduler/fairness.py FairQueue.admits)."""
+        fairly (scheduler/policy/fairness.py FairQueue.admits)."""
         return self._queue.admits(tenant, max_queue)
 
     def tenant_rows(self) -> list[TenantRow]:

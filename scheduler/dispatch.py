@@ -1,4 +1,4 @@
-"""Between the waiting queue and the runners: where a request goes (placement.py over the
+"""Between the waiting queue and the runners: where a request goes (policy/placement.py over the
 runners' snapshots), opening it there, and placing what waits whenever room may have
 appeared (`kick`).
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from punica_x.api import RunnerLost
 from scheduler.fleet import Fleet, RunnerSlot
-from scheduler.placement import ACTIVE, RunnerSnapshot, fits_alone, place, place_distributed
+from scheduler.policy.placement import ACTIVE, RunnerSnapshot, fits_alone, place, place_distributed
 from scheduler.prefix_index import PrefixTracker
 from scheduler.stream import ClusterStream
 from scheduler.waiting import WaitingQueue

@@ -23,10 +23,10 @@ from typing import Protocol
 
 from punica_x.api import EngineStats, RequestLimits, UnknownAdapterError, in_side_thread, thaw
 from scheduler.errors import ClusterError
-from scheduler.interface import RunnerHandle
-from scheduler.placement import ACTIVE, RunnerSnapshot, blocks_for
+from scheduler.policy.placement import ACTIVE, RunnerSnapshot, blocks_for
 from scheduler.prefix_index import PrefixIndex
 from scheduler.rows import RunnerRow, runner_row
+from scheduler.runners.interface import RunnerHandle
 from scheduler.stream import ClusterStream
 
 log = logging.getLogger(__name__)

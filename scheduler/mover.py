@@ -4,7 +4,7 @@ runner, off a dead one, and for fair share.
 A move takes the request on its runner (its outputs so far stay ahead of the move in its
 stream), then places it elsewhere or queues it. The target either recomputes (prefills
 prompt + generated tokens, see punica_x.core.Resume) or imports the KV copied along
-(migration.py's cost model picks). Either way the client's stream continues with no token
+(policy/migration.py's cost model picks). Either way the client's stream continues with no token
 missing or repeated, and greedy and seeded output equal a run that never moved.
 
 A request whose runner died continues from what the client was sent. Poison requests: one
@@ -20,8 +20,8 @@ import logging
 from punica_x.api import RunnerLost
 from scheduler.dispatch import Dispatcher
 from scheduler.fleet import Fleet, RunnerSlot
-from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
-from scheduler.placement import ACTIVE, fits_alone, place
+from scheduler.policy.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
+from scheduler.policy.placement import ACTIVE, fits_alone, place
 from scheduler.stream import ClusterStream
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Mover:
         """Move a request off its runner: take it there, then place it elsewhere (target, if
         it still has room) or queue it (requeue: always queue it, first of its tenant).
         mode: RECOMPUTE or COPY (its KV goes along); None lets the cost model choose
-        (scheduler/migration.py). False if it finished or left first."""
+        (scheduler/policy/migration.py). False if it finished or left first."""
         source = stream.slot
         if source is None or stream.closed or stream.moving or stream.inner is None:
             return False

@@ -1,4 +1,4 @@
-"""Fair share of the batch slots (scheduler/fairness.py's `rebalance`, VTC): while requests
+"""Fair share of the batch slots (scheduler/policy/fairness.py's `rebalance`, VTC): while requests
 wait and no runner has room, a tenant below its share of the slots takes one from the
 tenant furthest above its share. That tenant's newest request that frees room enough goes
 back to the queue (a move: its KV copied or recomputed, mover.py) and the waiting request
@@ -11,7 +11,7 @@ import asyncio
 from scheduler.dispatch import Dispatcher
 from scheduler.fleet import RunnerSlot
 from scheduler.mover import Mover
-from scheduler.placement import ACTIVE, room_without
+from scheduler.policy.placement import ACTIVE, room_without
 from scheduler.stream import ClusterStream
 
 

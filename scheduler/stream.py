@@ -22,7 +22,7 @@ from punica_x.api import (
     SamplingParams,
     StreamMoved,
 )
-from scheduler.placement import Demand
+from scheduler.policy.placement import Demand
 
 
 class StreamOwner(Protocol):

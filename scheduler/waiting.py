@@ -1,5 +1,5 @@
 """The requests waiting at the scheduler for a runner with room: ordered across tenants by
-their virtual token counters (scheduler/fairness.py), first come first served within one.
+their virtual token counters (scheduler/policy/fairness.py), first come first served within one.
 With fair share off, every request counts as one tenant's: plain FCFS."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler.fairness import FairQueue, Rebalance
+from scheduler.policy.fairness import FairQueue, Rebalance
 
 
 class Waiter(Protocol):

@@ -1,5 +1,5 @@
 """Admin routes (admin token): tenants, and the runners with the scaling advice
-(scheduler/placement.py is the policy behind it).
+(scheduler/policy/placement.py is the policy behind it).
 
     GET    /admin/tenants                 -> every tenant
     POST   /admin/tenants {"name", ...}   -> 201, the tenant and its API key (shown once)

@@ -1,5 +1,5 @@
 """A request's refusals that depend only on the model and the KV pool (shared by runners and
-the control plane in front: scheduler/interface.py RequestLimits)."""
+the control plane in front: scheduler/runners/interface.py RequestLimits)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def test_the_simulation_runs_the_live_placement(monkeypatch):
         return {j.runner for j in jobs}
 
     packed = runners_used(small_run("fcfs", runners=3, rate=5.0)[1])
-    from scheduler import placement
+    from scheduler.policy import placement
 
     def emptiest(runners, demand, exclude=frozenset()):
         fits = [r for r in runners if placement.has_room(r, demand)]

@@ -9,7 +9,7 @@ from helpers import tiny_llm
 from punica_x import SamplingParams
 from punica_x.engine.report import EngineInfo, EngineStats
 from punica_x.errors import ContextTooLong
-from scheduler.interface import RunnerInfo, describe_runner
+from scheduler.runners.interface import RunnerInfo, describe_runner
 
 
 def test_describe_stats_and_limits_of_a_tiny_engine(tiny_model_dir):

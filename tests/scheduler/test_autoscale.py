@@ -15,7 +15,7 @@ from punica_x.models.loader import load_model
 from punica_x.request import EngineRequest
 from scheduler.autoscale import AutoscaleConfig, Autoscaler
 from scheduler.cluster import Scheduler
-from scheduler.local import LocalRunner
+from scheduler.runners.local import LocalRunner
 
 SP = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)  # the tiny model holds 512
@@ -143,7 +143,7 @@ class StubScheduler:
         pass
 
     def advice(self):
-        from scheduler.placement import Advice
+        from scheduler.policy.placement import Advice
 
         return self.script.pop(0) if self.script else Advice("none")
 
@@ -154,7 +154,7 @@ class StubScheduler:
 
 
 def test_consolidation_drains_repeat_within_a_tick_and_idle_drains_do_not():
-    from scheduler.placement import Advice
+    from scheduler.policy.placement import Advice
 
     fits = [Advice("scale_down", f"r{i}", "fits", consolidate=True) for i in (5, 4, 3)]
     s = StubScheduler(6, [*fits, Advice("none")])

@@ -16,7 +16,7 @@ from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
 from punica_x.request import EngineRequest
 from scheduler.cluster import ClusterError, NoRunner, Scheduler, SchedulerConfig
-from scheduler.local import LocalRunner
+from scheduler.runners.local import LocalRunner
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=77, ignore_eos=True)

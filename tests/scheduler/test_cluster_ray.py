@@ -23,7 +23,7 @@ from punica_x.request import EngineRequest
 ray = pytest.importorskip("ray")
 
 from scheduler.cluster import Scheduler  # noqa: E402
-from scheduler.ray_runner import RayRunner  # noqa: E402
+from scheduler.runners.ray_runner import RayRunner  # noqa: E402
 
 SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
@@ -396,7 +396,7 @@ def test_a_poison_request_fails_alone_across_the_process_boundary(
     each request was in the failed step crosses the process boundary with its RunnerLost,
     so the poison request ends alone with the quarantine error after two failed steps (two
     replacement processes), and the others finish with the undisturbed tokens."""
-    import scheduler.ray_runner as ray_runner
+    import scheduler.runners.ray_runner as ray_runner
     from punica_x.models.loader import describe_model
     from scheduler.cluster import RestartPolicy
 

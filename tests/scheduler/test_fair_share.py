@@ -17,7 +17,7 @@ from punica_x.core import FinishReason
 from punica_x.models.loader import load_model
 from punica_x.request import EngineRequest
 from scheduler.cluster import Scheduler
-from scheduler.local import LocalRunner
+from scheduler.runners.local import LocalRunner
 
 FLOOD = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 LIGHT = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -24,7 +24,7 @@ from punica_x.lora.pool import UnknownAdapterError
 from punica_x.models.loader import load_model
 from punica_x.request import EngineRequest
 from scheduler.cluster import NoRunner, RestartPolicy, Scheduler
-from scheduler.local import LocalRunner
+from scheduler.runners.local import LocalRunner
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 TEXTS = [f"request number {i} says hello to the cluster" for i in range(6)]

@@ -206,7 +206,7 @@ def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
 
 def cluster(shared, sizes, distkv=True, policy="fcfs"):
     from scheduler.cluster import Scheduler
-    from scheduler.local import LocalRunner
+    from scheduler.runners.local import LocalRunner
 
     runners = []
     for i, n in enumerate(sizes):

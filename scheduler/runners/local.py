@@ -24,7 +24,7 @@ from punica_x.api import (
     Resume,
     SamplingParams,
 )
-from scheduler.interface import describe_runner
+from scheduler.runners.interface import describe_runner
 
 
 class LocalRunner:

@@ -1,6 +1,6 @@
 """The migration cost model: the shorter predicted pause wins; failures always recompute."""
 
-from scheduler.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
+from scheduler.policy.migration import COPY, DEFAULT_COSTS, RECOMPUTE, MigrationCosts, choose_mode
 
 KV_PER_TOKEN = 46080  # SmolLM2-135M, fp32
 

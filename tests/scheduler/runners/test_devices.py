@@ -1,11 +1,11 @@
-"""Thread runners' devices (scheduler/devices.py, serve --devices): parsing, round-robin
+"""Thread runners' devices (scheduler/runners/devices.py, serve --devices): parsing, round-robin
 assignment, and a server's runners built on them, sharing weights per device only."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.devices import device_of, parse_devices, visible_devices
+from scheduler.runners.devices import device_of, parse_devices, visible_devices
 
 
 def test_the_default_is_every_visible_gpu_else_the_cpu():

@@ -8,9 +8,9 @@ import typing
 
 import pytest
 
-from scheduler.interface import RunnerHandle
-from scheduler.local import LocalRunner
-from scheduler.ray_runner import RayRunner
+from scheduler.runners.interface import RunnerHandle
+from scheduler.runners.local import LocalRunner
+from scheduler.runners.ray_runner import RayRunner
 
 
 def members():

@@ -14,8 +14,8 @@ A runner whose engine step raised sends a "lost" event per open request, carryin
 the request was in that step (RunnerLost.in_failed_step: the scheduler's poison-request
 quarantine); a process that died cannot tell, so its streams end with in_failed_step False.
 
-The actor is scheduler/ray_actor.py, its events scheduler/ray_events.py. ray is imported on
-first use, so the thread backend never pays for it."""
+The actor is scheduler/runners/ray_actor.py, its events scheduler/runners/ray_events.py. ray
+is imported on first use, so the thread backend never pays for it."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from punica_x.api import (
     SamplingParams,
     UnknownAdapterError,
 )
-from scheduler.interface import RunnerInfo
-from scheduler.ray_actor import ADAPTER_FILES, RunnerActor
-from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
+from scheduler.runners.interface import RunnerInfo
+from scheduler.runners.ray_actor import ADAPTER_FILES, RunnerActor
+from scheduler.runners.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
 
 __all__ = ["RayRunner", "RunnerActor", "ensure_ray"]
 _init_lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""The fair-share policy (scheduler/fairness.py) on its own: VTC order across tenants, FCFS
+"""The fair-share policy (scheduler/policy/fairness.py) on its own: VTC order across tenants, FCFS
 within one, no banked credit, weights, the shared queue shared fairly, and which tenant
 gives a batch slot to which."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.fairness import QUEUE_OVERFLOW, FairQueue, Rebalance
+from scheduler.policy.fairness import QUEUE_OVERFLOW, FairQueue, Rebalance
 
 
 def drain(q: FairQueue, charge_each: int = 10) -> list:

@@ -1,6 +1,6 @@
 """The process side of a Ray runner: an Engine (on its AsyncEngine thread) inside an async
-Ray actor. The scheduler's side is scheduler/ray_runner.py (RayRunner); the events a poll
-returns are scheduler/ray_events.py; the DistKV and DGFM methods come from
+Ray actor. The scheduler's side is scheduler/runners/ray_runner.py (RayRunner); the events a poll
+returns are scheduler/runners/ray_events.py; the DistKV and DGFM methods come from
 scheduler/distkv/actor.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from punica_x.api import AdapterInfo, EngineConfig, EngineRequest, Resume, RunnerLost
 from scheduler.distkv.actor import KVActorMethods
-from scheduler.interface import RunnerInfo, describe_runner
-from scheduler.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
+from scheduler.runners.interface import RunnerInfo, describe_runner
+from scheduler.runners.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
 
 POLL_TIMEOUT = 1.0  # seconds an idle poll waits before returning (nothing) to the pump
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -3,7 +3,7 @@ busy runners, KV and batch room, scheduler queueing, advice and the drain choice
 
 from __future__ import annotations
 
-from scheduler.placement import (
+from scheduler.policy.placement import (
     Demand,
     RunnerSnapshot,
     advise,
