@@ -36,8 +36,8 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 def serve(args) -> int:
     import uvicorn
 
-    from frontend.app import create_app
-    from frontend.store import StoreError
+    from frontend.http.app import create_app
+    from frontend.tenancy.store import StoreError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def admin(args) -> int:
-    from frontend.auth import read_admin_token
+    from frontend.tenancy.auth import read_admin_token
 
     token = read_admin_token(Path(args.data_dir))
     if not token:

@@ -9,16 +9,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from frontend.auth import hash_key, new_api_key
-from frontend.cache_scope import cache_salt
 from frontend.config import ServerConfig
-from frontend.errors import ApiError, bad_request, not_found
-from frontend.limits import Admission
-from frontend.metrics import Metrics
+from frontend.http.errors import ApiError, bad_request, not_found
+from frontend.http.metrics import Metrics
+from frontend.http.protocol import TenantCreate, TenantUpdate
 from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBuilder
-from frontend.protocol import TenantCreate, TenantUpdate
-from frontend.store import AdapterRecord, Store, Tenant
-from frontend.tenant_adapters import TenantAdapters, adapter_key
+from frontend.tenancy.auth import hash_key, new_api_key
+from frontend.tenancy.cache_scope import cache_salt
+from frontend.tenancy.limits import Admission
+from frontend.tenancy.store import AdapterRecord, Store, Tenant
+from frontend.tenancy.tenant_adapters import TenantAdapters, adapter_key
 from punica_x.api import (
     ContextTooLong,
     EngineRequest,
@@ -195,7 +195,7 @@ class FrontendManager:
         """Start one generation (refusals raise ApiError here) and return its outputs, with
         metrics and token accounting. The caller has admitted the request; closing the
         iterator aborts the generation. salt: whose prefix-cached KV it may reuse
-        (frontend/cache_scope.py; None: the tenant's own)."""
+        (frontend/tenancy/cache_scope.py; None: the tenant's own)."""
         if salt is None:
             salt = cache_salt(caller.tenant, adapter, None)
         try:

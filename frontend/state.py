@@ -11,12 +11,12 @@ from dataclasses import replace
 
 from starlette.requests import HTTPConnection
 
-from frontend.auth import Authenticator, ensure_admin_token
 from frontend.config import ServerConfig
-from frontend.errors import ApiError
+from frontend.http.errors import ApiError
 from frontend.manager import Caller, FrontendManager
-from frontend.recovery import recover
-from frontend.store import Store
+from frontend.tenancy.auth import Authenticator, ensure_admin_token
+from frontend.tenancy.recovery import recover
+from frontend.tenancy.store import Store
 from punica_x.api import freeze_heap
 from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
 from scheduler.runners.devices import device_of

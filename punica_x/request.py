@@ -18,7 +18,7 @@ class EngineRequest:
     (None: the base model). request_id: unique among the runner's requests. cache_salt: with
     prefix caching on, the request reuses only KV cached by requests with the same salt (and
     model or adapter version); None or "" shares with others that give none (the server always
-    gives one: the tenant's, frontend/cache_scope.py). resume: where a request that ran
+    gives one: the tenant's, frontend/tenancy/cache_scope.py). resume: where a request that ran
     elsewhere stands (a move: Resume); None for a new request.
 
     The fields' types are checked here (InvalidRequest naming the field); what they may hold

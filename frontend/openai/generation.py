@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from frontend.config import Limits
-from frontend.errors import bad_request
+from frontend.http.errors import bad_request
 from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,7 +49,7 @@ class GenerationRequest:
     chat: bool = False
     echo: bool = False
     score_only: bool = False
-    cache_salt: str | None = None  # the body's (frontend/cache_scope.py adds the tenant's)
+    cache_salt: str | None = None  # the body's (frontend/tenancy/cache_scope.py adds the tenant's)
 
     @property
     def prompt_tokens(self) -> int:

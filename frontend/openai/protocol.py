@@ -58,7 +58,7 @@ class Strict(BaseModel):
 
 def refuse(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
     """A validation error about `param` (a rule across fields names the field it refuses);
-    frontend/request_body.py turns it into 400 `code`."""
+    frontend/http/request_body.py turns it into 400 `code`."""
     return PydanticCustomError(code, message, {"param": param})
 
 
@@ -100,7 +100,7 @@ class SamplingFields(Strict):
     (signed or unsigned). min_tokens: eos and stop_token_ids are not sampled, nor do stop
     strings end the output, before this many tokens. cache_salt (vLLM's): the request
     reuses only prefix-cached KV of its tenant's requests with the same salt
-    (frontend/cache_scope.py)."""
+    (frontend/tenancy/cache_scope.py)."""
 
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from frontend.http.request_body import read_json, validate
 from frontend.manager import Caller, FrontendManager
 from frontend.openai.generation import GenerationRequest
 from frontend.openai.logprobs_format import TokenText
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.openai.responses import ResponseBuilder, finish_reason
-from frontend.request_body import read_json, validate
 from punica_x.api import RequestOutput
 
 _DONE = object()

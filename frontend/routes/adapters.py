@@ -5,11 +5,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from frontend.protocol import NAME_PATTERN, AdapterUpload
-from frontend.request_body import validate
+from frontend.http.protocol import NAME_PATTERN, AdapterUpload
+from frontend.http.request_body import validate
 from frontend.routes.endpoint import Endpoint
 from frontend.state import ServerState
-from frontend.uploads import CONFIG, WEIGHTS, read_upload
+from frontend.tenancy.uploads import CONFIG, WEIGHTS, read_upload
 
 _BINARY = {"type": "string", "format": "binary"}
 UPLOAD_BODY = {

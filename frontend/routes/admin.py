@@ -17,12 +17,12 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from frontend.errors import ApiError, bad_request
-from frontend.protocol import RunnersAdd, TenantCreate, TenantUpdate
-from frontend.request_body import read_json, validate
+from frontend.http.errors import ApiError, bad_request
+from frontend.http.protocol import RunnersAdd, TenantCreate, TenantUpdate
+from frontend.http.request_body import read_json, validate
 from frontend.routes.endpoint import Endpoint
 from frontend.state import ServerState
-from frontend.store import Tenant
+from frontend.tenancy.store import Tenant
 from scheduler.cluster import ClusterError, Scheduler
 
 ADMIN_BODY_BYTES = 64 * 1024

@@ -1,12 +1,12 @@
-"""The websocket chat route (frontend/ws_chat.py speaks its protocol)."""
+"""The websocket chat route (frontend/http/ws_chat.py speaks its protocol)."""
 
 from __future__ import annotations
 
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from frontend.http.ws_chat import ws_chat
 from frontend.state import ServerState
-from frontend.ws_chat import ws_chat
 
 TRY_AGAIN_LATER = 1013
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from frontend.config import Limits
-from frontend.errors import ApiError
-from frontend.limits import Admission
-from frontend.store import Tenant
+from frontend.http.errors import ApiError
+from frontend.tenancy.limits import Admission
+from frontend.tenancy.store import Tenant
 
 
 def tenant(max_concurrent: int | None = None) -> Tenant:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter
 
-from frontend.errors import ApiError
+from frontend.http.errors import ApiError
+from frontend.http.request_body import MAX_DEPTH, depth, parse_json, validate
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, WsFrame
-from frontend.request_body import MAX_DEPTH, depth, parse_json, validate
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from frontend import durable, store
-from frontend.app import create_app
 from frontend.config import ServerConfig
-from frontend.durable import StorageFull
+from frontend.http.app import create_app
+from frontend.tenancy import durable, store
+from frontend.tenancy.durable import StorageFull
 from punica_x.config import EngineConfig, ModelConfig
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")

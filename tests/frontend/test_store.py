@@ -8,10 +8,10 @@ import sqlite3
 
 import pytest
 
-from frontend import durable
-from frontend.durable import StorageFull
-from frontend.recovery import recover
-from frontend.store import Store, StoreError
+from frontend.tenancy import durable
+from frontend.tenancy.durable import StorageFull
+from frontend.tenancy.recovery import recover
+from frontend.tenancy.store import Store, StoreError
 
 FILES = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"weights"}
 
@@ -207,7 +207,7 @@ def test_databases_from_before_stored_dtype_migrate(tmp_path):
 
 
 def test_admin_token_is_written_whole(tmp_path):
-    from frontend.auth import ensure_admin_token
+    from frontend.tenancy.auth import ensure_admin_token
 
     token, path, created = ensure_admin_token(tmp_path)
     assert created and path.read_text() == token + "\n"
@@ -220,7 +220,7 @@ def test_admin_token_is_written_whole(tmp_path):
 
 
 def test_an_existing_admin_token_with_a_loose_mode_is_reused_as_is(tmp_path):
-    from frontend.auth import ensure_admin_token
+    from frontend.tenancy.auth import ensure_admin_token
 
     path = tmp_path / "admin_token"
     path.write_text("pxa-operator-made\n")

@@ -14,7 +14,7 @@ import threading
 import pytest
 from helpers import tiny_llm
 
-from frontend.metrics import Metrics
+from frontend.http.metrics import Metrics
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason

@@ -18,7 +18,7 @@ class TenantCreate(Strict):
     """POST /admin/tenants. max_concurrent, tokens_per_minute: the tenant's own caps (None:
     the server's). weight: its share of the runners while tenants wait, relative to the
     others' (scheduler/policy/fairness.py; default 1). share_prefix_cache: its base-model requests
-    share prefix-cached KV with the other tenants that allow it (frontend/cache_scope.py;
+    share prefix-cached KV with the other tenants that allow it (frontend/tenancy/cache_scope.py;
     default false: a tenant only reuses what its own requests computed)."""
 
     name: Name
@@ -50,6 +50,6 @@ class RunnersAdd(Strict):
 
 class AdapterUpload(Strict):
     """The `name` field of POST /v1/adapters (multipart; the files are checked by
-    frontend/uploads.py)."""
+    frontend/tenancy/uploads.py)."""
 
     name: Name

@@ -11,8 +11,8 @@ import time
 from collections import defaultdict, deque
 
 from frontend.config import Limits
-from frontend.errors import ApiError
-from frontend.store import Tenant
+from frontend.http.errors import ApiError
+from frontend.tenancy.store import Tenant
 
 WINDOW = 60.0
 

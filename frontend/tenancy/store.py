@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from frontend import durable
-from frontend.durable import StorageFull
+from frontend.tenancy import durable
+from frontend.tenancy.durable import StorageFull
 
 log = logging.getLogger("punica_x.store")
 
@@ -72,7 +72,7 @@ class Tenant:
         1.0  # its share of the runners while tenants wait (scheduler/policy/fairness.py)
     )
     # its base-model requests share prefix-cached KV with other tenants that allow it
-    # (frontend/cache_scope.py); adapter requests never do
+    # (frontend/tenancy/cache_scope.py); adapter requests never do
     share_prefix_cache: bool = False
 
 

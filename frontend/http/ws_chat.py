@@ -18,11 +18,11 @@ import contextlib
 from pydantic import TypeAdapter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from frontend.auth import Authenticator
-from frontend.errors import ApiError
+from frontend.http.errors import ApiError
+from frontend.http.request_body import parse_json, validate
 from frontend.manager import Caller, FrontendManager
 from frontend.openai.protocol import WsCancelFrame, WsChatFrame, WsFrame
-from frontend.request_body import parse_json, validate
+from frontend.tenancy.auth import Authenticator
 
 POLICY_VIOLATION = 1008
 FRAMES = TypeAdapter(WsFrame)

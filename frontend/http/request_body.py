@@ -15,7 +15,7 @@ from typing import TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 
-from frontend.errors import ApiError, bad_request
+from frontend.http.errors import ApiError, bad_request
 
 MAX_DEPTH = 32  # arrays / objects nested in a body (a JSON schema in response_format included)
 # 400 codes of fields whose errors have a name of their own (else invalid_value)

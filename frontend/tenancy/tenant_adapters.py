@@ -13,10 +13,10 @@ import contextlib
 import logging
 from pathlib import Path
 
-from frontend.durable import StorageFull
-from frontend.errors import ApiError, bad_request, not_found
-from frontend.store import AdapterRecord, Store, Tenant
-from frontend.uploads import CONFIG, WEIGHTS
+from frontend.http.errors import ApiError, bad_request, not_found
+from frontend.tenancy.durable import StorageFull
+from frontend.tenancy.store import AdapterRecord, Store, Tenant
+from frontend.tenancy.uploads import CONFIG, WEIGHTS
 from punica_x.api import AdapterError, UnknownAdapterError, check_peft_header
 from scheduler.cluster import Scheduler
 

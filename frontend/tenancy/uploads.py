@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from frontend.config import Limits
-from frontend.errors import ApiError, bad_request
+from frontend.http.errors import ApiError, bad_request
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from starlette.requests import HTTPConnection
 
-from frontend import durable
-from frontend.errors import ApiError
-from frontend.store import Store, StoreError, Tenant
+from frontend.http.errors import ApiError
+from frontend.tenancy import durable
+from frontend.tenancy.store import Store, StoreError, Tenant
 
 KEY_PREFIX = "pxk-"
 ADMIN_TOKEN_FILE = "admin_token"

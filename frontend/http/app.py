@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 
 from frontend.config import ServerConfig
-from frontend.errors import ApiError
-from frontend.openapi import build_openapi
+from frontend.http.errors import ApiError
+from frontend.http.openapi import build_openapi
 from frontend.routes import adapters, admin, openai, system, ws
 from frontend.state import ServerState
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from frontend.store import Store
+from frontend.tenancy.store import Store
 
 log = logging.getLogger("punica_x.store")
 

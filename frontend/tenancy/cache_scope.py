@@ -12,7 +12,7 @@ requests of its scope that gave the same salt (e.g. one per end user of a tenant
 
 from __future__ import annotations
 
-from frontend.store import Tenant
+from frontend.tenancy.store import Tenant
 
 SHARED = "shared"
 
