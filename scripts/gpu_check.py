@@ -10,7 +10,9 @@ is written after every step.
 
 Steps: env (the GPU, torch, the carried packages), build (punica-x prepare: the host's CPU
 kernels and sgmv_cuda), gpu_tests (pytest -m gpu, junit XML), bench_generate (--device cuda,
-the Llama-3-8B shape, 32 and 128 requests, CUDA graphs on and off), serve (punica-x serve on
+the Llama-3-8B shape, 32 and 128 requests, CUDA graphs on and off), bench_sgmv (the SGMV
+kernels alone over the adapter-popularity workloads, the split-K shrink beside the write-once
+one), serve (punica-x serve on
 the GPU through HTTP: bench_serve_cuda.py).
 
 What it writes into --results (default: $OUT where the device tool sets it, else
@@ -169,6 +171,7 @@ def steps_for(args, work: Path) -> list[Step]:
         serve = [py, "benchmarks/bench_serve_cuda.py", "--device", "cpu", *model, *tok]
         serve += ["--adapters", "2", "--requests", "4", "--clients", "2", "--max-tokens", "4"]
         tests = [*pytest_argv, "tests/punica_x/test_engine_cuda.py"]
+        sgmv = [py, "benchmarks/bench_sgmv.py", "--device", "cpu", "--repeats", "1"]
     else:
         bench = [py, "benchmarks/bench_generate.py", "--device", "cuda", "--model", "llama-3-8b"]
         bench += ["--gpu-requests", args.gpu_requests, "--rounds", "2", "--decode-steps", "8"]
@@ -176,11 +179,14 @@ def steps_for(args, work: Path) -> list[Step]:
         serve = [py, "benchmarks/bench_serve_cuda.py", "--device", "cuda", "--model"]
         serve += ["llama-3-8b", *tok]
         tests = [*pytest_argv, *gpu_test_files()]
+        sgmv = [py, "benchmarks/bench_sgmv.py", "--device", "cuda", "--repeats", "20"]
+        sgmv += ["--batches", args.sgmv_batches]
     return [
         Step("env", [py, "-c", env_probe], 60),
         Step("build", [py, "-m", "punica_x.prepare", "--no-model"], 360),
         Step("gpu_tests", tests, args.tests_timeout_s),
         Step("bench_generate", bench, args.bench_timeout_s, results_env),
+        Step("bench_sgmv", sgmv, args.sgmv_timeout_s, results_env),
         Step("serve", serve, args.serve_timeout_s, results_env),
     ]
 
@@ -222,6 +228,9 @@ def figures_of(result: StepResult, work: Path) -> dict:
         found = sorted(results.glob("*/bench_generate_cuda_*.json"))
         data = read_json(found[-1]) if found else {}
         return {"summary": data.get("summary", {}), "rows": data.get("rows", [])}
+    if result.name == "bench_sgmv":
+        found = sorted(results.glob("*/bench_sgmv*.json"))
+        return {"rows": read_json(found[-1]).get("rows", [])} if found else {}
     if result.name == "serve":
         found = sorted(results.glob("*/bench_serve_cuda_*.json"))
         data = read_json(found[-1]) if found else {}
@@ -263,6 +272,8 @@ def markdown(report: dict) -> str:
             lines += [f"- failed: {n}" for n in figs.get("failed_names", [])]
         if s["name"] == "bench_generate" and figs.get("rows"):
             lines += ["", "## bench_generate", "", _table(figs["rows"])]
+        if s["name"] == "bench_sgmv" and figs.get("rows"):
+            lines += ["", "## bench_sgmv", "", _table(figs["rows"])]
         if s["name"] == "serve" and figs.get("summary"):
             lines += ["", "## serve", "", _table([_scalars(figs["summary"])])]
         if s["status"] != "ok":
@@ -313,6 +324,8 @@ def parse_args(argv=None):
     ap.add_argument("--tests-timeout-s", type=float, default=180.0)
     ap.add_argument("--test-timeout-s", type=float, default=90.0, help="one test (pytest-timeout)")
     ap.add_argument("--bench-timeout-s", type=float, default=240.0)
+    ap.add_argument("--sgmv-timeout-s", type=float, default=120.0)
+    ap.add_argument("--sgmv-batches", default="1,2,4,8,16,32,48,64,128,256,512")
     ap.add_argument("--serve-timeout-s", type=float, default=200.0)
     ap.add_argument("--only", default=None, help="comma-separated steps to run, in that order")
     args = ap.parse_args(argv)

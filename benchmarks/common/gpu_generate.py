@@ -131,8 +131,8 @@ def write_random_adapters(model_dir: Path, n: int, rank: int, root: Path) -> lis
 
 def main(args) -> None:
     """The whole GPU run: see the module's docstring. Each phase prints its figures as it
-    ends, and the JSON is written once ours are in and again at the end (a run stopped by
-    SIGTERM, e.g. timeout, still writes what it has)."""
+    ends; the JSON is written after each request count and again at the end, and a run
+    stopped by SIGTERM (e.g. timeout) writes the rows it has, partial ones too."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     print(describe_machine(), flush=True)
     counts = [int(c) for c in (args.gpu_requests or "32,128").split(",")]
@@ -151,9 +151,15 @@ def _run(args, counts: list[int], tmp: Path) -> None:
         llm.load_adapter(f"a{i}", str(p))
     _log(f"{len(paths)} adapters written, {len(paths) - 1} registered")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    rows = []
-    for n in counts:
-        rows += _rows_for(llm, n, sp, args)
+    rows: list[dict] = []
+    try:
+        for n in counts:
+            _rows_for(llm, n, sp, args, rows)
+            _save(args, rows, summary)
+    except SystemExit:  # SIGTERM (a timeout): the rows measured so far, partial ones too
+        if rows:
+            _save(args, rows, summary)
+        raise
     if engine.graphs is not None:
         summary["cuda_graphs"] = vars(engine.graphs.stats) | {"shapes": len(engine.graphs.graphs)}
     summary["new_adapter"] = _new_adapter_ttft(llm, paths[-1])
@@ -211,12 +217,19 @@ def _model_name(args) -> str:
     return args.model or ("smollm2-135m" if args.dry_run else "llama-3-8b")
 
 
-def _rows_for(llm: LLM, n: int, sp, args) -> list[dict]:
+def _rows_for(llm: LLM, n: int, sp, args, out: list[dict]) -> None:
+    """n requests' rows, appended to `out` as soon as their throughput is in (a run stopped
+    later keeps them) and filled in as the step times and the profile come."""
     prompts = make_prompts(llm.tokenizer, n)
     names = {"backbone": [None] * n, **workload_names(n)}
     warm_up(llm, prompts)
-    tps = {w: run_ours(llm, prompts, a, sp) for w, a in names.items()}
-    _log(f"{n} requests, tok/s: {tps}")
+    rows = []
+    for w, a in names.items():
+        tok_s = run_ours(llm, prompts, a, sp)
+        adapters = len({x for x in a if x is not None})
+        rows.append({"requests": n, "workload": w, "adapters": adapters, "tok_s": tok_s})
+    out += rows
+    _log(f"{n} requests, tok/s: { {r['workload']: r['tok_s'] for r in rows} }")
     graphs = llm.engine.graphs
     modes = ("graphs", "eager") if graphs is not None else ("eager",)
     steps: dict[tuple[str, str], list[float]] = {(m, w): [] for m in modes for w in names}
@@ -229,27 +242,18 @@ def _rows_for(llm: LLM, n: int, sp, args) -> list[dict]:
     if graphs is not None:
         graphs.enabled = True
     step = {k: statistics.median(s) for k, s in steps.items()}
-    rows = []
-    for w, a in names.items():
-        row = {
-            "requests": n,
-            "workload": w,
-            "adapters": len({x for x in a if x is not None}),
-            "tok_s": tps[w],
-            "step_ms": step[modes[0], w] * 1e3,
-            "lora_overhead": step[modes[0], w] / step[modes[0], "backbone"] - 1,
-        }
+    for row, w in zip(rows, names):
+        row["step_ms"] = step[modes[0], w] * 1e3
+        row["lora_overhead"] = step[modes[0], w] / step[modes[0], "backbone"] - 1
         if graphs is not None:  # the same steps with every launch from the host
             row["eager_ms"] = step["eager", w] * 1e3
             row["eager_overhead"] = step["eager", w] / step["eager", "backbone"] - 1
-        rows.append(row)
     for row, a in zip(rows, names.values()):
         kernel_ms = _kernel_ms(llm, prompts, a, sp)
         row["kernel_ms"] = kernel_ms
         if isinstance(kernel_ms, float):
             row["gpu_busy"] = kernel_ms / row["step_ms"]
         _log(json.dumps(row))
-    return rows
 
 
 def _kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:

@@ -39,9 +39,8 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
 // CUDA (x, y and weights of `dtype`, v float32). The segment arrays live on the device;
 // `max_rows` bounds the rows of any segment and `max_rank` bounds R_s (grid sizing).
 // Shrink writes v[t, 0:R_s] for the rows of every segment with an adapter; where
-// sgmv_shrink_accumulates says so (split-K with atomics: segments of several rows, or x not in
-// 16-byte units) it adds into v, which the caller must zero first. Expand reads only what
-// shrink wrote. Return false when `dtype` has no kernel.
+// sgmv_shrink_accumulates says so (split-K with atomics: x not in 16-byte units) it adds into v,
+// which the caller must zero first. Expand reads only what shrink wrote. Return false when `dtype` has no kernel.
 bool sgmv_shrink_accumulates(DType dtype, int max_rows, int h_in, const void* x,
                              int64_t x_stride);
 bool sgmv_shrink_cuda(DType dtype, float* v, int64_t v_stride, const void* x, int64_t x_stride,

@@ -1,11 +1,13 @@
 // CUDA SGMV, Punica sec. 4 schedule (SIMT, no tensor cores):
-//   shrink  grid (segment, split-K chunk, row tile): each warp owns rank rows of A^T and a tile
-//           of up to kRowTile rows of x, so every element of A it loads serves the whole tile;
-//           it reduces its partial dot products with warp shuffles and adds them into the
+//   shrink, x not in 16-byte units: grid (segment, split-K chunk, row tile): each warp owns
+//           rank rows of A^T and a tile of up to kRowTile rows of x, so every element of A it
+//           loads serves the whole tile; it reduces its partial dot products with warp shuffles and adds them into the
 //           float32 v with atomics, so a thin output (r columns) still spreads over many blocks.
-//   shrink, one-row segments: W warps per rank row of A (16-byte loads of A and x, a memory-
-//           bound matrix-vector product: the distinct-adapter decode case) meet in shared
-//           memory and write v, no atomics: v needs no zeroing first.
+//   shrink, x in 16-byte units (every call in practice): grid (segment, rank-row block, row
+//           tile of R <= 8 rows); W warps per rank row of A (16-byte loads of A and x; one load
+//           of A serves the tile's rows) meet in shared memory and write v, no atomics: v needs
+//           no zeroing. R = 1 is the distinct-adapter decode case, a memory-bound
+//           matrix-vector product; a hot adapter's many rows spread over row tiles.
 //   expand  grid (output column block, segment, slice x row tile): each thread owns an output
 //           column of a row tile and streams the r rows of B once for the tile; reads of B are
 //           coalesced across the warp.
@@ -108,58 +110,73 @@ __global__ void shrink_kernel(float* v, int64_t vs, const T* x, int64_t xs, int 
   }
 }
 
-// One-row segments (the distinct-adapter decode case, and every CUDA-graph decode step): a
-// block owns kThreads / kWarp / W rank rows of one segment, W warps per rank row, each warp
-// walking its W-th of h_in with 16-byte loads of A and x (unrolled: several loads in flight per
-// thread, the product being memory-bound). The W partial sums meet in shared memory and one
-// thread writes v[t, j]: no atomics, so v needs no zeroing first (sgmv_shrink_accumulates).
-// Requires h_in, x's row stride and x to be 16-byte multiples (checked by the launcher); a
-// segment whose A is not 16-byte aligned takes the scalar loop.
-template <typename T, int W>
-__global__ void shrink_one_row_kernel(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
-                                      SgmvSegments p) {
+// Segments in 16-byte units (every decode step, distinct adapters or not, and prefill): a block
+// owns kThreads / kWarp / W rank rows of one segment and a tile of up to R of its rows; W warps
+// share a rank row, each walking its W-th of h_in with 16-byte loads: one load of A serves the
+// tile's R rows of x (R = 1: the distinct-adapter matrix-vector product, memory-bound; a hot
+// adapter's many rows spread over row tiles instead of one block walking them). The W partial
+// sums of each (row, rank row) meet in shared memory and one thread writes v[t, j]: no atomics,
+// so v needs no zeroing first (sgmv_shrink_accumulates). Requires h_in, x's row stride and x
+// to be 16-byte multiples (checked by the launcher); a segment whose A is not 16-byte aligned
+// takes the scalar loop.
+template <typename T, int W, int R>
+__global__ void shrink_rows_kernel(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
+                                   SgmvSegments p) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kWarps = kThreads / kWarp, kRowsPerBlock = kWarps / W;
-  __shared__ float partial[kWarps];
+  constexpr int kWarps = kThreads / kWarp, kRanksPerBlock = kWarps / W;
+  __shared__ float partial[kWarps][R];
   const int s = blockIdx.x;
   const int64_t wp = p.w_ptr[s];
-  if (wp == 0 || p.seg[s + 1] == p.seg[s]) return;  // the whole block returns together
+  const int t0 = p.seg[s] + blockIdx.z * R;
+  const int rows = min(R, p.seg[s + 1] - t0);
+  if (wp == 0 || rows <= 0) return;  // the whole block returns together
   const int rank = rank_sum(p, s);
-  const int j0 = blockIdx.y * kRowsPerBlock;
+  const int j0 = blockIdx.y * kRanksPerBlock;
   if (j0 >= rank) return;
-  const int t = p.seg[s];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int j = j0 + warp / W;
-  float acc = 0.f;
+  float acc[R] = {};
   if (j < rank) {
     const T* arow = reinterpret_cast<const T*>(wp) + (int64_t(p.layer) * rank + j) * h_in;
-    const T* xr = x + int64_t(t) * xs;
+    const T* xt = x + int64_t(t0) * xs;
     const int step = W * kWarp * kVec;
     int k = ((warp % W) * kWarp + lane) * kVec;
     if (reinterpret_cast<uintptr_t>(arow) % 16 == 0) {
-#pragma unroll 4
+#pragma unroll(R == 1 ? 4 : 2)
       for (; k < h_in; k += step) {
         const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
-        const uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
         const T* ae = reinterpret_cast<const T*>(&av);
-        const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc += to_f32(xe[e]) * to_f32(ae[e]);
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) break;
+          const uint4 xv = *reinterpret_cast<const uint4*>(xt + r * xs + k);
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[r] += to_f32(xe[e]) * to_f32(ae[e]);
+        }
       }
     } else {
       for (; k < h_in; k += step)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc += to_f32(xr[k + e]) * to_f32(arow[k + e]);
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) break;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[r] += to_f32(xt[r * xs + k + e]) * to_f32(arow[k + e]);
+        }
     }
   }
-  acc = warp_sum(acc);
-  if (lane == 0) partial[warp] = acc;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float sum = warp_sum(acc[r]);  // every lane takes part: the shuffles stay converged
+    if (lane == 0) partial[warp][r] = sum;
+  }
   __syncthreads();
-  if (threadIdx.x < kRowsPerBlock && j0 + int(threadIdx.x) < rank) {
+  const int jj = threadIdx.x / R, r = threadIdx.x % R;
+  if (jj < kRanksPerBlock && j0 + jj < rank && r < rows) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) sum += partial[threadIdx.x * W + w];
-    v[int64_t(t) * vs + j0 + threadIdx.x] = sum;
+    for (int w = 0; w < W; ++w) sum += partial[jj * W + w][r];
+    v[int64_t(t0 + r) * vs + j0 + jj] = sum;
   }
 }
 
@@ -275,10 +292,11 @@ int split_k(int h_in, int blocks) {
   return want < 1 ? 1 : (want > most ? most : want);
 }
 
-bool one_row_shrink(int max_rows, int h_in, const void* x, int64_t xs, int elem_size) {
+// The write-once shrink (shrink_rows_kernel) needs x in 16-byte units: h_in, its row stride
+// and its address; otherwise the split-K kernel adds into a zeroed v.
+bool vector_shrink(int h_in, const void* x, int64_t xs, int elem_size) {
   const int vec = 16 / elem_size;
-  return max_rows == 1 && h_in % vec == 0 && xs % vec == 0 &&
-         reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  return h_in % vec == 0 && xs % vec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 int multiprocessors() {
@@ -288,31 +306,47 @@ int multiprocessors() {
   return sms;
 }
 
-// W warps per rank row: the fewest (1, 2, 4 or 8) that put 16 warps on each multiprocessor,
-// while each warp still has 16-byte loads to make (W * 32 * kVec <= h_in).
+template <typename T, int R>
+void launch_shrink_rows_w(int w, dim3 grid, cudaStream_t stream, float* v, int64_t vs, const T* x,
+                          int64_t xs, int h_in, const SgmvSegments& p) {
+  switch (w) {
+    case 1: shrink_rows_kernel<T, 1, R><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    case 2: shrink_rows_kernel<T, 2, R><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    case 4: shrink_rows_kernel<T, 4, R><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
+    default: shrink_rows_kernel<T, 8, R><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p);
+  }
+}
+
+// Row tile R: the fewest of 1, 2, 4, 8 that holds a segment's rows (8 for longer segments,
+// spread over several tiles). W warps per rank row: the fewest (1, 2, 4 or 8) that put 16
+// warps on each multiprocessor, while each warp still has 16-byte loads to make
+// (W * 32 * kVec <= h_in).
 template <typename T>
-void launch_shrink_one_row(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
-                           const SgmvSegments& p, int max_rank, cudaStream_t stream) {
+void launch_shrink_rows(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
+                        const SgmvSegments& p, int max_rows, int max_rank, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t rows = int64_t(p.num_segments) * max_rank;
+  int r = 1;
+  while (r < kRowTile && r < max_rows) r *= 2;
+  const int tiles = (max_rows + r - 1) / r;
+  const int64_t units = int64_t(p.num_segments) * tiles * max_rank;
   const int64_t want = int64_t(multiprocessors()) * 16;
   int w = 1;
-  while (w < 8 && rows * w < want && 2 * w * kWarp * kVec <= h_in) w *= 2;
+  while (w < 8 && units * w < want && 2 * w * kWarp * kVec <= h_in) w *= 2;
   const int per_block = kThreads / kWarp / w;
-  const dim3 grid(p.num_segments, (max_rank + per_block - 1) / per_block);
-  switch (w) {
-    case 1: shrink_one_row_kernel<T, 1><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
-    case 2: shrink_one_row_kernel<T, 2><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
-    case 4: shrink_one_row_kernel<T, 4><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p); break;
-    default: shrink_one_row_kernel<T, 8><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p);
+  const dim3 grid(p.num_segments, (max_rank + per_block - 1) / per_block, tiles);
+  switch (r) {
+    case 1: launch_shrink_rows_w<T, 1>(w, grid, stream, v, vs, x, xs, h_in, p); break;
+    case 2: launch_shrink_rows_w<T, 2>(w, grid, stream, v, vs, x, xs, h_in, p); break;
+    case 4: launch_shrink_rows_w<T, 4>(w, grid, stream, v, vs, x, xs, h_in, p); break;
+    default: launch_shrink_rows_w<T, kRowTile>(w, grid, stream, v, vs, x, xs, h_in, p);
   }
 }
 
 template <typename T>
 void launch_shrink(float* v, int64_t vs, const T* x, int64_t xs, int h_in, const SgmvSegments& p,
                    int max_rows, int max_rank, cudaStream_t stream) {
-  if (one_row_shrink(max_rows, h_in, x, xs, sizeof(T))) {
-    launch_shrink_one_row(v, vs, x, xs, h_in, p, max_rank, stream);
+  if (vector_shrink(h_in, x, xs, sizeof(T))) {
+    launch_shrink_rows(v, vs, x, xs, h_in, p, max_rows, max_rank, stream);
     return;
   }
   const int tiles = row_tiles(max_rows);
@@ -351,7 +385,7 @@ void launch_expand(T* y, int64_t ys, const float* v, int64_t vs, const int32_t* 
 bool sgmv_shrink_accumulates(DType dtype, int max_rows, int h_in, const void* x,
                              int64_t x_stride) {
   const int elem = dtype == DType::kFloat32 ? 4 : 2;
-  return !one_row_shrink(max_rows, h_in, x, x_stride, elem);
+  return !vector_shrink(h_in, x, x_stride, elem);
 }
 
 bool sgmv_shrink_cuda(DType dtype, float* v, int64_t v_stride, const void* x, int64_t x_stride,

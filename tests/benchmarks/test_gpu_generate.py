@@ -105,3 +105,32 @@ def test_gpu_flags_are_refused_without_cuda_and_request_counts_must_be_positive(
     # a CPU run of a random model's shape takes its tokenizer folder
     ok = check_gpu_args(ap, ap.parse_args(["--model", "smollm2-135m", "--tokenizer", "t"]))
     assert ok.tokenizer == "t"
+
+
+def test_a_run_stopped_midway_keeps_the_rows_it_measured(monkeypatch, tmp_path):
+    """A timeout's SIGTERM (SystemExit 124) in the second request count: the first count's
+    rows and the second's throughput-only rows are written before the exit goes on."""
+    from types import SimpleNamespace
+
+    import pytest
+    from common import gpu_generate as gg
+
+    engine = SimpleNamespace(loaded=SimpleNamespace(model_dir=tmp_path), graphs=None)
+    llm = SimpleNamespace(engine=engine, load_adapter=lambda *a: None)
+    monkeypatch.setattr(gg, "_load", lambda args, counts: (llm, {"model": "m"}))
+    monkeypatch.setattr(gg, "write_random_adapters", lambda *a: [tmp_path / "a0", tmp_path / "a1"])
+
+    def rows_for(llm, n, sp, args, out):
+        out.append({"requests": n, "workload": "backbone", "tok_s": 1.0})
+        if n == 128:
+            raise SystemExit(124)
+        out[-1]["step_ms"] = 2.0
+
+    saved = []
+    monkeypatch.setattr(gg, "_rows_for", rows_for)
+    monkeypatch.setattr(gg, "_save", lambda args, rows, summary: saved.append(list(rows)))
+    args = SimpleNamespace(rank=4, max_tokens=4, hf_workloads="none")
+    with pytest.raises(SystemExit):
+        gg._run(args, [32, 128], tmp_path)
+    assert saved[0] == [{"requests": 32, "workload": "backbone", "tok_s": 1.0, "step_ms": 2.0}]
+    assert [r["requests"] for r in saved[-1]] == [32, 128]

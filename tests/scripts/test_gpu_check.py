@@ -43,7 +43,7 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     assert "where the minutes went" in proc.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["env", "build", "gpu_tests", "bench_generate", "serve"]
+    assert list(steps) == ["env", "build", "gpu_tests", "bench_generate", "bench_sgmv", "serve"]
     assert all(s["status"] == "ok" and s["seconds"] > 0 for s in steps.values())
     assert steps["env"]["figures"]["gpu"] is None  # no CUDA here
     tests = steps["gpu_tests"]["figures"]
@@ -51,6 +51,9 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     rows = steps["bench_generate"]["figures"]["rows"]
     assert {r["workload"] for r in rows} >= {"backbone", "distinct"}
     assert all(r["tok_s"] > 0 for r in rows)
+    sgmv = steps["bench_sgmv"]["figures"]["rows"]
+    assert {r["workload"] for r in sgmv} >= {"distinct", "identical"}
+    assert all(r["sgmv_ms"] > 0 for r in sgmv)
     serve = steps["serve"]["figures"]["summary"]
     assert serve["distinct_tok_s"] > 0 and serve["new_first_token_s"] > 0
     md = (out / "gpu_check.md").read_text()

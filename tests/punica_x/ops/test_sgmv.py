@@ -423,16 +423,17 @@ def test_sgmv_cuda_matches_reference(popularity, batch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h_in", [4096, 14336, 136])
 @pytest.mark.parametrize("layout", ["aligned", "x-unaligned", "a-unaligned"])
-def test_sgmv_cuda_one_row_segments_write_every_value_expand_reads(dtype, h_in, layout):
-    """The distinct-adapter decode case: one row per segment, base rows between them, rank
-    sums of 48 over three slices and 8 over one. The workspace starts as NaN, as add_lora
-    leaves it unzeroed when the one-row shrink writes (not adds) every value expand reads: a
-    value it missed would show. x out of 16-byte units takes the split-K kernel (zeroed v);
-    an adapter's A out of them takes the one-row kernel's scalar loop."""
+@pytest.mark.parametrize("lens", [[1] * 7, [1, 3, 9, 2, 17, 1, 8]], ids=["one-row", "multi-row"])
+def test_sgmv_cuda_shrink_writes_every_value_expand_reads(dtype, h_in, layout, lens):
+    """Segments of one row (the distinct-adapter decode case) and of several (a hot adapter's
+    rows over several row tiles, partial tiles), base rows between them, rank sums of 48 over
+    three slices and 8 over one. The workspace starts as NaN, as add_lora leaves it unzeroed
+    when the shrink writes (not adds) every value expand reads: a value it missed would show.
+    x out of 16-byte units takes the split-K kernel (zeroed v); an adapter's A out of them
+    takes the write-once kernel's scalar loop."""
     gen, seed = fresh_generator()
     dev = torch.device("cuda")
     h_out = [256, 64, 64]
-    lens = [1, 1, 1, 1, 1, 1, 1]
     ranks = [[16, 16, 16], None, [8, 0, 0], [16, 16, 16], None, [16, 16, 16], [4, 2, 2]]
     w_cpu = make_weights(gen, lens, ranks, h_in, h_out, layers=2)
     a = [None if t is None else t.to(dev, dtype) for t in w_cpu.a]
