@@ -54,7 +54,7 @@ def engines(loaded, model: str, sizes: list[int], overlap: bool = True) -> list[
         e = Engine(config, loaded)
         rid = f"runner-{i}"
         borrower = net.add_runner(rid)
-        net.attach(rid, e.enable_distkv(rid, borrower, default_caps(n), overlap, net.pool))
+        net.attach(rid, e.distkv.enable(rid, borrower, default_caps(n), overlap, net.pool))
         out.append(e)
     return out
 
@@ -62,7 +62,7 @@ def engines(loaded, model: str, sizes: list[int], overlap: bool = True) -> list[
 def longest(loaded, model: str, blocks: int, n: int) -> dict:
     """Run the longest prompt n runners of `blocks` blocks admit; return what was served."""
     debtor = engines(loaded, model, [blocks] * n)[0]
-    capacity = debtor.capacity_blocks() * BLOCK  # tokens one request can hold
+    capacity = debtor.distkv.capacity_blocks() * BLOCK  # tokens one request can hold
     prompt = [(7 * i) % 20000 + 100 for i in range(capacity - 2)]
     debtor.check_prompt(prompt)
     t0 = time.perf_counter()

@@ -226,9 +226,10 @@ class SimRunner:
 
     def step(self) -> None:
         swapped = self._swapped_blocks()
-        scheduled, overflow = self.batcher.schedule()
+        schedule = self.batcher.schedule()
+        scheduled = schedule.rows
         swapped = self._swapped_blocks() - swapped
-        for r in overflow:
+        for r in schedule.overflow:
             self._finish(self.jobs[r.request_id])
         self.last_batch = len(scheduled)
         if not scheduled:

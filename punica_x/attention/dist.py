@@ -268,7 +268,7 @@ class DistPlan:
     def attend(self, q, kv, layer: int, scale: float, window: int = 0, softcap: float = 0.0):
         """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32), merged over every
         runner holding a part of each request's keys. A sliding window or soft-capping is
-        not supported here (Engine.enable_distkv refuses such models)."""
+        not supported here (DistKVPart.enable refuses such models)."""
         if window or softcap:
             raise NotImplementedError("DistAttention with a sliding window or soft-capping")
         k, v = self._k, self._v

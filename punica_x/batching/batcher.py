@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from punica_x.batching.planner import ScheduledRequest
+from punica_x.batching.schedule import Schedule, ScheduledRequest
 from punica_x.config import BatchConfig
 from punica_x.kv.blocks import KVCache, blocks_needed
 from punica_x.kv.borrowing import Borrow, KVBorrowing
@@ -32,11 +32,11 @@ class Batcher:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_pauses = 0  # running requests left out for higher-priority ones (MLFQ only)
-        self.preempted: list[Request] = []  # since the engine last looked (Engine.step)
+        self._preempted: list[Request] = []  # since the last schedule (Schedule.preempted)
         # DistKV: a request that cannot fit in this runner's whole cache borrows blocks on
         # peers (punica_x/kv/borrowing.py); None: such a request ends with LENGTH
         self.borrowing: KVBorrowing | None = None
-        self.starved: list[Request] = []  # gave up borrowing (GIVE_UP): the engine ends them
+        self._starved: list[Request] = []  # gave up borrowing (GIVE_UP): Schedule.starved
         # automatic prefix caching (punica_x/kv/prefix.py); None: off
         self.prefix: PrefixCache | None = None
 
@@ -69,8 +69,8 @@ class Batcher:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
-        """Returns (scheduled requests, requests that cannot fit even alone in the KV cache)."""
+    def schedule(self) -> Schedule:
+        """This step's rows: running requests first (FCFS), then waiting ones that fit."""
         scheduled: list[ScheduledRequest] = []
         overflow: list[Request] = []
         now = time.monotonic()
@@ -78,7 +78,13 @@ class Batcher:
             self.prefix.pending.clear()
         budget = self._schedule_running(self.config.max_batched_tokens, now, scheduled, overflow)
         self._schedule_waiting(budget, now, scheduled)
-        return scheduled, overflow
+        return self._schedule(scheduled, overflow)
+
+    def _schedule(self, rows: list[ScheduledRequest], overflow: list[Request]) -> Schedule:
+        """The step's Schedule, with the starved and preempted requests since the last one."""
+        starved, self._starved = self._starved, []
+        preempted, self._preempted = self._preempted, []
+        return Schedule(rows, overflow, starved, preempted)
 
     def _schedule_running(
         self,
@@ -166,7 +172,7 @@ class Batcher:
             return Borrow.GOT
         got = self._borrow(r, need)
         if got is Borrow.GIVE_UP:  # the engine ends it (and frees what it holds)
-            self.starved.append(r)
+            self._starved.append(r)
         elif got is Borrow.YIELD:  # it waits without blocks; later ones may use them
             self.cache.release(r.block_ids)
             self._give_back(r)
@@ -200,7 +206,7 @@ class Batcher:
                     self._preempt(r)
                 elif got is Borrow.GIVE_UP:
                     self.running.remove(r)
-                    self.starved.append(r)
+                    self._starved.append(r)
                 elif got is Borrow.NO:  # the whole cluster cannot hold it
                     self.running.remove(r)
                     overflow.append(r)
@@ -229,4 +235,4 @@ class Batcher:
         r.status = RequestStatus.WAITING
         self.waiting.appendleft(r)
         self.num_preemptions += 1
-        self.preempted.append(r)
+        self._preempted.append(r)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from punica_x.batching import mlfq
 from punica_x.batching.batcher import Batcher
-from punica_x.batching.planner import ScheduledRequest
+from punica_x.batching.schedule import Schedule, ScheduledRequest
 from punica_x.batching.step_time import StepTimeModel
 from punica_x.config import BatchConfig
 from punica_x.kv.blocks import KVCache, blocks_needed
@@ -85,7 +85,8 @@ class MLFQBatcher(Batcher):
         self.priority.pop(request.request_id, None)
 
     # -- the step ---------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
+    def schedule(self) -> Schedule:
+        """This step's rows: the most urgent first (skip-join MLFQ order), as many as fit."""
         levels, now = self.levels(), self.clock()
         for p in self.priority.values():
             mlfq.promote_if_starved(p, levels, now)
@@ -106,7 +107,7 @@ class MLFQBatcher(Batcher):
             r.status = RequestStatus.WAITING
         self.waiting = deque(left)
         self._prefetch(left)
-        return scheduled, overflow
+        return self._schedule(scheduled, overflow)
 
     def _choose(
         self, order: list[Request], strict: bool
@@ -188,7 +189,7 @@ class MLFQBatcher(Batcher):
         r.num_preemptions += 1
         self.num_preemptions += 1
         self.swap.stats.recomputes += 1
-        self.preempted.append(r)
+        self._preempted.append(r)
 
     def _holders(self, requests: list[Request]) -> bool:
         return any(r.block_ids for r in requests)

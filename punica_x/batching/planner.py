@@ -5,30 +5,14 @@ adapter forms one SGMV segment whatever mix of prefill chunks and decodes it has
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from punica_x.attention.dist import DistContext, DistSeq, plan_dist
 from punica_x.attention.paged import SeqSpan
 from punica_x.batching.lora_plan import LoraPlanner
+from punica_x.batching.schedule import ScheduledRequest
 from punica_x.lora.adapter import GROUPS, LoraTarget
 from punica_x.runtime import Batch, LoraBatchMeta, Request
-
-
-class ScheduledRequest(NamedTuple):
-    """One request's part of a step: num_new_tokens tokens from its num_computed_tokens on
-    (a NamedTuple: millions are made a simulated hour, and a frozen dataclass's init is 3x
-    slower)."""
-
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token (so it samples)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 def _adapter_key(s: ScheduledRequest) -> int:

@@ -1,11 +1,13 @@
 """A request's refusals that depend only on the model and the KV pool (shared by runners and
-the control plane in front: scheduler/runners/interface.py RequestLimits)."""
+the control plane in front: scheduler/runners/interface.py RequestLimits), and the errors of a
+running request that outgrew them."""
 
 from __future__ import annotations
 
 from punica_x.core import SamplingParams
 from punica_x.errors import ContextTooLong, InvalidRequest
 from punica_x.kv.blocks import blocks_needed
+from punica_x.runtime import Request
 
 
 def check_request(
@@ -50,3 +52,24 @@ def check_request(
             compile_json_schema(sampling.json_schema)  # cached: the matcher reuses it
         except ValueError as exc:
             raise InvalidRequest(str(exc), "response_format") from None
+
+
+def too_big_error(r: Request, capacity_tokens: int, peers_lend: bool) -> str:
+    """The error of a request that outgrew the whole KV cache (running alone, nothing left to
+    preempt) or, under DistKV (peers_lend), all the blocks the cluster can give one request:
+    it ends with LENGTH where it stands."""
+    where = "cluster's KV caches hold" if peers_lend else "whole cache holds"
+    return (
+        f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
+        f"{where} {capacity_tokens} tokens, so it cannot fit even alone; it ends here "
+        f"after {len(r.output_token_ids)} generated tokens"
+    )
+
+
+def starved_error(r: Request, give_up_s: float) -> str:
+    """The error of a request whose peers lent it no KV block for KVBorrowing.give_up_s."""
+    return (
+        f"no peer runner lent the KV blocks this request needs ({r.num_tokens} tokens) for "
+        f"{give_up_s:g} s: the cluster's free blocks are held by other requests; it ends "
+        f"here after {len(r.output_token_ids)} generated tokens"
+    )

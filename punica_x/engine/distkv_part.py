@@ -1,5 +1,6 @@
 """An engine's part in DistKV (Infinite-LLM): lending blocks to peers through its rManager,
-borrowing for requests too long for it, and DGFM's moves home; Engine inherits it."""
+borrowing for requests too long for it, and DGFM's moves home. The Engine holds one
+(`engine.distkv`), built over its cache, batcher, planner and request table."""
 
 from __future__ import annotations
 
@@ -11,14 +12,24 @@ from punica_x.kv import swap_home
 from punica_x.kv.borrowing import KVBorrowing
 from punica_x.kv.rmanager import KVBorrower, LendCaps, RManager
 from punica_x.kv.swap_home import Pick
+from punica_x.runtime import Request
 
 log = logging.getLogger("punica_x.engine.engine")
 
 
 class DistKVPart:
-    """Engine's DistKV methods (self is the Engine: cache, batcher, planner, requests)."""
+    """DistKV on one engine; off (nothing lent, nothing borrowed) until enable().
 
-    def enable_distkv(
+    rmanager: serves this runner's lent blocks to peers (None while off).
+    peer_losses: runners lost while holding blocks this runner's requests borrowed."""
+
+    def __init__(self, cache, batcher, planner, requests: dict[str, Request], swap, dims) -> None:
+        self.cache, self.batcher, self.planner = cache, batcher, planner
+        self.requests, self.swap, self.dims = requests, swap, dims
+        self.rmanager: RManager | None = None
+        self.peer_losses = 0
+
+    def enable(
         self,
         runner_id: str,
         borrower: KVBorrower,
@@ -35,7 +46,7 @@ class DistKVPart:
                 "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
                 "move borrowed blocks"
             )
-        d = self.model.dims
+        d = self.dims
         if any(d.layer_windows) or d.attn_softcap:
             raise ValueError(
                 f"DistKV does not serve {d.family} models: remote micro-attention has no "
@@ -56,12 +67,13 @@ class DistKVPart:
         extents rewritten (swap_home.bring_home). Call it while the engine is held."""
         swap_home.bring_home(self.cache, self.requests, runner_id, creditor, picks, data)
 
-    def _peers_lend(self) -> bool:
+    def peers_lend(self) -> bool:
+        """Whether peers could lend this runner's requests blocks now."""
         borrowing = self.batcher.borrowing
         return borrowing is not None and borrowing.capacity_blocks() > 0
 
     def stop_lending(self) -> None:
-        """Lend no more blocks to peers (a runner being drained); nothing without DistKV."""
+        """Lend no more blocks to peers (a runner being drained); nothing while off."""
         if self.rmanager is not None:
             self.rmanager.caps = dataclasses.replace(self.rmanager.caps, max_blocks=0)
 
@@ -72,7 +84,7 @@ class DistKVPart:
         extra = borrowing.capacity_blocks() if borrowing is not None else 0
         return self.cache.allocator.num_blocks + extra
 
-    def _lost_peer(self, owner: str) -> None:
+    def lost_peer(self, owner: str) -> None:
         """A runner holding borrowed blocks is gone: the requests with blocks there lose
         them and recompute from their tokens (borrowing again elsewhere); this step's other
         requests run again next step (what it wrote is rewritten identically)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from punica_x.batching.planner import BatchPlanner, ScheduledRequest
+from punica_x.batching.planner import BatchPlanner
+from punica_x.batching.schedule import Schedule, ScheduledRequest
 from punica_x.config import EngineConfig
 from punica_x.core import (
     FinishReason,
@@ -18,7 +19,7 @@ from punica_x.core import (
 from punica_x.dtypes import dtype_name
 from punica_x.engine import memory, report
 from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, dtype_reason
-from punica_x.engine.checks import check_request
+from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
@@ -27,7 +28,7 @@ from punica_x.engine.step_sampling import request_error, sample_step
 from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
 from punica_x.kv.prefix import cache_key
-from punica_x.kv.rmanager import PeerLost, RManager
+from punica_x.kv.rmanager import PeerLost
 from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
@@ -41,7 +42,7 @@ from punica_x.sampling.structured import Grammars
 log = logging.getLogger(__name__)
 
 
-class Engine(DistKVPart):
+class Engine:
     """One runner: a shared backbone, an adapter pool, a paged KV cache and a batcher.
 
     Not thread-safe: one thread calls add_request / abort / step (AsyncEngine wraps it)."""
@@ -100,11 +101,13 @@ class Engine(DistKVPart):
         self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.requests: dict[str, Request] = {}
-        self.rmanager: RManager | None = None  # DistKV (enable_distkv)
+        # DistKV (off until engine.distkv.enable(...)): lending, borrowing, moves home
+        self.distkv = DistKVPart(
+            self.cache, self.batcher, self.planner, self.requests, self.swap, d
+        )
         self.idle_step = False  # the last step ran nothing (requests wait for blocks)
         # the requests the current (or last) step runs: the ones to suspect when it raises
         self.scheduled_ids: tuple[str, ...] = ()
-        self.peer_losses = 0
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
 
     def describe(self) -> report.EngineInfo:
@@ -211,15 +214,13 @@ class Engine(DistKVPart):
         return self.grammars
 
     def check_prompt(self, ids: list[int], sampling: SamplingParams | None = None) -> None:
-        check_request(
-            ids,
-            sampling or SamplingParams(),
-            self.model.dims.vocab_size,
-            self.max_model_len,
-            self.cache.block_size,
-            self.capacity_blocks(),
-            "the cluster's KV caches (DistKV) hold" if self._peers_lend() else "the KV cache holds",
-        )
+        """The runner's refusals of a prompt now (engine/checks.py): InvalidRequest."""
+        lends = self.distkv.peers_lend()
+        holder = "the cluster's KV caches (DistKV) hold" if lends else "the KV cache holds"
+        blocks, vocab = self.distkv.capacity_blocks(), self.model.dims.vocab_size
+        sampling = sampling or SamplingParams()
+        args = (vocab, self.max_model_len, self.cache.block_size, blocks, holder)
+        check_request(ids, sampling, *args)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: it leaves the batch and frees its KV blocks now."""
@@ -243,42 +244,62 @@ class Engine(DistKVPart):
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, one model invocation, then per request its token, logprobs,
-        grammar, stop checks and text. A failure of the model invocation raises (the whole
-        step failed); a failure that belongs to one request (processing its logits, sampling
-        its token, its logprobs, its grammar, its text) ends that request alone with ERROR
-        and its error, and the others go on exactly as they would have without it."""
+        """One step: schedule -> end what cannot run -> plan and run the model -> sample ->
+        emit each request's token, logprobs, grammar, stop checks and text. A failure of the
+        model invocation raises (the whole step failed); a failure that belongs to one
+        request (processing its logits, sampling its token, its logprobs, its grammar, its
+        text) ends that request alone with ERROR and its error, and the others go on exactly
+        as they would have without it."""
         self.scheduled_ids = ()
         self.adapters.poll()
         outputs = self._fail_broken_adapters()
-        scheduled, overflow = self.batcher.schedule()
-        self.scheduled_ids = tuple(s.request.request_id for s in scheduled)
-        for r in overflow:
-            outputs.append(self._finish_and_emit(r, FinishReason.LENGTH, error=self._too_big(r)))
-        starved, self.batcher.starved = self.batcher.starved, []
-        for r in starved:
-            outputs.append(self._finish_and_emit(r, FinishReason.ERROR, error=self._starved(r)))
-        self._tell_preempted()
-        self.idle_step = not scheduled
-        if not scheduled:
+        schedule = self.batcher.schedule()
+        self.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
+        outputs += self._end_unschedulable(schedule)
+        self._tell_preempted(schedule.preempted)
+        self.idle_step = not schedule.rows
+        if not schedule.rows:
             self.planner.forget()  # the kept LoRA plan holds adapter tensors alive
             return outputs
         started = time.perf_counter()
+        ran = self._run(schedule.rows)
+        if ran is None:
+            return outputs
+        batch, ordered, logits = ran
+        sampling = [s.request for s in ordered if s.samples]
+        failed: dict[Request, str] = {}
+        tokens, logprobs = sample_step(self.sampler, logits, sampling, batch.prompt_targets, failed)
+        self.batcher.after_step(schedule.rows, time.perf_counter() - started)
+        return outputs + self._postprocess(ordered, tokens, logprobs, failed)
+
+    def _end_unschedulable(self, schedule: Schedule) -> list[RequestOutput]:
+        """End the requests the batcher cannot run, each error logged: too big for every
+        cache (LENGTH), or starved of peers' blocks (ERROR)."""
+        tokens = self.distkv.capacity_blocks() * self.cache.block_size
+        ending = [
+            (r, FinishReason.LENGTH, too_big_error(r, tokens, self.distkv.peers_lend()))
+            for r in schedule.overflow
+        ]
+        for r in schedule.starved:
+            give_up_s = self.batcher.borrowing.give_up_s
+            ending.append((r, FinishReason.ERROR, starved_error(r, give_up_s)))
+        for r, _, error in ending:
+            log.warning("request %s: %s", r.request_id, error)
+        return [self._finish_and_emit(r, reason, error) for r, reason, error in ending]
+
+    def _run(self, rows: list[ScheduledRequest]):
+        """Plan the batch and run the model (a CUDA graph where one fits): (batch, rows in
+        the planner's order, logits), or None when a peer holding this step's borrowed KV
+        was lost (its requests recompute; the others run again next step)."""
         try:
-            batch, ordered = self.planner.plan(scheduled)
+            batch, ordered = self.planner.plan(rows)
             logits = self.graphs.run(batch) if self.graphs is not None else None
             if logits is None:
                 logits = self.model(batch, self.cache.kv, self.sgmv)
         except PeerLost as exc:
-            self._lost_peer(exc.owner)
-            return outputs
-        sampling = [s.request for s in ordered if s.samples]
-        failed: dict[Request, str] = {}
-        tokens, new_logprobs = sample_step(
-            self.sampler, logits, sampling, batch.prompt_targets, failed
-        )
-        self.batcher.after_step(scheduled, time.perf_counter() - started)
-        return outputs + self._postprocess(ordered, tokens, new_logprobs, failed)
+            self.distkv.lost_peer(exc.owner)
+            return None
+        return batch, ordered, logits
 
     def _postprocess(
         self,
@@ -339,32 +360,7 @@ class Engine(DistKVPart):
             return self._finish(r, reason, new_ids=[token], new_text=new_text)
         return self.outputs.output(r, [token], new_text)
 
-    def _starved(self, r: Request) -> str:
-        """The error of a request whose peers lent it no KV block for KVBorrowing.give_up_s."""
-        error = (
-            f"no peer runner lent the KV blocks this request needs ({r.num_tokens} tokens) for "
-            f"{self.batcher.borrowing.give_up_s:g} s: the cluster's free blocks are held by other "
-            f"requests; it ends here after {len(r.output_token_ids)} generated tokens"
-        )
-        log.warning("request %s: %s", r.request_id, error)
-        return error
-
-    def _too_big(self, r: Request) -> str:
-        """The error of a request that outgrew the whole KV cache (running alone, nothing left
-        to preempt) or, under DistKV, all the blocks the cluster can give one request: it ends
-        with LENGTH where it stands."""
-        capacity = self.capacity_blocks() * self.cache.block_size
-        where = "cluster's KV caches hold" if self._peers_lend() else "whole cache holds"
-        error = (
-            f"the KV cache is full: the request needs room for {r.num_tokens} tokens and the "
-            f"{where} {capacity} tokens, so it cannot fit even alone; it ends here "
-            f"after {len(r.output_token_ids)} generated tokens"
-        )
-        log.warning("request %s: %s", r.request_id, error)
-        return error
-
-    def _tell_preempted(self) -> None:
-        preempted, self.batcher.preempted = self.batcher.preempted, []
+    def _tell_preempted(self, preempted: list[Request]) -> None:
         for r in preempted:
             if r.on_preempt is not None and not r.finished and r.status is RequestStatus.WAITING:
                 try:
@@ -400,6 +396,10 @@ class Engine(DistKVPart):
         r.status = RequestStatus.FINISHED
         if r.adapter is not None:
             self.adapters.release(r.adapter)
+
+    def stop_lending(self) -> None:
+        """Lend no more KV blocks to peers (a runner being drained); nothing without DistKV."""
+        self.distkv.stop_lending()
 
     def shutdown(self) -> None:
         self.adapters.shutdown()

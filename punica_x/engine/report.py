@@ -167,7 +167,7 @@ def describe(e) -> EngineInfo:
 
 def limits(e) -> RequestLimits:
     """The limits `e` checks prompts against now (DistKV: its peers' lendable blocks too)."""
-    blocks = e.capacity_blocks()
+    blocks = e.distkv.capacity_blocks()
     lends = blocks > e.cache.allocator.num_blocks
     return RequestLimits(
         e.model.dims.vocab_size,
@@ -221,7 +221,7 @@ def _prefix_counters(e) -> dict:
 
 
 def _distkv_gauges(e) -> dict[str, float]:
-    rm = e.rmanager
+    rm = e.distkv.rmanager
     if rm is None:
         return {}
     borrowed = sum(

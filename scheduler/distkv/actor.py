@@ -30,7 +30,7 @@ class KVActorMethods:
         plane = DataPlane(transport, authkey, self.info_.node)
         self.borrower = RayBorrower(self.runner_id, gmanager, peers, capacity, plane)
         self.kv_pool = ThreadPoolExecutor(4, thread_name_prefix="distkv")
-        self.rm = self.engine.enable_distkv(
+        self.rm = self.engine.distkv.enable(
             self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
         )
         self.borrower.local = self.rm
@@ -90,10 +90,10 @@ class KVActorMethods:
             release()
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-        return self.engine.remote_picks(creditor, blocks)
+        return self.engine.distkv.remote_picks(creditor, blocks)
 
     def dgfm_take(self, debtor: str, picks: list) -> list:
         return [kv.cpu() for kv in self.rm.take_home(debtor, picks)]  # to another process
 
     def dgfm_put(self, creditor: str, picks: list, data: list) -> None:
-        self.engine.bring_home(self.runner_id, creditor, picks, data)
+        self.engine.distkv.bring_home(self.runner_id, creditor, picks, data)

@@ -73,7 +73,7 @@ class ThreadKVGroup:
         net, rid = self.network, handle.runner_id
         caps = default_caps(handle.info.kv_blocks_total, self.lend_fraction)
         borrower = net.add_runner(rid)
-        rm = engine.enable_distkv(rid, borrower, caps, self.overlap, pool=net.pool)
+        rm = engine.distkv.enable(rid, borrower, caps, self.overlap, pool=net.pool)
         net.attach(rid, rm, getattr(handle, "node", ""))
 
     def leave(self, runner_id: str, dead: bool) -> None:

@@ -35,7 +35,7 @@ class KVNetwork:
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="distkv")
 
     def add_runner(self, runner_id: str) -> Borrower:
-        """The borrower a runner's engine is given (Engine.enable_distkv)."""
+        """The borrower a runner's engine is given (Engine.distkv.enable)."""
         return Borrower(self, runner_id)
 
     def attach(self, runner_id: str, rmanager: RManager, node: str = "") -> None:
@@ -112,14 +112,16 @@ class KVNetwork:
         try:
             with self._lock:
                 edges = swap.edges()
-                picks = trim_picks([engines[d].remote_picks(c, swap.blocks) for d, c in edges])
+                picks = trim_picks(
+                    [engines[d].distkv.remote_picks(c, swap.blocks) for d, c in edges]
+                )
                 if not picks:
                     return 0
                 data = [rms[c].take_home(d, p) for (d, c), p in zip(edges, picks)]
                 for (d, c), p in zip(edges, picks):
                     self.ledger.returned(d, c, sum(len(ids) for _, ids in p))
                 for (d, c), p, kv in zip(edges, picks, data):
-                    engines[d].bring_home(d, c, p, kv)
+                    engines[d].distkv.bring_home(d, c, p, kv)
                 return sum(len(ids) for _, ids in picks[0])
         finally:
             for rm in rms.values():

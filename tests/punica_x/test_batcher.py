@@ -23,11 +23,15 @@ def request(rid: str, prompt_len: int, max_tokens: int) -> Request:
     return Request(prompt_token_ids=list(range(1, prompt_len + 1)), sampling=sp, request_id=rid)
 
 
-def run_step(b: Batcher) -> list[str]:
+def run_step(b: Batcher, preempted: list | None = None) -> list[str]:
     """One engine step as the engine runs it: schedule, compute (KV written, a token
-    sampled once the prompt is done), finish at max_tokens; returns who ran."""
-    scheduled, overflow = b.schedule()
-    assert not overflow
+    sampled once the prompt is done), finish at max_tokens; returns who ran (and puts the
+    schedule's preempted requests in `preempted`)."""
+    schedule = b.schedule()
+    scheduled = schedule.rows
+    assert not schedule.overflow and not schedule.starved
+    if preempted is not None:
+        preempted += schedule.preempted
     for r in compute_scheduled(scheduled):
         if len(r.output_token_ids) >= r.sampling.max_tokens:
             r.status = RequestStatus.FINISHED
@@ -49,8 +53,8 @@ def test_the_newest_running_request_is_preempted_every_time():
         if not b.num_unfinished:
             break
         before = sorted((r for r in b.running), key=lambda r: arrival[r.request_id])
-        run_step(b)
-        preempted, b.preempted = b.preempted, []
+        preempted = []
+        run_step(b, preempted)
         if preempted:
             # the k newest of those running before the step, newest first
             assert preempted == before[::-1][: len(preempted)], (

@@ -47,11 +47,15 @@ def request(rid: str, prompt_len: int = 8) -> Request:
     return Request(prompt_token_ids=list(range(1, prompt_len + 1)), sampling=sp, request_id=rid)
 
 
-def step(b: MLFQBatcher, clock: Clock, seconds: float) -> list[str]:
+def step(b: MLFQBatcher, clock: Clock, seconds: float, preempted: list | None = None) -> list[str]:
     """One engine step as the engine runs it: schedule, compute (KV written, a token
-    sampled when the prompt is done), charge; returns who ran."""
-    scheduled, overflow = b.schedule()
-    assert not overflow
+    sampled when the prompt is done), charge; returns who ran (and puts the schedule's
+    preempted requests in `preempted`)."""
+    schedule = b.schedule()
+    scheduled = schedule.rows
+    assert not schedule.overflow
+    if preempted is not None:
+        preempted += schedule.preempted
     compute_scheduled(scheduled)
     clock.t += seconds
     b.after_step(scheduled, seconds)
@@ -160,10 +164,11 @@ def test_a_full_host_pool_falls_back_to_recompute():
     step(b, clock, 0.6)
     long = b.running[0]
     b.add(request("big", prompt_len=12))
-    assert step(b, clock, 0.1) == ["big"]
+    preempted = []
+    assert step(b, clock, 0.1, preempted) == ["big"]
     assert long.block_ids == [] and long.host_block_ids == []
     assert long.num_computed_tokens == 0 and long.num_preemptions == 1
-    assert b.preempted == [long]  # the engine tells on_preempt (the scheduler may move it)
+    assert preempted == [long]  # the engine tells on_preempt (the scheduler may move it)
     assert b.swap.stats.recomputes == 1 and b.swap.stats.swaps_out == 0
 
 

@@ -386,13 +386,13 @@ def test_distkv_between_device_runners_matches_one_big_cpu_engine(
     for rid, e in engines.items():
         borrower = net.add_runner(rid)
         caps = default_caps(e.cache.allocator.num_blocks)
-        net.attach(rid, e.enable_distkv(rid, borrower, caps, overlap, pool=net.pool))
+        net.attach(rid, e.distkv.enable(rid, borrower, caps, overlap, pool=net.pool))
     a, b, c = engines.values()
     try:
         got, most = run_engine(a, tiny_adapters["r16"])
     finally:
         net.shutdown()
     assert got == want and len(want["q0"]) == 40
-    assert most == 8 and b.rmanager.calls > 0 and c.rmanager.calls > 0
+    assert most == 8 and b.distkv.rmanager.calls > 0 and c.distkv.rmanager.calls > 0
     assert net.ledger.debts() == {}
     assert [e.cache.allocator.num_free for e in (a, b, c)] == [4, 6, 6]

@@ -165,7 +165,7 @@ def test_distkv_refuses_a_windowed_model(tmp_path):
     """Remote micro-attention has no window: DistKV is refused up front, not served wrong."""
     llm = tiny_llm(make_tiny_family(tmp_path / "m", "mistral", sliding_window=6))
     with pytest.raises(ValueError, match="DistKV does not serve mistral"):
-        llm.engine.enable_distkv("r0", None, None)
+        llm.engine.distkv.enable("r0", None, None)
 
 
 def test_an_adapter_made_for_another_family_is_refused_naming_the_mismatch(

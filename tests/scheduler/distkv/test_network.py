@@ -41,7 +41,7 @@ def network(engines: dict[str, Engine], overlap: bool = False) -> KVNetwork:
     for rid, e in engines.items():
         caps = default_caps(e.cache.allocator.num_blocks)
         borrower = net.add_runner(rid)
-        net.attach(rid, e.enable_distkv(rid, borrower, caps, overlap, pool=net.pool))
+        net.attach(rid, e.distkv.enable(rid, borrower, caps, overlap, pool=net.pool))
     return net
 
 
@@ -86,7 +86,7 @@ def test_a_request_longer_than_its_runner_borrows_and_matches_one_big_runner(
     assert out["q0"].token_ids == reference["q0"]
     assert out["q1"].token_ids == reference["q1"]  # a plain request in the same batches
     assert max(most) == 8  # 12 blocks: 4 local, 8 borrowed
-    assert b.rmanager.calls > 0 and c.rmanager.calls > 0
+    assert b.distkv.rmanager.calls > 0 and c.distkv.rmanager.calls > 0
     # everything went back: the ledger holds no debt, every cache is free again
     assert net.ledger.debts() == {}
     assert [e.cache.allocator.num_free for e in (a, b, c)] == [4, 6, 6]
@@ -106,7 +106,7 @@ def test_a_creditor_lost_mid_decode_recomputes_with_identical_output(shared, ref
 
     out = run(a, [PROMPT], on_step=kill)
     assert killed and out["q0"].token_ids == reference["q0"]
-    assert a.peer_losses == 1 and out["q0"].finish_reason is FinishReason.LENGTH
+    assert a.distkv.peer_losses == 1 and out["q0"].finish_reason is FinishReason.LENGTH
     survivor = c if killed[0] == "b" else b
     assert survivor.cache.allocator.num_free == 10 and net.ledger.debts() == {}
 
@@ -195,7 +195,7 @@ def test_admission_and_growth_stop_at_the_cluster_capacity(shared):
     with pytest.raises(ValueError, match="the KV cache holds 64"):
         alone.check_prompt(long)  # without DistKV: one runner's cache
     network({"a": a, "b": b})
-    assert a.capacity_blocks() == 4 + 5  # b lends 90% of its 6 blocks
+    assert a.distkv.capacity_blocks() == 4 + 5  # b lends 90% of its 6 blocks
     a.check_prompt(long[:143])
     with pytest.raises(ValueError, match=r"KV caches \(DistKV\) hold 144"):
         a.check_prompt(long)
@@ -263,7 +263,7 @@ def test_without_distkv_the_same_request_is_refused_naming_one_runner(shared, ki
         else:
             sched = cluster(shared, [6, 6, 6], distkv=False)
         try:
-            assert all(s.handle.engine.rmanager is None for s in sched.slots)
+            assert all(s.handle.engine.distkv.rmanager is None for s in sched.slots)
             with pytest.raises(ContextTooLong, match="the KV cache holds 96"):
                 await sched.open(EngineRequest(PROMPT, GREEDY, None, "long"))
         finally:
