@@ -66,6 +66,11 @@ def main() -> None:
         default=None,
         help="servers of a random model of this shape (common.shapes, e.g. llama-3-8b) in Q4_0",
     )
+    ap.add_argument(
+        "--servers",
+        default=None,
+        help="comma-separated server labels to run (default: all), e.g. 'punica-x Q4_1,llama.cpp Q4_1'",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)

@@ -85,7 +85,7 @@ def servers(args) -> None:
         for i, p in enumerate(paths)
     ]
     rows = []
-    for label, kind, fmt, opts in servers_:
+    for label, kind, fmt, opts in pick(servers_, args.servers):
         print(f"{label} ...", flush=True)
         run = run_punica if kind == "punica-x" else run_llama_cpp
         row = {"server": label, "file": fmt, **run(args, files[fmt], opts, prompts, paths, loras)}
@@ -93,6 +93,18 @@ def servers(args) -> None:
         rows.append(row)
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     report(args, rows)
+
+
+def pick(servers_: list, labels: str | None) -> list:
+    """The servers whose labels are in the comma-separated `labels` (None: all), in table
+    order; SystemExit naming the choices for an unknown label."""
+    if labels is None:
+        return servers_
+    wanted = {w.strip() for w in labels.split(",") if w.strip()}
+    known = {s[0] for s in servers_}
+    if not wanted or wanted - known:
+        raise SystemExit(f"--servers: unknown {sorted(wanted - known)}; choose from {sorted(known)}")
+    return [s for s in servers_ if s[0] in wanted]
 
 
 def _jobs(model_of, prompts, extra_of) -> dict:
@@ -149,11 +161,12 @@ def report(args, rows: list[dict]) -> None:
     by = {r["server"]: r for r in rows}
     model = args.model or "SmolLM2-135M-Instruct"
     peers = [r for r in rows if r["server"].startswith("llama.cpp")]
-    fastest = max(peers, key=_backbone)  # llama.cpp's fastest format on this CPU
+    # llama.cpp's fastest format on this CPU (of those run: --servers may leave some out)
+    fastest = max(peers, key=_backbone) if peers else None
     for r in rows:
-        if not r["server"].startswith("punica-x"):
+        peer = by.get("llama.cpp " + r["server"].split()[-1])
+        if not r["server"].startswith("punica-x") or peer is None:
             continue
-        peer = by["llama.cpp " + r["server"].split()[-1]]
         for w in WORKLOADS:
             r["x_" + w] = r[w + "_tok_s"] / peer[w + "_tok_s"]
         r["x_backbone_vs_fastest"] = _backbone(r) / _backbone(fastest)
@@ -161,7 +174,7 @@ def report(args, rows: list[dict]) -> None:
         f"{model}, {args.requests} requests x {args.max_tokens} tokens, one "
         f"stream x {args.stream_tokens}, rank {args.rank} on all 7 projections, "
         f"{args.threads} threads per server; x_: punica-x over llama.cpp on the same file "
-        f"(backbone_vs_fastest: over {fastest['server']})"
+        f"(backbone_vs_fastest: over {fastest['server'] if fastest else 'none run'})"
     )
     cols = ["server", *[w + "_tok_s" for w in WORKLOADS], "weights_MB", "x_file_bytes"]
     print_table(rows, cols, "tokens/s through the OpenAI completions route")
