@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument(
         "--servers",
         default=None,
-        help="comma-separated server labels to run (default: all), e.g. 'punica-x Q4_1,llama.cpp Q4_1'",
+        help="comma-separated labels of the servers to run (default: all), "
+        "e.g. 'punica-x Q4_1,llama.cpp Q4_1'",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -103,7 +103,8 @@ def pick(servers_: list, labels: str | None) -> list:
     wanted = {w.strip() for w in labels.split(",") if w.strip()}
     known = {s[0] for s in servers_}
     if not wanted or wanted - known:
-        raise SystemExit(f"--servers: unknown {sorted(wanted - known)}; choose from {sorted(known)}")
+        unknown = sorted(wanted - known)
+        raise SystemExit(f"--servers: unknown {unknown}; choose from {sorted(known)}")
     return [s for s in servers_ if s[0] in wanted]
 
 
