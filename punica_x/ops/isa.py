@@ -16,6 +16,7 @@ avx512_bf16 builds are one build). A level this CPU cannot run is refused before
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -69,11 +70,39 @@ def native() -> str:
 
 
 def resolve(isa: str | None = None) -> str:
-    """`isa`, else $PUNICA_X_CPU_ISA, else native -> a concrete level."""
+    """`isa`, else $PUNICA_X_CPU_ISA, else native -> a concrete level. The process's level
+    (no `isa`) below this CPU's own also holds torch's libraries to it (hold_libraries)."""
     choice = (isa or CPU_ISA.get() or "native").strip().lower()
     if choice not in (*CHOICES, "generic"):
         raise ValueError(f"PUNICA_X_CPU_ISA must be one of {CHOICES}, got {choice!r}")
-    return native() if choice == "native" else choice
+    level = native() if choice == "native" else choice
+    if isa is None and level in _HELD and level != native():
+        hold_libraries(level)
+    return level
+
+
+# What holds torch's own CPU code to a level: ATen's vectorized kernels, oneDNN (matmuls,
+# bf16 among them) and MKL (float32 GEMMs), each read once, at its first use in the process.
+_HELD = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}  # fmt: skip
+
+
+@cache
+def hold_libraries(level: str) -> None:
+    """$PUNICA_X_CPU_ISA=avx2 (or avx512) on a CPU with more makes the process that machine:
+    our kernels are built for the level, and torch's ATen, oneDNN and MKL are held to it as
+    well (their environment variables, where not set already), and bfloat16 is not native
+    (native_bf16). Without this, an AVX2 build on an AVX512-BF16 CPU measured our AVX2
+    kernels beside oneDNN's AVX512-BF16 matmuls, a machine that does not exist (the dense
+    backends' timing then chose oneDNN for every bfloat16 projection). Takes effect for each
+    library on its first use, so it is called on the first resolve() of the process's level,
+    before any kernel loads."""
+    for name, value in _HELD[level].items():
+        os.environ.setdefault(name, value)
 
 
 class KernelBuildError(RuntimeError):
@@ -106,5 +135,6 @@ def tuned() -> bool:
 
 def native_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16): where
-    dtype=auto serves bfloat16 and oneDNN's bf16 matmul is fast."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    dtype=auto serves bfloat16 and oneDNN's bf16 matmul is fast. A process held to avx2 or
+    avx512 ($PUNICA_X_CPU_ISA, see hold_libraries) stands for a CPU without it."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and resolve() not in _HELD

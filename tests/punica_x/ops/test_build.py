@@ -97,10 +97,14 @@ def test_build_directories_are_keyed_by_isa_and_environment():
 
 
 def test_isa_knob(monkeypatch):
+    held = []
+    monkeypatch.setattr(isa, "hold_libraries", held.append)  # the process's environment stays
     monkeypatch.setenv("PUNICA_X_CPU_ISA", "native")
-    assert isa.resolve() == isa.runnable_levels()[0]
+    assert isa.resolve() == isa.runnable_levels()[0] and held == []
     monkeypatch.setenv("PUNICA_X_CPU_ISA", "avx2")
     assert isa.resolve() == "avx2"
+    assert held == ([] if isa.native() == "avx2" else ["avx2"])  # below the CPU's own: held
+    assert isa.resolve("avx2") == "avx2" and len(held) <= 1  # a build's level alone holds nothing
     monkeypatch.setenv("PUNICA_X_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="PUNICA_X_CPU_ISA must be one of"):
         isa.resolve()
@@ -151,3 +155,25 @@ def test_every_header_a_build_includes_is_in_its_build_key(kind):
         for inc in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE):
             todo.append(os.path.normpath(os.path.join(os.path.dirname(rel), inc)))
     assert seen - set(sources) <= keyed, sorted(seen - set(sources) - keyed)
+
+
+def test_a_held_level_holds_torch_and_is_not_bf16_native(monkeypatch):
+    """PUNICA_X_CPU_ISA=avx2 on a bigger CPU stands for an AVX2 machine: torch's ATen, oneDNN
+    and MKL are held to AVX2 through their variables (a user's own setting stays), and
+    bfloat16 is not native there."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.setenv(name, "x")  # restored (or removed) after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    isa.hold_libraries.__wrapped__("avx2")
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+    monkeypatch.setattr(isa, "hold_libraries", lambda level: None)
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(isa._REQUIRED["avx512_bf16"]))
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("PUNICA_X_CPU_ISA", "native")
+    assert isa.native_bf16()
+    for held in ("avx2", "avx512"):
+        monkeypatch.setenv("PUNICA_X_CPU_ISA", held)
+        assert not isa.native_bf16()
