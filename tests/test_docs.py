@@ -20,6 +20,7 @@ SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
 def doc_files() -> list[Path]:
     files = [README, *sorted((ROOT / "docs").glob("*.md"))]
     files += sorted((ROOT / "benchmarks" / "results").glob("*/README.md"))
+    files += sorted((ROOT / "benchmarks" / "results").glob("*/JOURNAL.md"))
     return files
 
 
