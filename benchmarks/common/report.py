@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parents[1]
-RESULTS = Path(os.environ.get("PUNICA_X_RESULTS") or _HERE / "results")
 # this run's printed tables (title, columns, cells) and the JSON names it wrote, by group
 _RUN: dict = {"tables": [], "written": {}}
 
@@ -79,9 +78,16 @@ def results_dir(group: str | None = None) -> Path:
     are built for (avx2, avx512, avx512_bf16, generic), with `_on_<level>` when that is not
     the best level this CPU runs (an avx2 build measured on an AVX-512 CPU:
     avx2_on_avx512_bf16); "cuda" for GPU runs."""
-    path = RESULTS / (group or isa_group())
+    path = results_root() / (group or isa_group())
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def results_root() -> Path:
+    """$PUNICA_X_RESULTS when set (read at each call, so a test that sets it after this
+    module was imported still keeps its files out of the repository), else
+    benchmarks/results."""
+    return Path(os.environ.get("PUNICA_X_RESULTS") or _HERE / "results")
 
 
 def isa_group() -> str:

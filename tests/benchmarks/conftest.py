@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+# A benchmark's report writes JSON, a PNG and its README section under the results tree:
+# tests must never overwrite the committed figures (a test once put its fake rows there).
+# Set before any test imports the scripts, so the subprocesses they start inherit it too.
+os.environ["PUNICA_X_RESULTS"] = tempfile.mkdtemp(prefix="punica-x-results-")
 
 
 @pytest.fixture

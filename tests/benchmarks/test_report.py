@@ -37,3 +37,14 @@ def test_a_run_replaces_its_own_section_and_keeps_the_rest(tmp_path):
     assert "| 1 | 2.250 |" in second and "1.500" not in second
     assert second.startswith("# Probe machine\n\nHand-written notes.")
     assert second.rstrip().endswith("More notes.")
+
+
+def test_the_results_root_is_read_when_a_file_is_written(monkeypatch, tmp_path):
+    """A test that sets $PUNICA_X_RESULTS after the report module was imported still keeps
+    its files out of the repository's committed results."""
+    from common import report
+
+    monkeypatch.setenv("PUNICA_X_RESULTS", str(tmp_path / "elsewhere"))
+    assert report.results_dir("probe") == tmp_path / "elsewhere" / "probe"
+    monkeypatch.delenv("PUNICA_X_RESULTS")
+    assert report.results_root() == BENCHMARKS / "results"
