@@ -22,6 +22,13 @@ from frontend.routes import adapters, admin, openai, system, ws
 from frontend.state import ServerState
 
 log = logging.getLogger("punica_x.server")
+ENDPOINTS = system.ENDPOINTS + openai.ENDPOINTS + adapters.ENDPOINTS + admin.ENDPOINTS
+
+
+@functools.lru_cache(maxsize=2)
+def document(model_id: str | None) -> dict:
+    """The OpenAPI document of every endpoint, for the model served (None: still loading)."""
+    return build_openapi(ENDPOINTS, model_id)
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -36,22 +43,13 @@ def create_app(config: ServerConfig) -> Starlette:
             serving.cancel()
             state.shutdown()
 
-    endpoints = []
-
-    @functools.lru_cache(maxsize=2)
-    def document(model_id: str | None) -> dict:
-        return build_openapi(endpoints, model_id)
-
     def openapi() -> dict:
         return document(state.manager.model_id if state.manager is not None else None)
 
-    endpoints += system.endpoints(state, openapi)
-    endpoints += openai.endpoints(state)
-    endpoints += adapters.endpoints(state)
-    endpoints += admin.endpoints(state)
-    routes = [e.route() for e in endpoints] + ws.routes(state)
+    routes = [e.route() for e in ENDPOINTS] + list(ws.ROUTES)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.server = state
+    app.state.openapi = openapi
     app.add_middleware(AccessLog)
     return app
 

@@ -3,6 +3,8 @@ models (GET /openapi.json). Error answers share one schema, OpenAI's error objec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic.json_schema import models_json_schema
 
 from frontend.routes.endpoint import Endpoint
@@ -45,7 +47,7 @@ DESCRIPTIONS = {
 
 
 def build_openapi(
-    endpoints: list[Endpoint], model_id: str | None = None, version: str = "0.1.0"
+    endpoints: Sequence[Endpoint], model_id: str | None = None, version: str = "0.1.0"
 ) -> dict:
     """The document; with model_id (once the model is loaded) bodies carry a valid example
     naming it, so a client (or a fuzzer) can start from a request the server serves."""

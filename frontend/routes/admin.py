@@ -20,8 +20,7 @@ from starlette.responses import JSONResponse
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.protocol import RunnersAdd, TenantCreate, TenantUpdate
 from frontend.http.request_body import read_json, validate
-from frontend.routes.endpoint import Endpoint
-from frontend.state import ServerState
+from frontend.routes.endpoint import Endpoint, server
 from frontend.tenancy.store import Tenant
 from scheduler.cluster import ClusterError, Scheduler
 
@@ -29,93 +28,87 @@ ADMIN_BODY_BYTES = 64 * 1024
 COUNT_QUERY = ("count", {"type": "integer", "minimum": 1, "maximum": 16})
 
 
-def endpoints(state: ServerState) -> list[Endpoint]:
-    return tenant_endpoints(state) + runner_endpoints(state)
+async def tenants(request: Request):
+    state = server(request)
+    manager = state.admin(request)
+    if request.method == "POST":
+        body = validate(TenantCreate, await read_json(request, ADMIN_BODY_BYTES))
+        tenant, key = manager.create_tenant(body)
+        return JSONResponse({**tenant_json(tenant), "api_key": key}, status_code=201)
+    return JSONResponse({"object": "list", "data": [tenant_json(t) for t in state.store.tenants()]})
 
 
-def tenant_endpoints(state: ServerState) -> list[Endpoint]:
-    async def tenants(request: Request):
-        manager = state.admin(request)
+async def tenant(request: Request):
+    manager, name = server(request).admin(request), request.path_params["name"]
+    if request.method == "PATCH":
+        body = validate(TenantUpdate, await read_json(request, ADMIN_BODY_BYTES))
+        return JSONResponse(tenant_json(manager.update_tenant(name, body)))
+    return JSONResponse(tenant_json(manager.revoke_tenant(name)))
+
+
+async def runners(request: Request):
+    state = server(request)
+    scheduler = state.admin(request).scheduler
+    with _cluster_errors():
+        if request.method == "GET":
+            return JSONResponse(runners_body(scheduler))
         if request.method == "POST":
-            body = validate(TenantCreate, await read_json(request, ADMIN_BODY_BYTES))
-            tenant, key = manager.create_tenant(body)
-            return JSONResponse({**tenant_json(tenant), "api_key": key}, status_code=201)
-        return JSONResponse(
-            {"object": "list", "data": [tenant_json(t) for t in state.store.tenants()]}
-        )
-
-    async def tenant(request: Request):
-        manager, name = state.admin(request), request.path_params["name"]
-        if request.method == "PATCH":
-            body = validate(TenantUpdate, await read_json(request, ADMIN_BODY_BYTES))
-            return JSONResponse(tenant_json(manager.update_tenant(name, body)))
-        return JSONResponse(tenant_json(manager.revoke_tenant(name)))
-
-    return [
-        Endpoint("/admin/tenants", ("GET",), tenants, "Every tenant", auth="admin"),
-        Endpoint(
-            "/admin/tenants",
-            ("POST",),
-            tenants,
-            "Create a tenant (its API key is in the answer, once)",
-            body=TenantCreate,
-            auth="admin",
-            statuses=(201,),
-        ),
-        Endpoint(
-            "/admin/tenants/{name}",
-            ("PATCH",),
-            tenant,
-            "Set a tenant's fair-share weight or prefix-cache sharing",
-            body=TenantUpdate,
-            auth="admin",
-        ),
-        Endpoint("/admin/tenants/{name}", ("DELETE",), tenant, "Revoke a tenant", auth="admin"),
-    ]
+            body = validate(RunnersAdd, await read_json(request, ADMIN_BODY_BYTES))
+            _check_fleet(scheduler, body.count, state.config.limits.max_runners)
+            added = await scheduler.add_runners(body.count)
+            return JSONResponse({"added": added, **runners_body(scheduler)}, status_code=201)
+        count = _count(request.query_params.get("count", "1"))
+        drained = [await scheduler.drain() for _ in range(count)]
+        return JSONResponse({"drained": drained, **runners_body(scheduler)})
 
 
-def runner_endpoints(state: ServerState) -> list[Endpoint]:
-    async def runners(request: Request):
-        scheduler = state.admin(request).scheduler
-        with _cluster_errors():
-            if request.method == "GET":
-                return JSONResponse(runners_body(scheduler))
-            if request.method == "POST":
-                body = validate(RunnersAdd, await read_json(request, ADMIN_BODY_BYTES))
-                _check_fleet(scheduler, body.count, state.config.limits.max_runners)
-                added = await scheduler.add_runners(body.count)
-                return JSONResponse({"added": added, **runners_body(scheduler)}, status_code=201)
-            count = _count(request.query_params.get("count", "1"))
-            drained = [await scheduler.drain() for _ in range(count)]
-            return JSONResponse({"drained": drained, **runners_body(scheduler)})
+async def runner(request: Request):
+    scheduler = server(request).admin(request).scheduler
+    with _cluster_errors():
+        drained = await scheduler.drain(request.path_params["runner_id"])
+    return JSONResponse({"drained": [drained], **runners_body(scheduler)})
 
-    async def runner(request: Request):
-        scheduler = state.admin(request).scheduler
-        with _cluster_errors():
-            drained = await scheduler.drain(request.path_params["runner_id"])
-        return JSONResponse({"drained": [drained], **runners_body(scheduler)})
 
-    return [
-        Endpoint("/admin/runners", ("GET",), runners, "Runners and the advice", auth="admin"),
-        Endpoint(
-            "/admin/runners",
-            ("POST",),
-            runners,
-            "Start runners",
-            body=RunnersAdd,
-            auth="admin",
-            statuses=(201,),
-        ),
-        Endpoint(
-            "/admin/runners",
-            ("DELETE",),
-            runners,
-            "Drain the least loaded runners",
-            auth="admin",
-            query=(COUNT_QUERY,),
-        ),
-        Endpoint("/admin/runners/{runner_id}", ("DELETE",), runner, "Drain a runner", auth="admin"),
-    ]
+ENDPOINTS = (
+    Endpoint("/admin/tenants", ("GET",), tenants, "Every tenant", auth="admin"),
+    Endpoint(
+        "/admin/tenants",
+        ("POST",),
+        tenants,
+        "Create a tenant (its API key is in the answer, once)",
+        body=TenantCreate,
+        auth="admin",
+        statuses=(201,),
+    ),
+    Endpoint(
+        "/admin/tenants/{name}",
+        ("PATCH",),
+        tenant,
+        "Set a tenant's fair-share weight or prefix-cache sharing",
+        body=TenantUpdate,
+        auth="admin",
+    ),
+    Endpoint("/admin/tenants/{name}", ("DELETE",), tenant, "Revoke a tenant", auth="admin"),
+    Endpoint("/admin/runners", ("GET",), runners, "Runners and the advice", auth="admin"),
+    Endpoint(
+        "/admin/runners",
+        ("POST",),
+        runners,
+        "Start runners",
+        body=RunnersAdd,
+        auth="admin",
+        statuses=(201,),
+    ),
+    Endpoint(
+        "/admin/runners",
+        ("DELETE",),
+        runners,
+        "Drain the least loaded runners",
+        auth="admin",
+        query=(COUNT_QUERY,),
+    ),
+    Endpoint("/admin/runners/{runner_id}", ("DELETE",), runner, "Drain a runner", auth="admin"),
+)
 
 
 def runners_body(scheduler: Scheduler) -> dict:

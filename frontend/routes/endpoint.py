@@ -6,7 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
+from starlette.requests import HTTPConnection
 from starlette.routing import Route
+
+from frontend.state import ServerState
 
 AUTHS = ("tenant", "admin", "none")
 
@@ -36,3 +39,9 @@ class Endpoint:
 
     def route(self) -> Route:
         return Route(self.path, self.handler, methods=list(self.methods))
+
+
+def server(conn: HTTPConnection) -> ServerState:
+    """The server's state, from the app serving this request or websocket (create_app puts it
+    there), so handlers are plain module-level functions."""
+    return conn.app.state.server

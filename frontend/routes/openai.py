@@ -6,44 +6,45 @@ from starlette.requests import Request
 
 from frontend.openai import serving
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
-from frontend.routes.endpoint import Endpoint
-from frontend.state import ServerState
+from frontend.routes.endpoint import Endpoint, server
 
 
-def endpoints(state: ServerState) -> list[Endpoint]:
-    async def models(request: Request):
-        return serving.list_models(*state.caller(request))
+async def models(request: Request):
+    return serving.list_models(*server(request).caller(request))
 
-    async def completions(request: Request):
-        manager, who = state.caller(request)
-        return await serving.completions(manager, who, request, chat=False)
 
-    async def chat_completions(request: Request):
-        manager, who = state.caller(request)
-        return await serving.completions(manager, who, request, chat=True)
+async def completions(request: Request):
+    manager, who = server(request).caller(request)
+    return await serving.completions(manager, who, request, chat=False)
 
-    return [
-        Endpoint("/v1/models", ("GET",), models, "The base model and the caller's adapters"),
-        Endpoint(
-            "/v1/completions",
-            ("POST",),
-            completions,
-            "Text completions (OpenAI)",
-            body=CompletionRequest,
-            streams=True,
-            example={"model": "{model}", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
-        ),
-        Endpoint(
-            "/v1/chat/completions",
-            ("POST",),
-            chat_completions,
-            "Chat completions (OpenAI)",
-            body=ChatCompletionRequest,
-            streams=True,
-            example={
-                "model": "{model}",
-                "messages": [{"role": "user", "content": "Hello"}],
-                "max_tokens": 8,
-            },
-        ),
-    ]
+
+async def chat_completions(request: Request):
+    manager, who = server(request).caller(request)
+    return await serving.completions(manager, who, request, chat=True)
+
+
+ENDPOINTS = (
+    Endpoint("/v1/models", ("GET",), models, "The base model and the caller's adapters"),
+    Endpoint(
+        "/v1/completions",
+        ("POST",),
+        completions,
+        "Text completions (OpenAI)",
+        body=CompletionRequest,
+        streams=True,
+        example={"model": "{model}", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+    ),
+    Endpoint(
+        "/v1/chat/completions",
+        ("POST",),
+        chat_completions,
+        "Chat completions (OpenAI)",
+        body=ChatCompletionRequest,
+        streams=True,
+        example={
+            "model": "{model}",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8,
+        },
+    ),
+)

@@ -8,41 +8,42 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from frontend.routes.endpoint import Endpoint
-from frontend.state import ServerState
+from frontend.routes.endpoint import Endpoint, server
 
 STATIC = Path(__file__).parent.parent / "static"
 
 
-def endpoints(state: ServerState, openapi) -> list[Endpoint]:
-    """openapi(): the OpenAPI document of every endpoint (built once, on first use)."""
+async def health(request: Request):
+    return JSONResponse({"status": "ok"})
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok"})
 
-    async def ready(request: Request):
-        ok = state.manager is not None and state.scheduler.ready()
-        return JSONResponse(
-            {"status": "ready" if ok else "not_ready", "error": state.load_error},
-            status_code=200 if ok else 503,
-        )
+async def ready(request: Request):
+    state = server(request)
+    ok = state.manager is not None and state.scheduler.ready()
+    return JSONResponse(
+        {"status": "ready" if ok else "not_ready", "error": state.load_error},
+        status_code=200 if ok else 503,
+    )
 
-    async def index(request: Request):
-        return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    async def openapi_json(request: Request):
-        return JSONResponse(openapi())
+async def index(request: Request):
+    return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    async def metrics(request: Request):
-        manager = state.admin(request)
-        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return [
-        Endpoint("/health", ("GET",), health, "The process is up", auth="none"),
-        Endpoint(
-            "/ready", ("GET",), ready, "A runner can take work", auth="none", statuses=(200, 503)
-        ),
-        Endpoint("/", ("GET",), index, "The web chat page", auth="none"),
-        Endpoint("/openapi.json", ("GET",), openapi_json, "This document", auth="none"),
-        Endpoint("/metrics", ("GET",), metrics, "Prometheus metrics", auth="admin"),
-    ]
+async def openapi_json(request: Request):
+    """The OpenAPI document of every endpoint (create_app puts its builder on the app)."""
+    return JSONResponse(request.app.state.openapi())
+
+
+async def metrics(request: Request):
+    manager = server(request).admin(request)
+    return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ENDPOINTS = (
+    Endpoint("/health", ("GET",), health, "The process is up", auth="none"),
+    Endpoint("/ready", ("GET",), ready, "A runner can take work", auth="none", statuses=(200, 503)),
+    Endpoint("/", ("GET",), index, "The web chat page", auth="none"),
+    Endpoint("/openapi.json", ("GET",), openapi_json, "This document", auth="none"),
+    Endpoint("/metrics", ("GET",), metrics, "Prometheus metrics", auth="admin"),
+)

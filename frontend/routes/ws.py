@@ -6,16 +6,17 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from frontend.http.ws_chat import ws_chat
-from frontend.state import ServerState
+from frontend.routes.endpoint import server
 
 TRY_AGAIN_LATER = 1013
 
 
-def routes(state: ServerState) -> list[WebSocketRoute]:
-    async def websocket(ws: WebSocket):
-        if state.manager is None:
-            await ws.close(code=TRY_AGAIN_LATER)
-            return
-        await ws_chat(ws, state.manager, state.auth)
+async def websocket(ws: WebSocket):
+    state = server(ws)
+    if state.manager is None:
+        await ws.close(code=TRY_AGAIN_LATER)
+        return
+    await ws_chat(ws, state.manager, state.auth)
 
-    return [WebSocketRoute("/v1/chat/ws", websocket)]
+
+ROUTES = (WebSocketRoute("/v1/chat/ws", websocket),)
