@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 from starlette.requests import HTTPConnection
 
@@ -18,9 +16,8 @@ from frontend.tenancy.auth import Authenticator, ensure_admin_token
 from frontend.tenancy.recovery import recover
 from frontend.tenancy.store import Store
 from punica_x.api import freeze_heap
+from scheduler.build import ClusterSpec, build_scheduler
 from scheduler.cluster import RestartPolicy, Scheduler, SchedulerConfig
-from scheduler.runners.devices import device_of
-from scheduler.runners.local import LocalRunner
 
 log = logging.getLogger("punica_x.server")
 GC_INTERVAL = 5.0
@@ -46,7 +43,7 @@ class ServerState:
     def load(self) -> None:
         """Load the model and start the runner (runs on a background thread)."""
         try:
-            self.scheduler = build_scheduler(self.config)
+            self.scheduler = build_scheduler(cluster_spec(self.config))
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -81,53 +78,26 @@ class ServerState:
         return asyncio.create_task(_when_loaded(self, loader))
 
 
-def build_scheduler(config: ServerConfig) -> Scheduler:
-    """config.runners runners of config.runner_backend, and a factory for more (scale up).
-    thread: in this process, sharing the backbone's weights; ray: one Ray actor each."""
-    engine, n = config.engine, config.runners
+def cluster_spec(config: ServerConfig) -> ClusterSpec:
+    """The server's flags as the scheduler's description of the cluster to start (with
+    autoscaling, at least its minimum of runners)."""
+    n = config.runners
     if config.autoscale:
         from scheduler.autoscale import AutoscaleConfig
 
         n = max(n, AutoscaleConfig.parse(config.autoscale).min_runners)
-    if config.runner_backend == "ray":
-        from punica_x.api import describe_model
-        from scheduler.runners.ray_runner import RayRunner, ensure_ray
-
-        meta = describe_model(engine.model)  # the tokenizer here; weights only in the actors
-        ensure_ray(config.ray_address)
-
-        def ray_factory(runner_id: str) -> RayRunner:
-            return RayRunner(engine, runner_id, config.ray_address)
-
-        with ThreadPoolExecutor(max_workers=n) as pool:  # the actors load their models at once
-            runners = list(pool.map(ray_factory, [f"runner-{i}" for i in range(n)]))
-        return Scheduler.from_config(
-            scheduler_config(config), runners, ray_factory, tokenizer=meta.tokenizer
-        )
-    shared: dict[str, object] = {}  # device -> the weights its thread runners share
-
-    devices = config.devices
-
-    def factory(runner_id: str) -> LocalRunner:
-        runner_engine = engine
-        if devices:
-            device = device_of(runner_id, devices)
-            runner_engine = replace(engine, model=replace(engine.model, device=device))
-        key = runner_engine.model.device
-        runner = LocalRunner(runner_engine, runner_id, shared=shared.get(key))
-        shared.setdefault(key, runner.engine.loaded)
-        return runner
-
-    runners = [factory(f"runner-{i}") for i in range(n)]
-    return Scheduler.from_config(scheduler_config(config), runners, factory)
-
-
-def scheduler_config(config: ServerConfig) -> SchedulerConfig:
-    return SchedulerConfig(
-        idle_after=config.idle_after_s,
-        distkv=config.distkv,
-        restart=RestartPolicy() if config.restart_runners else None,
-        fair_share=config.fair_share,
+    return ClusterSpec(
+        engine=config.engine,
+        runners=n,
+        backend=config.runner_backend,
+        devices=config.devices,
+        ray_address=config.ray_address,
+        scheduler=SchedulerConfig(
+            idle_after=config.idle_after_s,
+            distkv=config.distkv,
+            restart=RestartPolicy() if config.restart_runners else None,
+            fair_share=config.fair_share,
+        ),
     )
 
 

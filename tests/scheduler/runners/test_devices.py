@@ -47,8 +47,9 @@ def test_runners_go_round_the_devices():
 def test_a_servers_runners_take_their_devices_and_share_weights_per_device(monkeypatch):
     """Four thread runners over two devices: runner-i on device i % 2, and the runners of
     one device (only they) share the first one's loaded weights."""
-    from frontend import state
     from frontend.config import ServerConfig
+    from frontend.state import cluster_spec
+    from scheduler import build
 
     built = []
 
@@ -58,12 +59,12 @@ def test_a_servers_runners_take_their_devices_and_share_weights_per_device(monke
             self.engine = type("E", (), {"loaded": object()})()
             built.append(self)
 
-    monkeypatch.setattr(state, "LocalRunner", FakeRunner)
-    monkeypatch.setattr(state.Scheduler, "from_config", classmethod(lambda cls, *a, **k: a))
+    monkeypatch.setattr(build, "LocalRunner", FakeRunner)
+    monkeypatch.setattr(build.Scheduler, "from_config", classmethod(lambda cls, *a, **k: a))
     with pytest.raises(ValueError, match="add --no-distkv"):
         ServerConfig(runners=4, devices=("cuda:0", "cuda:1"))
     config = ServerConfig(runners=4, devices=("cuda:0", "cuda:1"), distkv=False)
-    _, runners, factory = state.build_scheduler(config)
+    _, runners, factory = build.build_scheduler(cluster_spec(config))
     assert [r.device for r in runners] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert runners[0].shared is None and runners[1].shared is None
     assert runners[2].shared is runners[0].engine.loaded
