@@ -39,6 +39,11 @@ class AdapterRegistry:
         self.files: dict[str, Registered] = {}  # key -> what it serves
         self._ids = itertools.count(1)  # for registrations that name no version
 
+    def version_of(self, key: str) -> int | None:
+        """The version registered under `key`, None when nothing is."""
+        registered = self.files.get(key)
+        return registered.version if registered is not None else None
+
     def __contains__(self, key: str) -> bool:
         return key in self.files
 

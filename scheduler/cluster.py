@@ -37,7 +37,7 @@ from punica_x.api import (
     SamplingParams,
 )
 from scheduler.adapters import AdapterRegistry
-from scheduler.dispatch import Dispatcher
+from scheduler.dispatch import Dispatcher, DispatchEvents
 from scheduler.distkv.dgfm import Swap
 from scheduler.distkv.service import DGFM_MIN_SWAP, DistKV, holdable_runners, make_distkv
 from scheduler.errors import ClusterError, NoRunner
@@ -114,16 +114,11 @@ class Scheduler:
             self.distkv = make_distkv(
                 backends, config.lend_fraction, config.distkv_overlap, config.distkv_transport
             )
-        self.dispatch = Dispatcher(
-            self.fleet,
-            self._queue,
-            self.distkv is not None,
-            self._preempted,
-            self._full,
-            self._adapter_version,
-        )
+        distributed = self.distkv is not None
+        self.dispatch = Dispatcher(self.fleet, self._queue, distributed, self.adapters.version_of)
         self.mover = Mover(self.fleet, self.dispatch)
         self.sharing = SlotSharing(self.dispatch, self.mover)
+        self.dispatch.connect(DispatchEvents(self.mover.preempted, self.sharing.rebalance))
         for slot in self.slots:
             self.join(slot)
 
@@ -183,16 +178,6 @@ class Scheduler:
 
     def kick(self) -> None:
         self.dispatch.kick()
-
-    def _adapter_version(self, key: str) -> int | None:
-        registered = self.adapters.files.get(key)
-        return registered.version if registered is not None else None
-
-    def _preempted(self, stream: ClusterStream) -> None:
-        self.mover.preempted(stream)
-
-    def _full(self) -> None:
-        self.sharing.rebalance()
 
     # -- requests -----------------------------------------------------------------------------
     async def open(

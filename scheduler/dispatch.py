@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from punica_x.api import RunnerLost
 from scheduler.fleet import Fleet, RunnerSlot
@@ -23,24 +24,39 @@ from scheduler.stream import ClusterStream
 from scheduler.waiting import WaitingQueue
 
 
+@dataclass(frozen=True)
+class DispatchEvents:
+    """What the dispatcher tells the parts that act on it (wired in Scheduler.__init__).
+    preempted(stream): a runner sent `stream` back to its own queue (out of KV): the mover
+    takes it. full(): requests wait and no runner has room: fair share may take a slot."""
+
+    preempted: Callable[[ClusterStream], None]
+    full: Callable[[], None]
+
+
+NO_EVENTS = DispatchEvents(preempted=lambda stream: None, full=lambda: None)
+
+
 class Dispatcher:
     """fleet, queue: the scheduler's. distributed: DistKV placement is allowed.
-    on_preempt(stream): a runner sent `stream` back to its own queue (out of KV).
-    on_full(): requests wait and no runner has room (fair share may take a slot)."""
+    version_of(adapter key): the version registered under it (cache-aware placement).
+    events: see DispatchEvents; `connect` sets them once the parts that handle them exist
+    (they are built over this dispatcher)."""
 
     def __init__(
         self,
         fleet: Fleet,
         queue: WaitingQueue,
         distributed: bool,
-        on_preempt: Callable[[ClusterStream], None],
-        on_full: Callable[[], None],
         version_of: Callable[[str], int | None] = lambda adapter: None,
     ) -> None:
         self.fleet, self.queue, self.distributed = fleet, queue, distributed
-        self.on_preempt, self.on_full = on_preempt, on_full
+        self.events = NO_EVENTS
         self.prefix = PrefixTracker(version_of)  # cache-aware placement
         self._tasks: set[asyncio.Task] = set()
+
+    def connect(self, events: DispatchEvents) -> None:
+        self.events = events
 
     def spawn(self, coro) -> None:
         """Run `coro` on the event loop, held here until it ends."""
@@ -84,7 +100,7 @@ class Dispatcher:
         stream.runners_seen.append(slot.runner_id)
         try:
             inner = await slot.handle.open(
-                stream.request.resumed(stream.resume), lambda: self.on_preempt(stream)
+                stream.request.resumed(stream.resume), lambda: self.events.preempted(stream)
             )
         except RunnerLost as exc:
             self._unplace(stream, slot)
@@ -156,7 +172,7 @@ class Dispatcher:
                     self.queue.pop(stream)
                     held.append(stream)
                     continue
-                self.on_full()
+                self.events.full()
                 break
             self.queue.pop(stream)
             target.streams[stream.request_id] = stream  # count it before the open completes
