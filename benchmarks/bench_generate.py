@@ -42,7 +42,6 @@ beside it (common/gpu_generate.py; figures in benchmarks/results/cuda/).
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import torch
 from common.args import add_dtype, add_engine_workload, parser
@@ -53,9 +52,9 @@ from common.engine_timing import (
     run_ours,
     warm_up,
 )
+from common.generate_columns import add_fp32, add_heap, add_hf
 from common.gpu_generate import add_gpu_args, check_gpu_args
 from common.gpu_generate import main as main_gpu
-from common.hf_baselines import HFBaselines
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
@@ -94,24 +93,6 @@ COLUMNS = [
     "lora_floor_ms",
     "lora_copy_floor_ms",
 ]
-
-
-def heap_effect(llm: LLM, prompts, names: dict, sp, objects: int, rounds: int) -> dict:
-    """Median tok/s per workload without and with `objects` more live container objects
-    (made after start-up, not frozen), interleaved over `rounds`: {workload: (fresh, heap)}."""
-    import gc
-
-    fresh: dict[str, list[float]] = {w: [] for w in names}
-    heavy: dict[str, list[float]] = {w: [] for w in names}
-    for _ in range(rounds):
-        for w, adapters in names.items():
-            fresh[w].append(run_ours(llm, prompts, adapters, sp))
-        heap = [[i] for i in range(objects)]  # one tracked list each
-        for w, adapters in names.items():
-            heavy[w].append(run_ours(llm, prompts, adapters, sp))
-        del heap
-        gc.collect()
-    return {w: (statistics.median(fresh[w]), statistics.median(heavy[w])) for w in names}
 
 
 def parse_args():
@@ -200,7 +181,14 @@ def main() -> None:
     summary = summarize(args, rows, peer, ours_backbone, hf_backbone, step["backbone"], ours_dtype)
     summary.update(paired)
     print_report(args, rows, summary, peer, read_bw, bandwidth)
-    # float32 figures keep their name; other dtypes get their own file beside them
+    write_results(args, rows, summary, bandwidths, reads)
+
+
+def write_results(args, rows, summary: dict, bandwidths: list, reads: list) -> None:
+    """The JSON (with each round's copy and read bandwidth) and the PNG: float32 figures keep
+    their name, other dtypes and model shapes get their own files beside them."""
+    ours_dtype = summary["dtype"]
+    bandwidth, read_bw = statistics.median(bandwidths), statistics.median(reads)
     name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
     if args.model in SHAPES:
         name += f"_{args.model.replace('.', '_')}"
@@ -271,44 +259,6 @@ def ours_rows(names, infos, tps, step, read_bw: float, bandwidth: float) -> list
             }
         )
     return rows
-
-
-def add_heap(rows, args, llm: LLM, prompts, names, sp) -> None:
-    """tok/s with --heap-objects more live objects (heap_tok_s), and over without (x_heap)."""
-    heap = heap_effect(llm, prompts, names, sp, args.heap_objects, args.rounds)
-    for row in rows:
-        fresh, heavy = heap[row["workload"]]
-        row["heap_tok_s"], row["x_heap"] = heavy, heavy / fresh
-
-
-def add_fp32(rows, prompts, paths, names, sp, model: str | None = None) -> Path:
-    """A float32 punica-x engine on the same workloads (ours_fp32_tok_s, x_fp32 = the served
-    dtype over float32); returns the model's folder."""
-    fp32 = LLM(dtype="float32", model=model, quantization="none")  # HF's reference weights
-    load_adapters(fp32, paths)
-    warm_up(fp32, prompts)
-    for row in rows:
-        row["ours_fp32_tok_s"] = run_ours(fp32, prompts, names[row["workload"]], sp)
-        row["x_fp32"] = row["ours_tok_s"] / row["ours_fp32_tok_s"]
-    return fp32.engine.loaded.model_dir
-
-
-def add_hf(rows, args, model_dir: Path, paths, prompts, names) -> float:
-    """HF + PEFT on the --hf-workloads (mixed batch, one adapter at a time) into the rows;
-    returns HF's backbone tok/s."""
-    hf_workloads = [w for w in args.hf_workloads.split(",") if w]
-    hf = HFBaselines(model_dir, paths)
-    hf.backbone(prompts[:4], 4)  # warm-up
-    hf_backbone = hf.backbone(prompts, args.max_tokens)
-    for row in rows:
-        w = row["workload"]
-        if w not in hf_workloads:
-            continue
-        row["hf_mixed_tok_s"] = hf.mixed(prompts, names[w], args.max_tokens)
-        row["hf_one_at_a_time_tok_s"] = hf.one_at_a_time(prompts, names[w], args.max_tokens)
-        row["x_hf_mixed"] = row["ours_tok_s"] / row["hf_mixed_tok_s"]
-        row["x_hf_one_at_a_time"] = row["ours_tok_s"] / row["hf_one_at_a_time_tok_s"]
-    return hf_backbone
 
 
 def summarize(args, rows, peer, ours_backbone, hf_backbone, backbone_step, ours_dtype) -> dict:

@@ -40,9 +40,10 @@ from pathlib import Path
 
 import httpx
 from common.args import add_adapters, add_max_tokens, add_rank, add_requests, parser
-from common.gpu_generate import _log, write_random_adapters
+from common.gpu_generate import write_random_adapters
 from common.http_load import tokens_per_second
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.report import log as _log
 from common.scratch import scratch_dir
 from common.server import free_port, setup_tenant, wait_ready
 from common.shapes import SHAPES, model_path

@@ -119,7 +119,7 @@ def profile(llm: LLM, timers: Timers, prompts, adapters, steps: int) -> dict[str
     return ms
 
 
-def main() -> None:
+def parse_args():
     ap = parser(__doc__)
     add_requests(ap)
     ap.add_argument("--steps", type=int, default=20)
@@ -138,6 +138,26 @@ def main() -> None:
     add_shape_model(ap)
     args = ap.parse_args()
     check_shape_model(ap, args)
+    return args
+
+
+def result_name(args, dtype: str) -> str:
+    """profile_step for float32 at batch 32, with the dtype, quantization, activations, batch
+    and model shape appended where they differ from that."""
+    name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
+    if args.quantization != "none":
+        name += f"_q{args.quantization}"
+        if args.quant_activations != "int16":
+            name += f"_x{args.quant_activations}"
+    if args.requests != 32:
+        name += f"_batch{args.requests}"
+    if args.model in SHAPES:
+        name += f"_{args.model.replace('.', '_')}"
+    return name
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     print(describe_machine(), flush=True)
     n = args.requests
@@ -149,15 +169,7 @@ def main() -> None:
         quant_activations=args.quant_activations,
     )
     dtype = dtype_name(llm.engine.dtype)
-    name = "profile_step" if dtype == "float32" else f"profile_step_{dtype}"
-    if args.quantization != "none":
-        name += f"_q{args.quantization}"
-        if args.quant_activations != "int16":
-            name += f"_x{args.quant_activations}"
-    if n != 32:
-        name += f"_batch{n}"
-    if args.model in SHAPES:
-        name += f"_{args.model.replace('.', '_')}"
+    name = result_name(args, dtype)
     prompts = make_prompts(llm.tokenizer, n)
     tmp = scratch_dir("profile-step-")
     load_adapters(llm, make_adapters(weights_dir(llm, args.model), n, args.rank, tmp))
@@ -168,7 +180,18 @@ def main() -> None:
     results = {c: profile(llm, timers, prompts, a, args.steps) for c, a in configs.items()}
 
     parts = [*MODEL_PARTS, "model_other", *STEP_PARTS, "step_other"]
-    rows = [
+    rows = component_rows(results, list(configs), parts)
+    what = args.model or "SmolLM2-135M"
+    print(f"{what} {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
+    print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
+    path = write_json(name, {"args": vars(args), "dtype": dtype, "rows": rows})
+    print(f"wrote {path} and {plot(results, list(configs), parts, n, dtype, name)}")
+
+
+def component_rows(results: dict, configs: list[str], parts: list[str]) -> list[dict]:
+    """A row per part and one for the whole step: each configuration's ms per step and its
+    share of that configuration's step."""
+    return [
         {
             "component": p,
             **{f"{c}_ms": results[c].get(p, 0.0) for c in configs},
@@ -176,11 +199,6 @@ def main() -> None:
         }
         for p in [*parts, "step"]
     ]
-    what = args.model or "SmolLM2-135M"
-    print(f"{what} {dtype}, {n} requests decoding, {args.threads} threads, ms per step")
-    print_table(rows, ["component", *(f"{c}_{k}" for c in configs for k in ("ms", "share"))])
-    path = write_json(name, {"args": vars(args), "dtype": dtype, "rows": rows})
-    print(f"wrote {path} and {plot(results, list(configs), parts, n, dtype, name)}")
 
 
 def plot(results: dict, configs: list[str], parts: list[str], n: int, dtype: str, name: str):

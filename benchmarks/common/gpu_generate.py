@@ -11,7 +11,9 @@ each round. Beside them in the same run: HF transformers
 (bfloat16 on the same GPU, sdpa attention) generating the same prompts without adapters,
 and HF + PEFT with a mixed-adapter batch (adapter_names=) on --hf-workloads at the smallest
 request count. Then the first token of an adapter nobody has loaded yet: registration (read,
-validated, placed) plus the first request's first token, on an idle engine."""
+validated, placed) plus the first request's first token, on an idle engine.
+
+The HF columns are common/gpu_hf.py's, the kernel time in a step common/gpu_kernels.py's."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from pathlib import Path
 import torch
 
 from common.engine_timing import decode_step_time, run_ours, warm_up
+from common.gpu_hf import hf_columns
+from common.gpu_kernels import step_kernel_ms
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
+from common.report import log as _log
 from common.scratch import scratch_dir
 from common.shapes import SHAPES, model_path
 from common.workload import TARGETS, make_prompts, workload_names
@@ -171,13 +176,9 @@ def _run(args, counts: list[int], tmp: Path) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if args.hf_workloads != "none":  # none: HF left out (gpu_check's device-time budget)
-        summary |= _hf_columns(rows, model_dir, paths, prompts, counts, args)
+        summary |= hf_columns(rows, model_dir, paths, prompts, counts, args)
     _report(args, rows, summary)
     _save(args, rows, summary)
-
-
-def _log(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 def _load(args, counts) -> tuple[LLM, dict]:
@@ -249,57 +250,11 @@ def _rows_for(llm: LLM, n: int, sp, args, out: list[dict]) -> None:
             row["eager_ms"] = step["eager", w] * 1e3
             row["eager_overhead"] = step["eager", w] / step["eager", "backbone"] - 1
     for row, a in zip(rows, names.values()):
-        kernel_ms = _kernel_ms(llm, prompts, a, sp)
+        kernel_ms = step_kernel_ms(llm, prompts, a, sp)
         row["kernel_ms"] = kernel_ms
         if isinstance(kernel_ms, float):
             row["gpu_busy"] = kernel_ms / row["step_ms"]
         _log(json.dumps(row))
-
-
-def _kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:
-    """Milliseconds of CUDA kernels in a decode step (torch.profiler, mean over `steps`
-    steps, every request decoding, launched eagerly; the top kernels logged). Over the
-    step's unprofiled wall time (gpu_busy): near 1, the step is the GPU's; far below, the
-    host's launches and Python are the step (what CUDA graphs cut). The profiler's error
-    text where it cannot say (a diagnostic, never a reason to stop the run)."""
-    if not torch.cuda.is_available():
-        return "no CUDA"
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = llm.engine
-    if engine.graphs is not None:  # profiled eagerly: the same kernels, each one named
-        engine.graphs.enabled = False
-    for p, a in zip(prompts, adapters):
-        engine.add_request(p, sp, a)
-    while any(not r.output_token_ids for r in engine.requests.values()):
-        engine.step()
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # kernels and copies
-        _log_top_kernels(kernels, steps)
-        return busy_us / 1e3 / steps
-    except Exception as exc:  # noqa: BLE001 - reported in the table instead
-        return f"profiler: {exc}"
-    finally:
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        if engine.graphs is not None:
-            engine.graphs.enabled = True
-
-
-def _log_top_kernels(kernels, steps: int, top: int = 8) -> None:
-    """The kernels that took the most GPU time per step, with their calls per step."""
-    by: dict[str, list[float]] = {}
-    for e in kernels:
-        by.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
-    ranked = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]
-    for name, times in ranked:
-        _log(f"  {sum(times) / steps / 1e3:7.3f} ms/step {len(times) / steps:6.1f} calls  {name}")
 
 
 def _new_adapter_ttft(llm: LLM, path: Path) -> dict:
@@ -317,62 +272,6 @@ def _new_adapter_ttft(llm: LLM, path: Path) -> dict:
     while engine.requests:
         engine.step()
     return {"register_s": t1 - t0, "first_token_s": t2 - t1, "total_s": t2 - t0}
-
-
-def _hf_columns(rows, model_dir: Path, paths, prompts, counts, args) -> dict:
-    """HF's tok/s beside ours in the rows: the backbone at every count, then PEFT wrapped
-    around that same model (one copy in GPU memory) with a mixed batch on --hf-workloads at
-    the smallest count; returns what goes in the summary."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    if tok.pad_token is None:  # Llama 3's tokenizer has none: pad with EOS (masked anyway)
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model = model.to(args.device).eval()
-    by = {(r["requests"], r["workload"]): r for r in rows}
-    _hf_tok_s(model, tok, prompts[:4], 4)  # warm-up
-    for n in counts:
-        by[n, "backbone"]["hf_tok_s"] = _hf_tok_s(model, tok, prompts[:n], args.max_tokens)
-        _log(f"HF backbone, {n} requests: {by[n, 'backbone']['hf_tok_s']:.1f} tok/s")
-    small = min(counts)
-    hf_workloads = [w for w in args.hf_workloads.split(",") if w]
-    needed = sorted({a for w in hf_workloads for a in workload_names(small)[w]})
-    if needed:
-        model = PeftModel.from_pretrained(model, paths[int(needed[0][1:])], adapter_name=needed[0])
-        for name in needed[1:]:
-            model.load_adapter(paths[int(name[1:])], adapter_name=name)
-        model.eval()
-    for w in hf_workloads:
-        names = workload_names(small)[w]
-        row = by[small, w]
-        row["hf_tok_s"] = _hf_tok_s(model, tok, prompts[:small], args.max_tokens, names)
-        _log(f"HF + PEFT mixed batch, {w}, {small} requests: {row['hf_tok_s']:.1f} tok/s")
-    for row in rows:
-        if "hf_tok_s" in row:
-            row["x_hf"] = row["tok_s"] / row["hf_tok_s"]
-    return {"hf": "transformers bfloat16 (+ PEFT adapter_names=), sdpa", "hf_adapters": needed}
-
-
-def _hf_tok_s(model, tok, prompts, n: int, adapter_names=None) -> float:
-    """Generated tokens/s of HF's greedy generate, n new tokens for every prompt."""
-    extra = {"adapter_names": adapter_names} if adapter_names else {}
-    t0 = time.perf_counter()
-    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id or tok.eos_token_id,
-            **extra,
-        )
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (out.shape[1] - enc.input_ids.shape[1]) * len(prompts) / (time.perf_counter() - t0)
 
 
 def _report(args, rows, summary) -> None:

@@ -1,6 +1,6 @@
-"""What every benchmark reports: the machine it ran on, tables on stdout, and JSON and PNG
-files in benchmarks/results/<group>/ (one folder per kind of machine; $PUNICA_X_RESULTS
-moves the whole tree elsewhere).
+"""What every benchmark reports: the machine it ran on, tables and timestamped progress lines
+on stdout, and JSON and PNG files in benchmarks/results/<group>/ (one folder per kind of
+machine; $PUNICA_X_RESULTS moves the whole tree elsewhere).
 
 A run that writes JSON also regenerates its section of that folder's README.md when it
 exits: the tables it printed, the command that made them and the machine, between
@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -70,6 +71,11 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def log(text: str) -> None:
+    """A progress line stamped with the wall-clock time, flushed at once."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 def results_dir(group: str | None = None) -> Path:
