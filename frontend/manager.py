@@ -17,7 +17,8 @@ from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBui
 from frontend.tenancy.auth import hash_key, new_api_key
 from frontend.tenancy.cache_scope import cache_salt
 from frontend.tenancy.limits import Admission
-from frontend.tenancy.store import AdapterRecord, Store, Tenant
+from frontend.tenancy.records import AdapterRecord, Tenant
+from frontend.tenancy.store import Store
 from frontend.tenancy.tenant_adapters import TenantAdapters, adapter_key
 from punica_x.api import (
     ContextTooLong,

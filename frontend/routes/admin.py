@@ -21,7 +21,7 @@ from frontend.http.errors import ApiError, bad_request
 from frontend.http.protocol import RunnersAdd, TenantCreate, TenantUpdate
 from frontend.http.request_body import read_json, validate
 from frontend.routes.endpoint import Endpoint, server
-from frontend.tenancy.store import Tenant
+from frontend.tenancy.records import Tenant
 from scheduler.cluster import ClusterError, Scheduler
 
 ADMIN_BODY_BYTES = 64 * 1024

@@ -13,7 +13,8 @@ from starlette.requests import HTTPConnection
 
 from frontend.http.errors import ApiError
 from frontend.tenancy import durable
-from frontend.tenancy.store import Store, StoreError, Tenant
+from frontend.tenancy.records import Tenant
+from frontend.tenancy.store import Store, StoreError
 
 KEY_PREFIX = "pxk-"
 ADMIN_TOKEN_FILE = "admin_token"

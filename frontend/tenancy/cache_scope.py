@@ -12,7 +12,7 @@ requests of its scope that gave the same salt (e.g. one per end user of a tenant
 
 from __future__ import annotations
 
-from frontend.tenancy.store import Tenant
+from frontend.tenancy.records import Tenant
 
 SHARED = "shared"
 

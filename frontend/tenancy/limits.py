@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 
 from frontend.config import Limits
 from frontend.http.errors import ApiError
-from frontend.tenancy.store import Tenant
+from frontend.tenancy.records import Tenant
 
 WINDOW = 60.0
 

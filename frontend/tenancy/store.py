@@ -12,7 +12,7 @@ The row is written (pending, with the version reserved and the sha256 of the sta
 before any file moves, and committed live last; `recovery.py` finishes or undoes whatever a
 kill interrupted. SQLite runs in WAL mode with synchronous=FULL: a transaction that returned
 is on the disk, so a 2xx answered after it survives power loss too. One connection, one
-lock: one writer."""
+lock: one writer. The rows' types and the schema: records.py."""
 
 from __future__ import annotations
 
@@ -23,89 +23,26 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from frontend.tenancy import durable
 from frontend.tenancy.durable import StorageFull
+from frontend.tenancy.records import (
+    ADAPTER_COLUMNS,
+    SCHEMA,
+    STATES,
+    TENANT_COLUMNS,
+    AdapterRecord,
+    Tenant,
+    adapter_from_row,
+    tenant_from_row,
+)
 
 log = logging.getLogger("punica_x.store")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS tenants (
-    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER,
-    weight REAL NOT NULL DEFAULT 1.0, share_prefix_cache INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS api_keys (
-    id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id),
-    key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, created REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS adapters (
-    id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id), name TEXT NOT NULL,
-    version INTEGER NOT NULL, rank INTEGER NOT NULL, target_modules TEXT NOT NULL,
-    sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
-    state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, UNIQUE (tenant_id, name, version));
-"""
-TENANT_COLUMNS = (
-    "id, name, created, revoked, max_concurrent, tokens_per_minute, weight, share_prefix_cache"
-)
-ADAPTER_COLUMNS = (
-    "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
-    "state, stored_dtype"
-)
-STATES = ("pending", "live", "deleted", "aborted", "broken")
 
 
 class StoreError(RuntimeError):
     """The data directory or its database cannot be used (a start-up error)."""
-
-
-@dataclass(frozen=True)
-class Tenant:
-    id: int
-    name: str
-    created: float
-    revoked: bool
-    max_concurrent: int | None
-    tokens_per_minute: int | None
-    weight: float = (
-        1.0  # its share of the runners while tenants wait (scheduler/policy/fairness.py)
-    )
-    # its base-model requests share prefix-cached KV with other tenants that allow it
-    # (frontend/tenancy/cache_scope.py); adapter requests never do
-    share_prefix_cache: bool = False
-
-
-@dataclass(frozen=True)
-class AdapterRecord:
-    id: int
-    tenant_id: int
-    name: str
-    version: int
-    rank: int
-    target_modules: tuple[str, ...]
-    sha256: str
-    size_bytes: int
-    path: Path
-    created: float
-    state: str = "live"
-    # dtype of the uploaded A/B tensors ("float16"; "bfloat16,float32" when the file mixes
-    # them); None for rows from before the column existed (reported as null)
-    stored_dtype: str | None = None
-
-    def public(self, serving_dtype: str) -> dict:
-        """The API's view; serving_dtype: the runners' dtype, which the adapter is cast to."""
-        return {
-            "id": f"adapter-{self.id}",
-            "name": self.name,
-            "version": self.version,
-            "rank": self.rank,
-            "target_modules": list(self.target_modules),
-            "sha256": self.sha256,
-            "size_bytes": self.size_bytes,
-            "created": int(self.created),
-            "dtype": {"stored": self.stored_dtype, "serving": serving_dtype},
-        }
 
 
 class Store:
@@ -207,10 +144,13 @@ class Store:
 
     def tenant_by_name(self, name: str) -> Tenant | None:
         rows = self._rows(f"SELECT {TENANT_COLUMNS} FROM tenants WHERE name = ?", name)
-        return _tenant(rows[0]) if rows else None
+        return tenant_from_row(rows[0]) if rows else None
 
     def tenants(self) -> list[Tenant]:
-        return [_tenant(r) for r in self._rows(f"SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id")]
+        return [
+            tenant_from_row(r)
+            for r in self._rows(f"SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id")
+        ]
 
     def set_tenant_weight(self, tenant_id: int, weight: float) -> None:
         self._transaction(
@@ -240,7 +180,7 @@ class Store:
             "WHERE k.key_hash = ? AND k.revoked = 0 AND t.revoked = 0",
             key_hash,
         )
-        return (_tenant(rows[0][:-1]), rows[0][-1]) if rows else None
+        return (tenant_from_row(rows[0][:-1]), rows[0][-1]) if rows else None
 
     # -- adapter files ----------------------------------------------------------------------
     def stage(self, files: dict[str, bytes]) -> Path:
@@ -343,7 +283,7 @@ class Store:
             ).rowcount
             if n != 1:
                 raise RuntimeError(f"adapter row {record.id} is no longer pending")
-            return [_adapter(r) for r in older]
+            return [adapter_from_row(r) for r in older]
 
         replaced = self._transaction(commit)
         return self.adapter_by_id(record.id), replaced
@@ -359,7 +299,7 @@ class Store:
 
     def adapter_by_id(self, adapter_id: int) -> AdapterRecord:
         rows = self._rows(f"SELECT {ADAPTER_COLUMNS} FROM adapters WHERE id = ?", adapter_id)
-        return _adapter(rows[0])
+        return adapter_from_row(rows[0])
 
     def current_adapter(self, tenant_id: int, name: str) -> AdapterRecord | None:
         rows = self._rows(
@@ -368,7 +308,7 @@ class Store:
             tenant_id,
             name,
         )
-        return _adapter(rows[0]) if rows else None
+        return adapter_from_row(rows[0]) if rows else None
 
     def adapters(self, tenant_id: int | None = None) -> list[AdapterRecord]:
         """The live version of each adapter, of one tenant or all."""
@@ -377,12 +317,12 @@ class Store:
         if tenant_id is not None:
             sql += " AND tenant_id = ?"
             args = (tenant_id,)
-        return [_adapter(r) for r in self._rows(sql + " ORDER BY name", *args)]
+        return [adapter_from_row(r) for r in self._rows(sql + " ORDER BY name", *args)]
 
     def adapters_in(self, *states: str) -> list[AdapterRecord]:
         marks = ", ".join("?" * len(states))
         return [
-            _adapter(r)
+            adapter_from_row(r)
             for r in self._rows(
                 f"SELECT {ADAPTER_COLUMNS} FROM adapters WHERE state IN ({marks}) ORDER BY id",
                 *states,
@@ -392,24 +332,3 @@ class Store:
     def adapter_paths(self) -> set[Path]:
         """The directory of every row, whatever its state."""
         return {Path(r[0]) for r in self._rows("SELECT path FROM adapters")}
-
-
-def _tenant(row) -> Tenant:
-    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], bool(row[7]))
-
-
-def _adapter(row) -> AdapterRecord:
-    return AdapterRecord(
-        row[0],
-        row[1],
-        row[2],
-        row[3],
-        row[4],
-        tuple(json.loads(row[5])),
-        row[6],
-        row[7],
-        Path(row[8]),
-        row[9],
-        row[10],
-        row[11],
-    )

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.tenancy.durable import StorageFull
-from frontend.tenancy.store import AdapterRecord, Store, Tenant
+from frontend.tenancy.records import AdapterRecord, Tenant
+from frontend.tenancy.store import Store
 from frontend.tenancy.uploads import CONFIG, WEIGHTS
 from punica_x.api import AdapterError, UnknownAdapterError, check_peft_header
 from scheduler.cluster import Scheduler

@@ -8,7 +8,7 @@ import pytest
 from frontend.config import Limits
 from frontend.http.errors import ApiError
 from frontend.tenancy.limits import Admission
-from frontend.tenancy.store import Tenant
+from frontend.tenancy.records import Tenant
 
 
 def tenant(max_concurrent: int | None = None) -> Tenant:
