@@ -23,7 +23,7 @@ from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
-from punica_x.engine.outputs import OutputProcessor, emit
+from punica_x.engine.outputs import OutputProcessor, emit, tell_preempted
 from punica_x.engine.step_sampling import request_error, sample_step
 from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
@@ -256,7 +256,7 @@ class Engine:
         schedule = self.batcher.schedule()
         self.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
         outputs += self._end_unschedulable(schedule)
-        self._tell_preempted(schedule.preempted)
+        tell_preempted(schedule.preempted)
         self.idle_step = not schedule.rows
         if not schedule.rows:
             self.planner.forget()  # the kept LoRA plan holds adapter tensors alive
@@ -359,14 +359,6 @@ class Engine:
         if reason is not None:
             return self._finish(r, reason, new_ids=[token], new_text=new_text)
         return self.outputs.output(r, [token], new_text)
-
-    def _tell_preempted(self, preempted: list[Request]) -> None:
-        for r in preempted:
-            if r.on_preempt is not None and not r.finished and r.status is RequestStatus.WAITING:
-                try:
-                    r.on_preempt(r.request_id)
-                except Exception:
-                    log.exception("on_preempt callback of %s failed", r.request_id)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         broken = [r for r in self.batcher.waiting if r.adapter is not None and r.adapter.error]

@@ -1,13 +1,13 @@
 """A sampled token's way out of the step: the grammar takes it, the stop checks, the new
 text, and the RequestOutput the caller receives (deltas; totals at the end, see
-core.RequestOutput)."""
+core.RequestOutput); and the callbacks that hand outputs and preemptions to the caller."""
 
 from __future__ import annotations
 
 import logging
 
 from punica_x.core import FinishReason, RequestOutput
-from punica_x.runtime import Request
+from punica_x.runtime import Request, RequestStatus
 from punica_x.sampling.detokenizer import Detokenizer
 
 log = logging.getLogger(__name__)
@@ -102,3 +102,14 @@ def emit(r: Request, out: RequestOutput) -> None:
             r.on_output(out)
         except Exception:
             log.exception("on_output callback of %s failed", r.request_id)
+
+
+def tell_preempted(preempted: list[Request]) -> None:
+    """Call on_preempt(request_id) of each request the step sent back to the queue (and that
+    still waits there); a consumer's failure must not stop the batch."""
+    for r in preempted:
+        if r.on_preempt is not None and not r.finished and r.status is RequestStatus.WAITING:
+            try:
+                r.on_preempt(r.request_id)
+            except Exception:
+                log.exception("on_preempt callback of %s failed", r.request_id)
