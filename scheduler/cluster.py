@@ -216,7 +216,7 @@ class Scheduler:
 
     def tenant_rows(self) -> list[TenantRow]:
         """Each tenant's fair-share state (counters, waiting, running), for /metrics."""
-        self._queue.sync_running(self.dispatch.placed())
+        self._queue.sync_running(self.dispatch.running())
         return self._queue.rows()
 
     @property

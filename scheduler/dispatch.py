@@ -139,7 +139,7 @@ class Dispatcher:
             self.queue.served(stream, prompt_tokens=len(stream.prompt))
         if stream.resume is not None and stream.resume.kv is not None:
             stream.resume = dataclasses.replace(stream.resume, kv=None)  # imported: let it go
-        stream.placed.set()
+        stream.on_runner.set()
 
     def requeue(self, stream: ClusterStream) -> None:
         """Place a moving stream now if a runner has room, else queue it (ahead of new ones:
@@ -161,7 +161,7 @@ class Dispatcher:
         waits for a runner without another suspect keeps its place but lets others by. When
         the next request finds no room, a tenant below its share may take a slot."""
         held: list[ClusterStream] = []
-        self.queue.sync_running(self.placed())
+        self.queue.sync_running(self.running())
         while (stream := self.queue.peek()) is not None:
             if stream.closed:
                 self.queue.pop(stream)
@@ -181,7 +181,7 @@ class Dispatcher:
         for stream in reversed(held):
             self.queue.push(stream, front=True)
 
-    def placed(self) -> list[ClusterStream]:
+    def running(self) -> list[ClusterStream]:
         """Requests on live runners, less those giving their slot up (fair share)."""
         return [
             st

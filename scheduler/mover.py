@@ -104,7 +104,7 @@ class Mover:
         source = stream.slot
         self.dispatch.left(stream)
         inner, stream.inner, stream.slot = stream.inner, None, None
-        stream.placed.clear()
+        stream.on_runner.clear()
         stream.resume = resume
         inner.moved()
         stream.retired.append(inner)  # read to its end before the new runner's outputs
@@ -142,7 +142,7 @@ class Mover:
             slot.streams.pop(stream.request_id, None)
             self.fleet.died(slot, error)
         stream.slot, stream.inner = None, None
-        stream.placed.clear()
+        stream.on_runner.clear()
         stream.failures += 1
         if in_failed_step:
             stream.failed_steps += 1

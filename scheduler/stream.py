@@ -56,7 +56,7 @@ class ClusterStream:
         self.queue_wait: float | None = None  # seconds until it was first placed
         self.slot = None  # the RunnerSlot it is on (scheduler/cluster.py), None while queued
         self.inner: RequestStream | None = None
-        self.placed = asyncio.Event()
+        self.on_runner = asyncio.Event()  # set while it is on a runner (or failed)
         self.resume: Resume | None = None
         self.moving = False
         self.yielding = False  # giving its slot to another tenant's request (fair share)
@@ -138,7 +138,7 @@ class ClusterStream:
             finish_reason=FinishReason.ERROR,
             error=error,
         )
-        self.placed.set()
+        self.on_runner.set()
 
     def __aiter__(self) -> ClusterStream:
         return self
@@ -161,7 +161,7 @@ class ClusterStream:
             inner = self.inner
             if inner is None:
                 try:
-                    await self.placed.wait()
+                    await self.on_runner.wait()
                 except BaseException:
                     await self.aclose()
                     raise

@@ -6,10 +6,10 @@ actual shapes: choose() runs each candidate's workload once to warm up, then tim
 turn, round-robin, `repeats` times (so a drift of the machine's speed hits all candidates
 alike) and keeps the one with the smallest median. Choices and all timings are cached in
 <cache>/autotune/<fingerprint>.json, the fingerprint hashing the CPU model and flags, the
-kernels' ISA level, torch's version, the thread count and the kernel sources, so another
-machine, thread count or kernel version never reuses a stale choice. Every choice is logged
-(INFO, logger punica_x.autotune) with its timings; a candidate that fails to set up is
-logged (WARNING) and left out. $PUNICA_X_AUTOTUNE=0 turns timing off (static defaults).
+kernels' ISA level, torch's version and ISA limits, the thread count and the kernel sources,
+so another machine, thread count or kernel version never reuses a stale choice. Every choice
+is logged (INFO, logger punica_x.autotune) with its timings; a candidate that fails to set up
+is logged (WARNING) and left out. $PUNICA_X_AUTOTUNE=0 turns timing off (static defaults).
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ def fingerprint() -> str:
         torch.__version__,
         str(torch.get_num_threads()),
         _sources_hash(),
+        # torch's own ISA limits (a held level sets them: isa.hold_libraries; a user may too):
+        # oneDNN's and ATen's kernels, the candidates timed beside ours, change with them
+        *(f"{name}={os.environ.get(name, '')}" for name in isa_mod.LIBRARY_ISA_VARIABLES),
     )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
