@@ -133,16 +133,45 @@ class CacheConfig:
 @dataclass(frozen=True)
 class LoraConfig:
     """Adapter pool. Device slots are budgeted in bytes (an adapter costs what its ranks and
-    target modules cost); behind them an LRU host cache of validated adapters."""
+    target modules cost); behind them an LRU host cache of validated adapters.
+
+    lora_dtype: what the adapters' weights are stored and read in (vLLM's --lora-dtype). "auto":
+    the serving dtype. "bfloat16" under a float32 model on the CPU: half the bytes per
+    adapter, in the pools and in every LoRA launch (a step of distinct adapters is bound by
+    reading them), each weight rounded to bfloat16 once at load and widened exactly as the
+    kernels load it; activations and sums stay float32. Any other pair than the serving dtype
+    itself or that one is refused (torch_dtype)."""
+
+    LORA_DTYPES = ("auto", *DTYPES)
 
     max_lora_rank: int = 64
     device_bytes: int = 1 * GiB
     host_bytes: int = 4 * GiB
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("device_bytes", self.device_bytes)
         _positive("host_bytes", self.host_bytes)
+        if not isinstance(self.lora_dtype, str) or self.lora_dtype not in self.LORA_DTYPES:
+            raise ValueError(
+                f"lora_dtype must be one of {self.LORA_DTYPES}, got {self.lora_dtype!r}"
+            )
+
+    def torch_dtype(self, serving: torch.dtype, device: torch.device) -> torch.dtype:
+        """The adapters' dtype for a model served in `serving` on `device`; ValueError for a
+        pair no kernel takes (the weights in the serving dtype, or bfloat16 under float32 on
+        the CPU)."""
+        if self.lora_dtype == "auto" or DTYPES[self.lora_dtype] == serving:
+            return serving
+        wanted = DTYPES[self.lora_dtype]
+        if wanted == torch.bfloat16 and serving == torch.float32 and device.type == "cpu":
+            return wanted
+        raise ValueError(
+            f"lora_dtype {self.lora_dtype} with a {dtype_name(serving)} model on "
+            f"{device.type} is not served: adapters are stored in the model's dtype (lora_dtype "
+            f"auto), or in bfloat16 under a float32 model on the CPU"
+        )
 
 
 def _share(name: str, value, low_open: bool, high: float, high_open: bool) -> None:

@@ -16,10 +16,18 @@ from common.workload import make_adapters, make_prompts, random_adapters, worklo
 from punica_x.models.loader import convert_gguf, default_model_path
 
 X8 = ("--quant-activations", "int8")  # llama.cpp's arithmetic; the default is int16
+# adapters stored in bfloat16 under a float32 model (no-op where bfloat16 is served anyway)
+LORA16 = ("--lora-dtype", "bfloat16")
 # (label ending in the llama.cpp file it is measured against, server, file, punica-x options)
 SERVERS = [
     ("punica-x Q4_1", "punica-x", "Q4_1", ("--quantization", "auto")),
     ("punica-x x:int8 Q4_1", "punica-x", "Q4_1", ("--quantization", "auto", *X8)),
+    (
+        "punica-x x:int8 lora:bf16 Q4_1",
+        "punica-x",
+        "Q4_1",
+        ("--quantization", "auto", *X8, *LORA16),
+    ),
     ("punica-x Q8_0", "punica-x", "Q8_0", ("--quantization", "auto")),
     ("punica-x bf16", "punica-x", "Q4_1", ("--quantization", "none", "--dtype", "bfloat16")),
     ("llama.cpp Q4_1", "llama.cpp", "Q4_1", ()),

@@ -5,6 +5,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -87,11 +88,36 @@ SgmvSegments check_segments(const torch::Tensor& w_ptr, const torch::Tensor& ran
 
 using punica_x::simd::bf16;
 
-// The CPU kernels take float32 and bfloat16 (the adapters' weights must be of x's / y's dtype:
-// punica_x.lora casts them to the serving dtype at load).
+// The CPU kernels take float32 and bfloat16 x / y, with the adapters' weights in x's dtype or,
+// for float32 x, in bfloat16 (punica_x.lora casts them to the pool's dtype at load); CUDA
+// kernels take weights in x's dtype only. w_dtype: the weights' dtype, x's when not given.
 void check_cpu_dtype(const torch::Tensor& t, const char* name) {
   CHECK_ARG(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
             " must be float32 or bfloat16 on CPU, got ", t.scalar_type());
+}
+
+at::ScalarType weights_dtype(const torch::Tensor& x, std::optional<at::ScalarType> w_dtype) {
+  const at::ScalarType x_t = x.scalar_type(), w_t = w_dtype.value_or(x_t);
+  const bool widened = x.device().is_cpu() && x_t == at::kFloat && w_t == at::kBFloat16;
+  CHECK_ARG(w_t == x_t || widened, "adapter weights of dtype ", w_t, " with x of dtype ", x_t,
+            ": the weights must be of x's dtype, or bfloat16 with float32 x on the CPU");
+  return w_t;
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// f(Tag<T>, Tag<W>) with the kernels' types for x's and the weights' dtypes (CPU)
+template <typename F>
+void with_cpu_types(at::ScalarType x_t, at::ScalarType w_t, F&& f) {
+  if (x_t == at::kBFloat16)
+    f(Tag<bf16>{}, Tag<bf16>{});
+  else if (w_t == at::kBFloat16)
+    f(Tag<float>{}, Tag<bf16>{});
+  else
+    f(Tag<float>{}, Tag<float>{});
 }
 
 #ifdef PUNICA_X_WITH_CUDA
@@ -109,7 +135,8 @@ punica_x::DType cuda_dtype(at::ScalarType t) {
 // the rest of v is zeroed too, unless `scratch` (v is add_lora's workspace: expand reads only
 // what shrink wrote, so a kernel that writes rather than adds needs no memset first).
 void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
-            torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank, bool scratch) {
+            torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank, bool scratch,
+            std::optional<at::ScalarType> w_dtype) {
   check_rows(x, "x");
   check_rows(v, "v");
   CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
@@ -120,15 +147,15 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
       check_segments(w_ptr, ranks, seg, layer, x.size(0), max_rows, max_rank, x.device());
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
   const int h_in = static_cast<int>(x.size(1));
+  const at::ScalarType w_t = weights_dtype(x, w_dtype);
   if (x.device().is_cpu()) {
     check_cpu_dtype(x, "x");
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-    if (x.scalar_type() == at::kFloat)
-      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(),
-                                x.stride(0), h_in, p);
-    else
-      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0),
-                                static_cast<const bf16*>(x.data_ptr()), x.stride(0), h_in, p);
+    with_cpu_types(x.scalar_type(), w_t, [&](auto tx, auto tw) {
+      using T = typename decltype(tx)::type;
+      punica_x::sgmv_shrink_cpu<T, typename decltype(tw)::type>(
+          v.data_ptr<float>(), v.stride(0), static_cast<const T*>(x.data_ptr()), x.stride(0), h_in, p);
+    });
     return;
   }
 #ifdef PUNICA_X_WITH_CUDA
@@ -148,15 +175,16 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
 }
 
 void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
-                 torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank) {
+                 torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank,
+                 std::optional<at::ScalarType> w_dtype) {
   shrink(std::move(v), std::move(x), std::move(w_ptr), std::move(ranks), std::move(seg), layer,
-         max_rows, max_rank, /*scratch=*/false);
+         max_rows, max_rank, /*scratch=*/false, w_dtype);
 }
 
 // y[t, yoff_j : yoff_j + h_out[j]] += v[t, voff_j : voff_j + r_j] @ B_s,j[layer].
 void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::Tensor ranks,
                  torch::Tensor seg, std::vector<int64_t> h_out, int64_t layer, int64_t max_rows,
-                 int64_t max_rank) {
+                 int64_t max_rank, std::optional<at::ScalarType> w_dtype) {
   check_rows(y, "y");
   check_rows(v, "v");
   CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
@@ -176,15 +204,15 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
   }
   CHECK_ARG(y.size(1) >= total, "y has ", y.size(1), " columns, the slices need ", total);
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
+  const at::ScalarType w_t = weights_dtype(y, w_dtype);
   if (y.device().is_cpu()) {
     check_cpu_dtype(y, "y");
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-    if (y.scalar_type() == at::kFloat)
-      punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(),
-                                v.stride(0), h_out32, p);
-    else
-      punica_x::sgmv_expand_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0),
-                                v.data_ptr<float>(), v.stride(0), h_out32, p);
+    with_cpu_types(y.scalar_type(), w_t, [&](auto tx, auto tw) {
+      using T = typename decltype(tx)::type;
+      punica_x::sgmv_expand_cpu<T, typename decltype(tw)::type>(
+          static_cast<T*>(y.data_ptr()), y.stride(0), v.data_ptr<float>(), v.stride(0), h_out32, p);
+    });
     return;
   }
 #ifdef PUNICA_X_WITH_CUDA
@@ -202,9 +230,10 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
 // from Python per projection group instead of two).
 void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Tensor a_ptr,
                    torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
-                   std::vector<int64_t> h_out, int64_t layer, int64_t max_rows, int64_t max_rank) {
-  shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank, /*scratch=*/true);
-  sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank);
+                   std::vector<int64_t> h_out, int64_t layer, int64_t max_rows, int64_t max_rank,
+                   std::optional<at::ScalarType> w_dtype) {
+  shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank, /*scratch=*/true, w_dtype);
+  sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank, w_dtype);
 }
 
 // y += x @ A_s @ B_s for one fixed set of segments and weights on the CPU (one
@@ -218,9 +247,9 @@ class CpuLaunch {
   // they compute from both). The metadata is copied: the caller's tensors may change later.
   CpuLaunch(const torch::Tensor& a_ptr, const torch::Tensor& b_ptr, const torch::Tensor& ranks,
             const torch::Tensor& seg, std::vector<int64_t> h_out, int64_t max_rows, int64_t max_rank,
-            int64_t layers, int64_t h_in, py::object keep)
+            int64_t layers, int64_t h_in, py::object keep, std::optional<at::ScalarType> w_dtype)
       : a_ptr_(a_ptr.clone()), b_ptr_(b_ptr.clone()), ranks_(ranks.clone()), seg_(seg.clone()),
-        max_rank_(max_rank), layers_(layers), h_in_(h_in), keep_(std::move(keep)) {
+        max_rank_(max_rank), layers_(layers), h_in_(h_in), w_dtype_(w_dtype), keep_(std::move(keep)) {
     CHECK_ARG(layers >= 0 && layers <= INT32_MAX, "layers must be in 0..2^31-1, got ", layers);
     CHECK_ARG(h_in >= 0 && h_in <= INT32_MAX, "h_in must be in 0..2^31-1, got ", h_in);
     const torch::Device cpu(torch::kCPU);
@@ -258,16 +287,16 @@ class CpuLaunch {
               x.size(1));
     const SgmvSegments a = segments(a_ptr_, layer), b = segments(b_ptr_, layer);
     const int h_in = static_cast<int>(x.size(1));
+    const at::ScalarType w_t = weights_dtype(x, w_dtype_);
     pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
-    if (x.scalar_type() == at::kFloat) {
-      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), x.data_ptr<float>(), x.stride(0), h_in, a);
-      punica_x::sgmv_expand_cpu(y.data_ptr<float>(), y.stride(0), v.data_ptr<float>(), v.stride(0), h_out_, b);
-    } else {
-      punica_x::sgmv_shrink_cpu(v.data_ptr<float>(), v.stride(0), static_cast<const bf16*>(x.data_ptr()),
-                                x.stride(0), h_in, a);
-      punica_x::sgmv_expand_cpu(static_cast<bf16*>(y.data_ptr()), y.stride(0), v.data_ptr<float>(), v.stride(0),
-                                h_out_, b);
-    }
+    with_cpu_types(x.scalar_type(), w_t, [&](auto tx, auto tw) {
+      using T = typename decltype(tx)::type;
+      using W = typename decltype(tw)::type;
+      punica_x::sgmv_shrink_cpu<T, W>(v.data_ptr<float>(), v.stride(0), static_cast<const T*>(x.data_ptr()),
+                                      x.stride(0), h_in, a);
+      punica_x::sgmv_expand_cpu<T, W>(static_cast<T*>(y.data_ptr()), y.stride(0), v.data_ptr<float>(),
+                                      v.stride(0), h_out_, b);
+    });
   }
 
  private:
@@ -279,6 +308,7 @@ class CpuLaunch {
 
   torch::Tensor a_ptr_, b_ptr_, ranks_, seg_;
   int64_t max_rank_ = 0, layers_ = 0, h_in_ = 0, rows_ = 0, total_ = 0;
+  std::optional<at::ScalarType> w_dtype_;  // the weights' dtype; x's when not given
   int32_t h_out_[kMaxSlices] = {};
   py::object keep_;  // the weights' tensors, which a_ptr_ and b_ptr_ point into
 };
@@ -336,20 +366,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("sgmv_shrink", &sgmv_shrink, "SGMV shrink (see csrc/sgmv/sgmv.h)", py::arg("v"),
         py::arg("x"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("layer"),
-        py::arg("max_rows"), py::arg("max_rank"));
+        py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none());
   m.def("sgmv_expand", &sgmv_expand, "SGMV expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
         py::arg("v"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
-        py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"));
+        py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none());
   m.def("sgmv_add_lora", &sgmv_add_lora, "shrink then expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
         py::arg("x"), py::arg("v"), py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"),
         py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
-        py::arg("max_rank"));
+        py::arg("max_rank"), py::arg("w_dtype") = py::none());
   py::class_<CpuLaunch>(m, "CpuLaunch", "add_lora for fixed CPU segments and weights, checked once")
       .def(py::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                     std::vector<int64_t>, int64_t,
-                    int64_t, int64_t, int64_t, py::object>(),
+                    int64_t, int64_t, int64_t, py::object, std::optional<at::ScalarType>>(),
            py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
-           py::arg("max_rows"), py::arg("max_rank"), py::arg("layers"), py::arg("h_in"), py::arg("keep"))
+           py::arg("max_rows"), py::arg("max_rank"), py::arg("layers"), py::arg("h_in"), py::arg("keep"),
+           py::arg("w_dtype") = py::none())
       .def("add_lora", &CpuLaunch::add_lora, "y += x @ A_s @ B_s at `layer` (v: float32 workspace)",
            py::arg("y"), py::arg("x"), py::arg("v"), py::arg("layer"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");

@@ -27,12 +27,13 @@ struct SgmvSegments {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// CPU, multi-threaded with the caller's ATen thread pool. T (x, y and the weights): float or
-// simd::bf16 (instantiated for both; float32 accumulation, y rounded once per expand).
-template <typename T>
+// CPU, multi-threaded with the caller's ATen thread pool. T (x and y): float or simd::bf16;
+// W (the weights at w_ptr): T, or simd::bf16 with float x (LoraConfig.lora_dtype: adapters stored
+// in half the bytes, widened as loaded). float32 accumulation, y rounded once per expand.
+template <typename T, typename W = T>
 void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, int h_in,
                      const SgmvSegments& p);
-template <typename T>
+template <typename T, typename W = T>
 void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p);
 

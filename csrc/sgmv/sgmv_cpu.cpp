@@ -1,6 +1,7 @@
 // CPU SGMV: register-tiled kernels on hardware vectors (simd.h: 16 floats on AVX-512, 8 on
 // AVX2), work split over (segment, tile) items on the ATen thread pool. Tile sizes follow the
-// register file (32 zmm / 16 ymm) so no tile spills; static_asserts below check it.
+// register file (32 zmm / 16 ymm) so no tile spills; static_asserts below check it. float x
+// may read bf16 weights (widened as loaded: half the bytes of a memory-bound launch).
 //
 // shrink: a tile is MB rows x JB rank rows of A^T; it streams JB rows of A^T once and reuses each
 //         loaded vector for MB input rows. bf16 on the avx512_bf16 build: vdpbf16ps on x and A
@@ -42,14 +43,14 @@ namespace {
 
 using namespace simd;
 
-// v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long. T: float or bf16
-// (x and a), v float32.
-template <typename T, int MB, int JB>
-void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t vs, PrefetchCursor* pf,
+// v[m, j] = dot(x[m, :], a[j, :]) for m < MB, j < JB; a rows are h_in long. T (x) and W (a):
+// float or bf16 (T float with W bf16: weights stored in bf16, widened as loaded), v float32.
+template <typename T, typename W, int MB, int JB>
+void shrink_tile(const T* x, int64_t xs, const W* a, int h_in, float* v, int64_t vs, PrefetchCursor* pf,
                  int pf_step) {
   vf acc[MB][JB] = {};
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {  // x and A rows are both K-contiguous: K pairs as stored
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<W, bf16>) {  // both K-contiguous: pairs as stored
     auto step = [&](int k, auto load_k) {
       if (pf) pf->issue(pf_step);
       vbh av[JB];
@@ -87,9 +88,9 @@ void shrink_tile(const T* x, int64_t xs, const T* a, int h_in, float* v, int64_t
 }
 
 // y[m, c] += sum_i v[m, i] * b[i, c] for m < MB, c < NB * kLanes; b rows are `ld` long.
-// T: float or bf16 (b and y; y is rounded once, after the whole sum), v float32.
-template <typename T, int MB, int NB>
-void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y, int64_t ys,
+// T (y; rounded once, after the whole sum) and W (b): float or bf16, v float32.
+template <typename T, typename W, int MB, int NB>
+void expand_tile(const float* v, int64_t vs, int r, const W* b, int64_t ld, T* y, int64_t ys,
                  PrefetchCursor* pf, int pf_step) {
   vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
@@ -108,8 +109,8 @@ void expand_tile(const float* v, int64_t vs, int r, const T* b, int64_t ld, T* y
 }
 
 // Scalar columns left over when h_out is not a multiple of kLanes.
-template <typename T>
-void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const T* b, int64_t ld,
+template <typename T, typename W>
+void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const W* b, int64_t ld,
                         int cols, T* y, int64_t ys) {
   for (int m = 0; m < rows; ++m)
     for (int c = 0; c < cols; ++c) {
@@ -119,19 +120,19 @@ void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const T* b,
     }
 }
 
-template <typename T>
-using ShrinkFn = void (*)(const T*, int64_t, const T*, int, float*, int64_t, PrefetchCursor*, int);
-template <typename T>
-using ExpandFn = void (*)(const float*, int64_t, int, const T*, int64_t, T*, int64_t, PrefetchCursor*, int);
+template <typename T, typename W>
+using ShrinkFn = void (*)(const T*, int64_t, const W*, int, float*, int64_t, PrefetchCursor*, int);
+template <typename T, typename W>
+using ExpandFn = void (*)(const float*, int64_t, int, const W*, int64_t, T*, int64_t, PrefetchCursor*, int);
 
-template <typename T, int MB, int... J>
-constexpr std::array<ShrinkFn<T>, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
-  return {&shrink_tile<T, MB, J + 1>...};
+template <typename T, typename W, int MB, int... J>
+constexpr std::array<ShrinkFn<T, W>, sizeof...(J)> shrink_row(std::integer_sequence<int, J...>) {
+  return {&shrink_tile<T, W, MB, J + 1>...};
 }
 
-template <typename T, int MB, int... N>
-constexpr std::array<ExpandFn<T>, sizeof...(N)> expand_row(std::integer_sequence<int, N...>) {
-  return {&expand_tile<T, MB, N + 1>...};
+template <typename T, typename W, int MB, int... N>
+constexpr std::array<ExpandFn<T, W>, sizeof...(N)> expand_row(std::integer_sequence<int, N...>) {
+  return {&expand_tile<T, W, MB, N + 1>...};
 }
 
 // Multi-row tiles are MB rows x JB (shrink) or NB (expand) vectors: 4 x 4 of AVX-512's 32
@@ -155,39 +156,43 @@ static_assert(kLanes * kExpandNarrowNB == 32 * expand_dot::kNarrowUnits,
               "the bf16 expand tiles cover the multi-row items' columns");
 #endif
 
-template <typename T, int... M>
+template <typename T, typename W, int... M>
 constexpr auto shrink_table(std::integer_sequence<int, M...>) {
   using Seq = std::make_integer_sequence<int, kShrinkMaxJB>;
-  return std::array<std::array<ShrinkFn<T>, kShrinkMaxJB>, sizeof...(M)>{
-      shrink_row<T, M + 1>(Seq{})...};
+  return std::array<std::array<ShrinkFn<T, W>, kShrinkMaxJB>, sizeof...(M)>{
+      shrink_row<T, W, M + 1>(Seq{})...};
 }
 
-template <typename T, int... M>
+template <typename T, typename W, int... M>
 constexpr auto expand_table(std::integer_sequence<int, M...>) {
   using Seq = std::make_integer_sequence<int, kExpandNarrowNB>;
-  return std::array<std::array<ExpandFn<T>, kExpandNarrowNB>, sizeof...(M)>{
-      expand_row<T, M + 1>(Seq{})...};
+  return std::array<std::array<ExpandFn<T, W>, kExpandNarrowNB>, sizeof...(M)>{
+      expand_row<T, W, M + 1>(Seq{})...};
 }
 
-template <typename T>
-ShrinkFn<T> shrink_kernel(int mb, int jb) {
-  static const auto table = shrink_table<T>(std::make_integer_sequence<int, kMB>{});
+template <typename T, typename W>
+ShrinkFn<T, W> shrink_kernel(int mb, int jb) {
+  static const auto table = shrink_table<T, W>(std::make_integer_sequence<int, kMB>{});
   return table[mb - 1][jb - 1];
 }
 
-// bf16 segments of several rows run expand_dot.h's tiles on the avx512_bf16 build
+// bf16 segments of several rows run expand_dot.h's tiles on the avx512_bf16 build; bf16 x
+// comes with bf16 weights only (sgmv.h), so T bf16 says both are
 template <typename T>
 constexpr bool kDotExpand = std::is_same_v<T, bf16> && kBf16Dot;
+// the (x, weights) pairs the kernels take: both float, both bf16, or float x with bf16 weights
+template <typename T, typename W>
+constexpr bool kPair = std::is_same_v<T, W> || (std::is_same_v<T, float> && std::is_same_v<W, bf16>);
 
-template <typename T>
-ExpandFn<T> expand_kernel(int mb, int nb) {
-  static const std::array<ExpandFn<T>, kExpandWideNB> wide =
-      expand_row<T, 1>(std::make_integer_sequence<int, kExpandWideNB>{});
+template <typename T, typename W>
+ExpandFn<T, W> expand_kernel(int mb, int nb) {
+  static const std::array<ExpandFn<T, W>, kExpandWideNB> wide =
+      expand_row<T, W, 1>(std::make_integer_sequence<int, kExpandWideNB>{});
   if (mb == 1) return wide[nb - 1];
   if constexpr (kDotExpand<T>) {
     return nullptr;  // never asked for: the item plan sends these rows to expand_dot
   } else {
-    static const auto narrow_tiles = expand_table<T>(std::make_integer_sequence<int, kMB>{});
+    static const auto narrow_tiles = expand_table<T, W>(std::make_integer_sequence<int, kMB>{});
     return narrow_tiles[mb - 1][nb - 1];
   }
 }
@@ -213,9 +218,10 @@ int rank_sum(const SgmvSegments& p, int s) {
 
 }  // namespace
 
-template <typename T>
+template <typename T, typename W>
 void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, int h_in,
                      const SgmvSegments& p) {
+  static_assert(kPair<T, W>, "bf16 x comes with bf16 weights only");
   std::vector<ShrinkItem> items;
   const int tile_mode = amx::tiles_mode<T>();  // read once: a launch's items agree on it
   for (int s = 0; s < p.num_segments; ++s) {
@@ -233,7 +239,7 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
         items.push_back({s, p.seg[s] + r0, std::min(kMB, rows - r0), j0, std::min(jb, rank - j0), false});
   }
   auto weights = [&](const ShrinkItem& it) {  // the item's jn rows of A^T, contiguous
-    return reinterpret_cast<const T*>(p.w_ptr[it.seg]) +
+    return reinterpret_cast<const W*>(p.w_ptr[it.seg]) +
            (int64_t(p.layer) * rank_sum(p, it.seg) + it.j0) * h_in;
   };
   const int64_t n = int64_t(items.size());
@@ -258,15 +264,16 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
     thread_local Lookahead ahead;  // a successor's A rows, over this item's K steps
     PrefetchCursor* pf = nullptr;
     if (i + 1 < n && first_read(items[i + 1]))
-      pf = ahead.plan(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(T), k_steps);
-    shrink_kernel<T>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
+      pf = ahead.plan(weights(items[i + 1]), 1, 0, int64_t(items[i + 1].jn) * h_in * sizeof(W), k_steps);
+    shrink_kernel<T, W>(it.rows, it.jn)(x + it.row0 * x_stride, x_stride, weights(it), h_in,
                                      v + it.row0 * v_stride + it.j0, v_stride, pf, pf ? ahead.step() : 0);
   }, [&] { amx::end_phase(tile_mode, phase); });
 }
 
-template <typename T>
+template <typename T, typename W>
 void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
                      const int32_t* h_out, const SgmvSegments& p) {
+  static_assert(kPair<T, W>, "bf16 x comes with bf16 weights only");
   std::vector<ExpandItem> items;
   int64_t pair_elems = 0;  // bf16 elements of every dot item's v pairs
   const int tile_mode = amx::tiles_mode<T>();
@@ -298,7 +305,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
     }
   }
   struct Place {  // where an item reads B and v and writes y
-    const T* b;
+    const W* b;
     int64_t v_off, y_off;
   };
   auto place = [&](const ExpandItem& it) {
@@ -312,7 +319,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       }
       layer_size += int64_t(ranks[j]) * h_out[j];
     }
-    const T* b = reinterpret_cast<const T*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off + it.c0;
+    const W* b = reinterpret_cast<const W*>(p.w_ptr[it.seg]) + p.layer * layer_size + b_off + it.c0;
     return Place{b, v_off, y_off};
   };
   const bf16* pair_base = nullptr;
@@ -363,7 +370,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
       if (i + 1 < n) {
         const ExpandItem& nx = items[i + 1];
         pf = ahead.plan(place(nx).b, p.ranks[nx.seg * p.num_slices + nx.slice],
-                        int64_t(h_out[nx.slice]) * sizeof(T), int64_t(nx.cn) * sizeof(T), r);
+                        int64_t(h_out[nx.slice]) * sizeof(W), int64_t(nx.cn) * sizeof(W), r);
       }
       const int pf_step = pf ? ahead.step() : 0;
       const int64_t ld = h_out[it.slice];
@@ -389,7 +396,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
         const float* vrow = v + (row0 + m0) * v_stride + v_off;
         T* yrow = y + (row0 + m0) * y_stride + y_off + it.c0;
         if (vec_cols > 0)
-          expand_kernel<T>(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride, pf, pf_step);
+          expand_kernel<T, W>(mb, vec_cols / kLanes)(vrow, v_stride, r, b, ld, yrow, y_stride, pf, pf_step);
         if (vec_cols < it.cn)
           expand_cols_scalar(vrow, v_stride, mb, r, b + vec_cols, ld, it.cn - vec_cols,
                              yrow + vec_cols, y_stride);
@@ -399,13 +406,17 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
   (void)pair_base;
 }
 
-template void sgmv_shrink_cpu<float>(float*, int64_t, const float*, int64_t, int,
-                                      const SgmvSegments&);
-template void sgmv_shrink_cpu<simd::bf16>(float*, int64_t, const simd::bf16*, int64_t, int,
-                                           const SgmvSegments&);
-template void sgmv_expand_cpu<float>(float*, int64_t, const float*, int64_t, const int32_t*,
-                                      const SgmvSegments&);
-template void sgmv_expand_cpu<simd::bf16>(simd::bf16*, int64_t, const float*, int64_t,
-                                           const int32_t*, const SgmvSegments&);
+template void sgmv_shrink_cpu<float, float>(float*, int64_t, const float*, int64_t, int,
+                                             const SgmvSegments&);
+template void sgmv_shrink_cpu<float, simd::bf16>(float*, int64_t, const float*, int64_t, int,
+                                                  const SgmvSegments&);
+template void sgmv_shrink_cpu<simd::bf16, simd::bf16>(float*, int64_t, const simd::bf16*, int64_t,
+                                                       int, const SgmvSegments&);
+template void sgmv_expand_cpu<float, float>(float*, int64_t, const float*, int64_t,
+                                             const int32_t*, const SgmvSegments&);
+template void sgmv_expand_cpu<float, simd::bf16>(float*, int64_t, const float*, int64_t,
+                                                  const int32_t*, const SgmvSegments&);
+template void sgmv_expand_cpu<simd::bf16, simd::bf16>(simd::bf16*, int64_t, const float*, int64_t,
+                                                       const int32_t*, const SgmvSegments&);
 
 }  // namespace punica_x

@@ -11,7 +11,8 @@ import torch
 from punica_x.attention import choose_attention
 from punica_x.batching.batcher import Batcher
 from punica_x.batching.batcher_mlfq import MLFQBatcher
-from punica_x.config import EngineConfig, ModelConfig
+from punica_x.config import EngineConfig
+from punica_x.dtypes import dtype_name
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.prefix import PrefixCache
@@ -63,16 +64,28 @@ def build_attention(config: EngineConfig, dims, device: torch.device, dtype: tor
     return attention
 
 
-def dtype_reason(model: ModelConfig) -> str:
-    """What the log line adds after the serving dtype: how it was chosen."""
+def serving_dtypes(config: EngineConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """(device, serving dtype, the adapters' dtype) for `config`, logged with how they were
+    chosen; ValueError for a LoRA dtype no kernel takes (LoraConfig.torch_dtype)."""
+    model = config.model
+    device, dtype = model.torch_device(), model.torch_dtype()
+    lora_dtype = config.lora.torch_dtype(dtype, device)
     reason = ""
-    device = model.torch_device()
     if model.dtype == "auto" and device.type == "cpu":
         from punica_x.ops import isa
 
         has = "has" if isa.native_bf16() else "lacks"
         reason = f": this CPU {has} AVX512-BF16 / AMX-BF16"
-    return f" (dtype={model.dtype}{reason})"
+    lora = "" if lora_dtype == dtype else f"; adapters in {dtype_name(lora_dtype)}"
+    log.info(
+        "serving dtype %s on %s (dtype=%s%s)%s",
+        dtype_name(dtype),
+        device,
+        model.dtype,
+        reason,
+        lora,
+    )
+    return device, dtype, lora_dtype
 
 
 def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:

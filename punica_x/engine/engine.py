@@ -16,9 +16,8 @@ from punica_x.core import (
     TokenLogprob,
     new_request_id,
 )
-from punica_x.dtypes import dtype_name
 from punica_x.engine import memory, report
-from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, dtype_reason
+from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, serving_dtypes
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
@@ -56,12 +55,11 @@ class Engine:
         """probe: how memory planning (config.memory) reads the device (punica_x/engine/
         memory.py; None: the device's own probe)."""
         self.config = config = config or EngineConfig()
+        device, dtype, self.lora_dtype = serving_dtypes(config)  # refused before any load
+        self.device, self.dtype = device, dtype  # the serving dtype (weights, KV)
         self.loaded = loaded or load_model(config.model)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        device, dtype = config.model.torch_device(), config.model.torch_dtype()
-        self.device, self.dtype = device, dtype  # the serving dtype (weights, KV, adapters)
         self.max_model_len = self.loaded.max_model_len
-        log.info("serving dtype %s on %s%s", dtype_name(dtype), device, dtype_reason(config.model))
         self.memory_plan: memory.MemoryPlan | None = None
         utilization = config.memory.effective_utilization(device, config.cache.sized)
         if utilization is not None:
@@ -88,7 +86,7 @@ class Engine:
             d.hidden_size,
             dict(self.model.edge_digests),
         )
-        self.adapters = AdapterPool(target, config.lora, device, dtype)
+        self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
         self.planner = BatchPlanner(
             target, config.cache.block_size, device, build_attention(config, d, device, dtype)
@@ -98,7 +96,8 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         eos = self.loaded.eos_token_ids
         self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
-        self.sgmv = choose_sgmv(device, dtype, d.lora_shapes(), config.sgmv_backend)
+        shapes, lora_dtype = d.lora_shapes(), self.lora_dtype
+        self.sgmv = choose_sgmv(device, dtype, shapes, config.sgmv_backend, lora_dtype)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.requests: dict[str, Request] = {}
         # DistKV (off until engine.distkv.enable(...)): lending, borrowing, moves home

@@ -19,9 +19,12 @@ Weight layouts (per adapter, all layers in one tensor so the kernel offsets by `
   scaling (lora_alpha / r) already folded in.
 
 Backends: ``cpu`` (compiled C++, float32 or bfloat16), ``cuda`` (compiled CUDA, float32,
-float16 or bfloat16), ``torch_ref`` (pure PyTorch, any dtype). x, y and the adapters' weights
-share one dtype; ``v`` is float32 and every sum is accumulated in float32 (the bf16 expand of
-the ``avx512_bf16`` CPU build reads ``v`` as two bf16 parts, within 2^-17 of it).
+float16 or bfloat16), ``torch_ref`` (pure PyTorch, any dtype). x and y share one dtype and the
+adapters' weights have it too, except that the ``cpu`` kernels (and ``torch_ref``) also take
+bfloat16 weights with float32 x (``SgmvWeights.weight_dtype``; ``LoraConfig.lora_dtype``: half the
+bytes a memory-bound launch reads, each weight widened exactly as loaded); ``v`` is float32
+and every sum is accumulated in float32 (the bf16 expand of the ``avx512_bf16`` CPU build
+reads ``v`` as two bf16 parts, within 2^-17 of it).
 The default is chosen by device and never silently replaced: a failed build raises.
 """
 
@@ -75,16 +78,29 @@ class CompiledBackend:
         self.module = module
 
     def shrink(self, v, x, w, layer) -> None:
-        self.module.sgmv_shrink(v, x, w.a_ptr, w.ranks, w.seg, layer, w.max_rows, w.max_rank)
+        self.module.sgmv_shrink(
+            v, x, w.a_ptr, w.ranks, w.seg, layer, w.max_rows, w.max_rank, w.weight_dtype
+        )
 
     def expand(self, y, v, w, layer) -> None:
         self.module.sgmv_expand(
-            y, v, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank
+            y, v, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank, w.weight_dtype
         )
 
     def add_lora(self, y, x, v, w, layer) -> None:
         self.module.sgmv_add_lora(
-            y, x, v, w.a_ptr, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank
+            y,
+            x,
+            v,
+            w.a_ptr,
+            w.b_ptr,
+            w.ranks,
+            w.seg,
+            w.h_out,
+            layer,
+            w.max_rows,
+            w.max_rank,
+            w.weight_dtype,
         )
 
     def bind(self, w) -> Launch:
@@ -107,6 +123,7 @@ class CompiledBackend:
             layers,
             h_in,
             (w.a, w.b),
+            w.weight_dtype,
         )
         return launch.add_lora
 
@@ -244,29 +261,40 @@ def choose_sgmv(
     dtype: torch.dtype,
     lora_shapes: dict[str, tuple[int, int]],
     name: str | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> SgmvBackend:
     """`name`, else $PUNICA_X_SGMV_BACKEND, else: cuda on CUDA; on CPU (float32 or bfloat16,
     timing enabled) the faster of cpu/torch_ref on the model's widest projection at rank 16,
-    with 32 rows of 32 adapters and 32 rows of one adapter, timed at first load and cached."""
+    with 32 rows of 32 adapters and 32 rows of one adapter, timed at first load and cached.
+    weight_dtype: the adapters' dtype where it is not `dtype` (LoraConfig.lora_dtype)."""
     device = torch.device(device)
     name = name or SGMV_BACKEND.get() or None
     if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return get_backend(device, name, dtype)
     h_in, h_out = max(lora_shapes.values(), key=lambda s: s[0] * s[1])
     names = ("cpu", "torch_ref") if isa_mod.tuned() else ("torch_ref",)
+    weight_dtype = weight_dtype or dtype
     key = f"{h_in}x{h_out} rank={TIMING_RANK} rows={TIMING_ROWS}" + autotune.dtype_suffix(dtype)
-    tuned = autotune.choose("sgmv", key, {n: _timing(n, h_in, h_out, dtype) for n in names})
+    key += "" if weight_dtype == dtype else " weights" + autotune.dtype_suffix(weight_dtype)
+    candidates = {n: _timing(n, h_in, h_out, dtype, weight_dtype) for n in names}
+    tuned = autotune.choose("sgmv", key, candidates)
     return BACKENDS.get(device, dtype, tuned.name)
 
 
 def _timing(
-    name: str, h_in: int, h_out: int, dtype: torch.dtype = torch.float32
+    name: str,
+    h_in: int,
+    h_out: int,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype | None = None,
 ) -> autotune.Candidate:
+    w_dtype = weight_dtype or dtype
+
     def setup():
         backend = BACKENDS.get("cpu", dtype, name)
         r, t = TIMING_RANK, TIMING_ROWS
-        a = [(torch.randn(1, r, h_in) * 0.01).to(dtype) for _ in range(t)]
-        b = [(torch.randn(1, r * h_out) * 0.01).to(dtype) for _ in range(t)]
+        a = [(torch.randn(1, r, h_in) * 0.01).to(w_dtype) for _ in range(t)]
+        b = [(torch.randn(1, r * h_out) * 0.01).to(w_dtype) for _ in range(t)]
         distinct = SgmvWeights.build(list(range(t + 1)), a, b, [[r]] * t, [h_out], "cpu")
         one = SgmvWeights.build([0, t], a[:1], b[:1], [[r]], [h_out], "cpu")
         x, y = torch.randn(t, h_in).to(dtype), torch.zeros(t, h_out, dtype=dtype)

@@ -28,6 +28,8 @@ class SgmvWeights:
     a_ptr, b_ptr: [S] int64 addresses of a[s] / b[s] (0 for None)
     h_out:    output width of each slice
     max_rows: rows of the longest segment with an adapter; max_rank: largest sum_j ranks[s, j]
+    weight_dtype: the adapters' dtype (one for all), None for x's (no adapter, or a launch
+              built without it): the CPU kernels also take bfloat16 weights with float32 x
     static:   the device tables are rewritten in place between launches (a CUDA graph's
               buffers, engine/cuda_graphs.py): every launch reads them anew, never a copy
               bound once (on the CPU, bind() reads the tables when it is made)
@@ -45,6 +47,7 @@ class SgmvWeights:
     max_rows: int
     max_rank: int
     static: bool = False
+    weight_dtype: torch.dtype | None = None
 
     @property
     def num_segments(self) -> int:
@@ -121,6 +124,11 @@ class SgmvWeights:
         shapes = {(a[s].shape[0], a[s].shape[2]) for s in with_adapter}  # (layers, h_in)
         if len(shapes) > 1:
             raise ValueError(f"one launch's adapters must share layers and h_in, got {shapes}")
+        dtypes = {t.dtype for s in with_adapter for t in (a[s], b[s])}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"one launch's adapters must share one dtype, got {sorted(map(str, dtypes))}"
+            )
         max_rows = max((seg[s + 1] - seg[s] for s in with_adapter), default=0)
         max_rank = max((sum(ranks[s]) for s in with_adapter), default=0)
         rank_rows = ranks if n else ((0,) * len(h_out),)
@@ -136,6 +144,7 @@ class SgmvWeights:
             h_out=h_out,
             max_rows=max_rows,
             max_rank=max_rank,
+            weight_dtype=next(iter(dtypes), None),
         )
 
 

@@ -19,6 +19,14 @@ def test_serve_dtype_reaches_the_model_config():
         assert engine.cache.kv_cache_bytes == 1048576  # the other flags still arrive
 
 
+def test_serve_lora_dtype_reaches_the_lora_config():
+    assert _engine().lora.lora_dtype == "auto"
+    assert _engine("--lora-dtype", "bfloat16").lora.lora_dtype == "bfloat16"
+    for bad in ("int4", "bf16", ""):
+        with pytest.raises(SystemExit):
+            _engine("--lora-dtype", bad)
+
+
 def _check_choices(capsys, flag: str, field: str, good: tuple, bad: tuple) -> None:
     """Each good value of `flag` reaches ModelConfig.<field>; each bad one exits 2 naming it."""
     for value in good:

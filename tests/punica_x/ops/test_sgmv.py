@@ -253,6 +253,70 @@ def test_launch_matches_add_lora_and_the_reference(dtype, cpu_isa):
         )
 
 
+@pytest.mark.parametrize("batch", [1, 7, 32, 64])
+@pytest.mark.parametrize("popularity", ["distinct", "uniform", "identical"])
+def test_bfloat16_weights_with_float32_x_match_the_reference(popularity, batch, cpu_isa):
+    """LoraConfig.dtype bfloat16 under a float32 model: the kernels read the adapters' bf16
+    weights, widen them as loaded and compute in float32, so shrink, expand, add_lora and the
+    C++ launch give the reference's result on the same bf16 weights (float32 tolerance, not
+    bf16's), one-row and multi-row segments, several slices, base rows untouched."""
+    gen, seed = fresh_generator()
+    pyrng = random.Random(seed)
+    lens = segment_lengths(assign_adapters(popularity, batch, pyrng))
+    segs = with_base_rows(lens, pyrng)
+    h_in, h_out = pyrng.choice([64, 576, 1000]), [576, 192, 200]
+    ranks = [[16, 8, 16] if lora else None for _, lora in segs]
+    w = cast(make_weights(gen, [n for n, _ in segs], ranks, h_in, h_out, 3), torch.bfloat16)
+    assert w.weight_dtype == torch.bfloat16
+    rows, layer, backend = w.seg_host[-1], pyrng.randrange(3), compiled(cpu_isa)
+    x = torch.randn(rows, h_in, generator=gen)
+    y0 = torch.randn(rows, sum(h_out), generator=gen)
+    close = dict(rtol=1e-4, atol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+    v_ref = sgmv_shrink(x, w, layer, backend=REF)
+    torch.testing.assert_close(sgmv_shrink(x, w, layer, backend=backend), v_ref, **close)
+    y_ref = sgmv_expand(y0.clone(), v_ref, w, layer, backend=REF)
+    y_our = sgmv_expand(y0.clone(), v_ref, w, layer, backend=backend)
+    torch.testing.assert_close(y_our, y_ref, **close)
+    for run in (
+        lambda y: backend.add_lora(y, x, torch.zeros(rows, w.max_rank), w, layer),
+        lambda y: w.launch(backend)(y, x, torch.zeros(rows, w.max_rank), layer),
+    ):
+        y = y0.clone()
+        run(y)
+        torch.testing.assert_close(y, y_ref, **close)
+    base = [i for s, r in enumerate(ranks) if r is None for i in range(*w.seg_host[s : s + 2])]
+    assert torch.equal(y_our[base], y0[base]), "rows without an adapter must be left untouched"
+
+
+def test_weights_of_another_dtype_are_refused_where_no_kernel_takes_them(cpu_isa):
+    """Only float32 x reads bf16 weights: bf16 x with float32 weights, or float16 weights, is
+    refused by the binding with both dtypes named (the kernels would read the bytes wrongly);
+    one launch's adapters share a dtype."""
+    gen, _ = fresh_generator()
+    w32 = make_weights(gen, [2, 2], [[16], [16]], 64, [32], layers=2)
+    ext = compiled(cpu_isa).module
+    x, v = torch.randn(4, 64).bfloat16(), torch.zeros(4, 16)
+    args = (w32.a_ptr, w32.ranks, w32.seg, 0, w32.max_rows, w32.max_rank)
+    with pytest.raises(RuntimeError, match="weights of dtype Float with x of dtype BFloat16"):
+        ext.sgmv_shrink(v, x, *args, torch.float32)
+    with pytest.raises(RuntimeError, match="weights of dtype Half with x of dtype Float"):
+        ext.sgmv_shrink(v, x.float(), *args, torch.float16)
+    with pytest.raises(RuntimeError, match="weights of dtype Float with x of dtype BFloat16"):
+        ext.sgmv_expand(x.clone(), v, w32.b_ptr, w32.ranks, w32.seg, [32], 0, 2, 16, torch.float32)
+    launch = ext.CpuLaunch(
+        w32.a_ptr, w32.b_ptr, w32.ranks, w32.seg, [32], 2, 16, 2, 64, None, torch.float32
+    )
+    with pytest.raises(RuntimeError, match="weights of dtype Float with x of dtype BFloat16"):
+        launch.add_lora(torch.zeros(4, 32).bfloat16(), x, v, 0)
+    a16, a32 = torch.zeros(2, 16, 64).bfloat16(), torch.zeros(2, 16, 64)
+    b16, b32 = torch.zeros(2, 16 * 32).bfloat16(), torch.zeros(2, 16 * 32)
+    with pytest.raises(ValueError, match="share one dtype"):
+        SgmvWeights.build([0, 1, 2], [a16, a32], [b16, b32], [[16], [16]], [32], "cpu")
+    with pytest.raises(ValueError, match="share one dtype"):
+        SgmvWeights.build([0, 1], [a16], [b32], [[16]], [32], "cpu")
+
+
 def test_launch_keeps_its_weights_alive():
     """The launch points into the adapters' tensors: it holds them, so it stays valid when
     the SgmvWeights it came from is gone."""
