@@ -1,12 +1,14 @@
 """What does serving in bfloat16 give over float32 on this CPU? (issue 14)
 
-Two engines in one process, float32 and bfloat16, same SmolLM2 model, same 32 prompts and
+Engines in one process, float32 and bfloat16, same SmolLM2 model, same 32 prompts and
 rank-16 adapters on all 7 projections (bench_generate's workload). Decode step times (all
 requests decoding) are measured interleaved over --rounds rounds (the machine's speed drifts;
 the median over rounds of each round's median), then end-to-end tok/s of 32 x --max-tokens
 greedy tokens. bf16 halves the bytes of weights, KV and adapters; on a CPU without
 AVX512-BF16 the kernels compute in float32 after widening, so what it gives there is the
-memory traffic it saves minus the widening it costs.
+memory traffic it saves minus the widening it costs. A third engine serves float32 with the
+adapters alone in bfloat16 (--lora-dtype bfloat16, fp32_lora16): what halving the adapters'
+bytes gives where the model stays float32 (issue 47).
 
     python benchmarks/bench_dtype.py [--rounds 3] [--max-tokens 64]
 """
@@ -25,7 +27,13 @@ from common.workload import load_adapters, make_adapters, make_prompts, workload
 from punica_x import LLM, SamplingParams
 from punica_x.config import ModelConfig, dtype_name
 
-DTYPES = ("float32", "bfloat16")
+# engine label -> LLM options: float32, float32 with adapters stored in bfloat16
+# (--lora-dtype bfloat16: half the adapter bytes, activations float32), bfloat16
+VARIANTS = {
+    "fp32": {"dtype": "float32"},
+    "fp32_lora16": {"dtype": "float32", "lora_dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16"},
+}
 
 
 def main() -> None:
@@ -36,9 +44,9 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    llms = {d: LLM(dtype=d, quantization="none") for d in DTYPES}  # the float weights
+    llms = {v: LLM(quantization="none", **o) for v, o in VARIANTS.items()}  # the float weights
     auto = dtype_name(ModelConfig().torch_dtype())
-    first = llms["float32"]
+    first = llms["fp32"]
     prompts = make_prompts(first.tokenizer, n)
     tmp = scratch_dir("bench-dtype-")
     paths = make_adapters(first.engine.loaded.model_dir, n, args.rank, tmp)
@@ -48,49 +56,39 @@ def main() -> None:
     for llm in llms.values():
         warm_up(llm, prompts)
     step = step_times(args, llms, prompts, configs, sp)
-    tps = {(d, c): run_ours(llms[d], prompts, a, sp) for c, a in configs.items() for d in DTYPES}
-    rows = []
-    for c in configs:
-        rows.append(
-            {
-                "workload": c,
-                "fp32_tok_s": tps[("float32", c)],
-                "bf16_tok_s": tps[("bfloat16", c)],
-                "x_tok_s": tps[("bfloat16", c)] / tps[("float32", c)],
-                "fp32_step_ms": step[("float32", c)],
-                "bf16_step_ms": step[("bfloat16", c)],
-                "x_step": step[("float32", c)] / step[("bfloat16", c)],
-            }
-        )
+    tps = {(v, c): run_ours(llms[v], prompts, a, sp) for c, a in configs.items() for v in VARIANTS}
+    rows = [row(c, tps, step) for c in configs]
     print(
         f"SmolLM2-135M, {n} requests x {args.max_tokens} tokens, rank {args.rank} on all 7 "
-        f"projections, {args.threads} threads; dtype=auto here serves {auto}"
+        f"projections, {args.threads} threads; dtype=auto here serves {auto}; fp32_lora16: "
+        f"float32 with the adapters in bfloat16 (--lora-dtype bfloat16)"
     )
-    print_table(
-        rows,
-        [
-            "workload",
-            "fp32_tok_s",
-            "bf16_tok_s",
-            "x_tok_s",
-            "fp32_step_ms",
-            "bf16_step_ms",
-            "x_step",
-        ],
-        "bfloat16 over float32 (x > 1: bf16 faster)",
-    )
+    print_table(rows, list(rows[0]), "over float32 (x > 1: faster than float32)")
     path = write_json("bench_dtype", {"args": vars(args), "auto_dtype": auto, "rows": rows})
     plot(rows)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def row(config: str, tps: dict, step: dict) -> dict:
+    """One workload's tok/s and decode step ms per variant, and each over float32's."""
+    out: dict = {"workload": config}
+    for v in VARIANTS:
+        out[f"{v}_tok_s"] = tps[(v, config)]
+    for v in VARIANTS:
+        out[f"{v}_step_ms"] = step[(v, config)]
+    for v in list(VARIANTS)[1:]:
+        out[f"x_tok_s_{v}"] = tps[(v, config)] / tps[("fp32", config)]
+        out[f"x_step_{v}"] = step[("fp32", config)] / step[(v, config)]
+    return out
+
+
 def step_times(args, llms: dict, prompts, configs: dict, sp) -> dict:
-    """Median decode step ms per (dtype, config), interleaved over --rounds rounds."""
-    per_round = {(d, c): [] for d in DTYPES for c in configs}
+    """Median decode step ms per (variant, config), interleaved over --rounds rounds."""
+    per_round = {(v, c): [] for v in VARIANTS for c in configs}
     for _ in range(args.rounds):
         for c, adapters in configs.items():
-            for d, llm in llms.items():
-                per_round[(d, c)].append(
+            for v, llm in llms.items():
+                per_round[(v, c)].append(
                     decode_step_time(llm, prompts, adapters, sp, args.decode_steps)
                 )
     return {k: statistics.median(v) * 1e3 for k, v in per_round.items()}
@@ -100,12 +98,13 @@ def plot(rows) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [r["workload"] for r in rows]
-    for i, (key, label) in enumerate((("fp32_tok_s", "float32"), ("bf16_tok_s", "bfloat16"))):
+    width = 0.8 / len(VARIANTS)
+    for i, v in enumerate(VARIANTS):
         ax.bar(
-            [x + (i - 0.5) * 0.4 for x in range(len(rows))],
-            [r[key] for r in rows],
-            0.4,
-            label=label,
+            [x + (i - (len(VARIANTS) - 1) / 2) * width for x in range(len(rows))],
+            [r[f"{v}_tok_s"] for r in rows],
+            width,
+            label=v,
         )
     ax.set_xticks(range(len(rows)), labels)
     ax.set_ylabel("generated tokens / s")
