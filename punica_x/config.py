@@ -256,6 +256,9 @@ class BatchConfig:
         return self.mlfq_working_set or 4 * self.max_batch_size
 
 
+MAX_ATTENTION_WORKERS = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -269,7 +272,15 @@ class EngineConfig:
     # decode steps replayed from CUDA graphs (on CUDA, with the torch attention backend;
     # punica_x/engine/cuda_graphs.py); False: every step eager
     cuda_graphs: bool = True
+    # Lamina (punica_x/attention/lamina.py): attention and the KV on this many attention
+    # workers, each holding a slice of the KV heads (must divide the model's); 0: none
+    attention_workers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        n = self.attention_workers
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_ATTENTION_WORKERS:
+            raise ValueError(
+                f"attention_workers must be an integer in 0..{MAX_ATTENTION_WORKERS}, got {n!r}"
+            )

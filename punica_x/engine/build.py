@@ -15,25 +15,34 @@ from punica_x.config import EngineConfig
 from punica_x.dtypes import dtype_name
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.kv.blocks import KVCache, KVCacheSpec
+from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 
 log = logging.getLogger("punica_x.engine.engine")
 
 
-def build_kv(
-    config: EngineConfig, dims, device: torch.device, dtype: torch.dtype
-) -> tuple[KVCache, SwapPool | None, Batcher]:
-    """The paged KV cache (cache.num_blocks, or as many as cache.kv_cache_bytes hold), and
-    under the mlfq policy its host swap pool with an MLFQBatcher; else no pool and FCFS.
-    With cache.prefix_caching the batcher reuses cached prefixes (kv/prefix.py)."""
+def kv_geometry(config: EngineConfig, dims, dtype: torch.dtype) -> tuple[KVCacheSpec, int]:
+    """(the KV cache's spec, its block count: cache.num_blocks, or as many as
+    cache.kv_cache_bytes hold)."""
     cache_config = config.cache
     spec = KVCacheSpec(
         dims.num_layers, dims.num_kv_heads, dims.head_dim, cache_config.block_size, dtype
     )
     size = cache_config.kv_cache_bytes or cache_config.DEFAULT_KV_CACHE_BYTES
-    num_blocks = cache_config.num_blocks or max(1, size // spec.bytes_per_block)
-    cache = KVCache(spec, num_blocks, device)
+    return spec, cache_config.num_blocks or max(1, size // spec.bytes_per_block)
+
+
+def build_kv(
+    config: EngineConfig, dims, device: torch.device, dtype: torch.dtype, workers=None
+) -> tuple[KVCache, SwapPool | None, Batcher]:
+    """The paged KV cache (kv_geometry), and under the mlfq policy its host swap pool with
+    an MLFQBatcher; else no pool and FCFS. With cache.prefix_caching the batcher reuses
+    cached prefixes (kv/prefix.py). workers: Lamina's attention workers (WorkerRef), which
+    then hold the blocks' data (kv/head_split.py)."""
+    cache_config = config.cache
+    spec, num_blocks = kv_geometry(config, dims, dtype)
+    cache = HeadSplitKV(spec, num_blocks, workers) if workers else KVCache(spec, num_blocks, device)
     swap = None
     if config.batch.policy != "mlfq":
         batcher = Batcher(cache, config.batch)

@@ -10,6 +10,7 @@ import logging
 from punica_x.attention.dist import DistContext
 from punica_x.kv import swap_home
 from punica_x.kv.borrowing import KVBorrowing
+from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.rmanager import KVBorrower, LendCaps, RManager
 from punica_x.kv.swap_home import Pick
 from punica_x.runtime import Request
@@ -45,6 +46,11 @@ class DistKVPart:
             raise ValueError(
                 "DistKV runs with the fcfs policy: the mlfq policy's KV swapping does not "
                 "move borrowed blocks"
+            )
+        if isinstance(self.cache, HeadSplitKV):
+            raise ValueError(
+                "DistKV does not run with attention workers (Lamina): the KV lives on the "
+                "attention workers, which lend none"
             )
         d = self.dims
         if any(d.layer_windows) or d.attn_softcap:

@@ -16,7 +16,7 @@ from punica_x.core import (
     TokenLogprob,
     new_request_id,
 )
-from punica_x.engine import memory, report
+from punica_x.engine import lamina_part, memory, report
 from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, serving_dtypes
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
@@ -87,10 +87,13 @@ class Engine:
             dict(self.model.edge_digests),
         )
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
-        self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype)
-        self.planner = BatchPlanner(
-            target, config.cache.block_size, device, build_attention(config, d, device, dtype)
-        )
+        attention = build_attention(config, d, device, dtype)
+        workers = None
+        if config.attention_workers:  # Lamina: attention and KV on attention workers
+            workers = lamina_part.local_workers(config, d, device, dtype, attention.name)
+            attention = lamina_part.model_side(workers)
+        self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype, workers)
+        self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
         self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -52,10 +52,10 @@ def import_kv(cache: KVCache, req: Request, kv: KVSnapshot) -> None:
     """Take a live copy's KV. Without room for it, the request recomputes instead, as if no
     KV had come (the scheduler placed it where there was room, so this is rare)."""
     data = kv.blocks
-    if tuple(data.shape[1:]) != tuple(cache.kv.shape[1:]):
+    if tuple(data.shape[1:]) != cache.block_shape:
         raise ValueError(
             f"the KV copy has blocks of shape {tuple(data.shape[1:])}; this runner's are "
-            f"{tuple(cache.kv.shape[1:])}"
+            f"{cache.block_shape}"
         )
     n = min(kv.num_tokens, req.num_tokens - 1)  # at least one token left to compute
     if n <= 0 or data.shape[0] < blocks_needed(n, cache.block_size):

@@ -165,17 +165,32 @@ class KVCache:
         block_ids.extend(new)
         return True
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's shape, (L, 2, N_kv, P, D)."""
+        s = self.spec
+        return (s.num_layers, 2, s.num_kv_heads, s.block_size, s.head_dim)
+
+    def read_blocks(self, ids: list[int]) -> torch.Tensor:
+        """A copy of blocks `ids`, [n, L, 2, N_kv, P, D], on the cache's device (the one
+        place, with write_blocks, that block data leaves or enters: a cache whose KV lives
+        elsewhere overrides both)."""
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
+        return self.kv.index_select(0, index)
+
+    def write_blocks(self, ids: list[int], data: torch.Tensor) -> None:
+        """Write data [len(ids), L, 2, N_kv, P, D] (any device) into blocks `ids`."""
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(0, index, data.to(self.kv.device, self.kv.dtype, non_blocking=True))
+
     def export_blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """A copy of the blocks holding the first num_tokens tokens of a block table, on the
         CPU: [n, L, 2, N_kv, P, D] (n = blocks_needed(num_tokens)), for another runner."""
-        ids = block_ids[: blocks_needed(num_tokens, self.block_size)]
-        index = torch.tensor(ids, dtype=torch.int64, device=self.kv.device)
-        return self.kv.index_select(0, index).cpu()
+        return self.read_blocks(block_ids[: blocks_needed(num_tokens, self.block_size)]).cpu()
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write export_blocks' tensor into the first len(blocks) blocks of a table."""
-        index = torch.tensor(block_ids[: blocks.shape[0]], dtype=torch.int64, device=self.kv.device)
-        self.kv.index_copy_(0, index, blocks.to(self.kv.device, self.kv.dtype))
+        self.write_blocks(block_ids[: blocks.shape[0]], blocks)
 
     def release(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)

@@ -49,9 +49,8 @@ class SwapPool:
         ids = self.host.allocator.allocate(n) if self.host is not None and n > 0 else None
         if ids is None:
             return False
-        src = torch.tensor(r.block_ids[:n], dtype=torch.int64, device=cache.kv.device)
         dst = torch.tensor(ids, dtype=torch.int64)
-        self.host.kv.index_copy_(0, dst, cache.kv.index_select(0, src).to("cpu"))
+        self.host.kv.index_copy_(0, dst, cache.read_blocks(r.block_ids[:n]).to("cpu"))
         cache.release(r.block_ids)
         r.host_block_ids = ids
         self.stats.swaps_out += 1
@@ -65,9 +64,7 @@ class SwapPool:
         if not cache.ensure_capacity(r.block_ids, r.num_computed_tokens):
             return False
         src = torch.tensor(r.host_block_ids, dtype=torch.int64)
-        dst = torch.tensor(r.block_ids[:n], dtype=torch.int64, device=cache.kv.device)
-        data = self.host.kv.index_select(0, src)
-        cache.kv.index_copy_(0, dst, data.to(cache.kv.device, non_blocking=True))
+        cache.write_blocks(r.block_ids[:n], self.host.kv.index_select(0, src))
         self.release(r)
         self.stats.swaps_in += 1
         self.stats.bytes_in += n * self.bytes_per_block

@@ -47,7 +47,7 @@ def bring_home(
         new = cache.allocator.allocate(len(ids))
         if new is None:  # cannot happen: its own debtor just freed as many here
             raise RuntimeError(f"DGFM: no room on {runner_id} for {len(ids)} blocks")
-        cache.kv[new] = kv.to(cache.kv.device, cache.kv.dtype)
+        cache.write_blocks(new, kv)
         _relocate(requests[rid], creditor, ids, runner_id, new)
 
 
