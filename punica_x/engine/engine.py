@@ -17,7 +17,7 @@ from punica_x.core import (
     new_request_id,
 )
 from punica_x.engine import lamina_part, memory, report
-from punica_x.engine.build import build_attention, build_decode_graphs, build_kv, serving_dtypes
+from punica_x.engine.build import build_decode_graphs, build_kv, serving_dtypes
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
@@ -51,10 +51,13 @@ class Engine:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         probe: memory.MemoryProbe | None = None,
+        attention_launcher=None,
     ) -> None:
         """probe: how memory planning (config.memory) reads the device (punica_x/engine/
-        memory.py; None: the device's own probe)."""
+        memory.py; None: the device's own probe). attention_launcher: starts the attention
+        workers of config.attention_workers (engine/lamina_part.py; None: in this process)."""
         self.config = config = config or EngineConfig()
+        self.attention_launcher = attention_launcher
         device, dtype, self.lora_dtype = serving_dtypes(config)  # refused before any load
         self.device, self.dtype = device, dtype  # the serving dtype (weights, KV)
         self.loaded = loaded or load_model(config.model)
@@ -87,11 +90,7 @@ class Engine:
             dict(self.model.edge_digests),
         )
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
-        attention = build_attention(config, d, device, dtype)
-        workers = None
-        if config.attention_workers:  # Lamina: attention and KV on attention workers
-            workers = lamina_part.local_workers(config, d, device, dtype, attention.name)
-            attention = lamina_part.model_side(workers)
+        attention, workers = lamina_part.attention_and_workers(self, config)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype, workers)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
         self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
@@ -397,3 +396,4 @@ class Engine:
 
     def shutdown(self) -> None:
         self.adapters.shutdown()
+        lamina_part.close(self.attention_launcher)

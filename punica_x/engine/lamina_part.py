@@ -8,7 +8,7 @@ import torch
 
 from punica_x.attention.lamina import HeadSplitAttention, WorkerRef
 from punica_x.config import EngineConfig
-from punica_x.engine.build import kv_geometry
+from punica_x.engine.build import build_attention, kv_geometry
 from punica_x.kv.attention_worker import AttentionWorker, WorkerSpec, head_slices
 
 
@@ -35,14 +35,38 @@ def worker_specs(config: EngineConfig, dims, dtype: torch.dtype, backend: str) -
     ]
 
 
-def local_workers(
-    config: EngineConfig, dims, device: torch.device, dtype: torch.dtype, backend: str
+def build_workers(
+    config: EngineConfig,
+    dims,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    launcher=None,
 ) -> list[WorkerRef]:
-    """config.attention_workers AttentionWorkers in this process, on `device`."""
+    """config.attention_workers attention workers: AttentionWorkers in this process on
+    `device`, or what launcher(specs, device) starts (e.g. scheduler/lamina/launcher.py's
+    ProcessWorkers: a process each, reached over the DistKV data plane)."""
     specs = worker_specs(config, dims, dtype, backend)
+    if launcher is not None:
+        return launcher(specs, device)
     return [WorkerRef(AttentionWorker(spec, device), spec.heads) for spec in specs]
 
 
-def model_side(workers: list[WorkerRef], runner_id: str = "model") -> HeadSplitAttention:
-    """The model worker's attention backend over `workers`."""
-    return HeadSplitAttention(workers, runner_id)
+def attention_and_workers(engine, config: EngineConfig) -> tuple:
+    """(the attention backend, the attention workers) of an engine being built for `config`:
+    the device's backend and None without attention workers; else the workers (build_workers,
+    with the backend's kernels, started by engine.attention_launcher) and the model worker's
+    HeadSplitAttention over them."""
+    d, device, dtype = engine.model.dims, engine.device, engine.dtype
+    attention = build_attention(config, d, device, dtype)
+    if not config.attention_workers:
+        return attention, None
+    launcher = engine.attention_launcher
+    workers = build_workers(config, d, device, dtype, attention.name, launcher)
+    return HeadSplitAttention(workers, "model"), workers
+
+
+def close(launcher) -> None:
+    """Stop the attention workers a launcher started (nothing for in-process ones)."""
+    if launcher is not None and hasattr(launcher, "close"):
+        launcher.close()

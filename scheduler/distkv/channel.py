@@ -16,7 +16,10 @@ code runs over TCP between nodes.
 Frames (little endian), one message each way per call:
     prepare  b"P" + pickle(MicroPlan)                       -> b"\\0"
     run      b"R" + _RUN header + q | k | v raw bytes       -> b"\\0" + out | lse raw bytes
+    get      b"G" + pickle(block ids)                       -> b"\\0" + pickle(tensor)
+    set      b"S" + pickle((block ids, tensor))             -> b"\\0"
     failure                                                 -> b"\\1" + pickle(exception)
+get and set serve Lamina's attention workers, whose blocks a model worker swaps and copies.
 The first message on a connection is the debtor's runner id (pickled). A creditor that is
 gone (closed socket, no reply within CALL_TIMEOUT_S, or its rManager stopped) surfaces as
 PeerLost on the debtor."""
@@ -43,6 +46,7 @@ CALL_TIMEOUT_S = 30.0
 _RUN = struct.Struct("<IdB5I")  # layer, scale, dtype code, R, H_q, D, W, N_kv
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OK, _ERR = b"\0", b"\1"
+_BLOCK_FRAMES = (b"G", b"S")
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,14 @@ class KVChannelServer:
                 msg = memoryview(conn.recv_bytes())
                 self.frames += 1
                 try:
-                    if msg[0:1] == b"P":
+                    kind = msg[0:1]
+                    if kind == b"P":
                         micro = self.handler.prepare(debtor, pickle.loads(msg[1:]))
                         conn.send_bytes(_OK)
+                    elif kind in _BLOCK_FRAMES:
+                        conn.send_bytes(_OK + _blocks(self.handler, kind, msg[1:]))
+                    elif kind != b"R":
+                        raise ValueError(f"unknown frame kind {bytes(kind)!r}")
                     else:
                         if micro is None:
                             raise RuntimeError("run before prepare")
@@ -184,6 +193,17 @@ def _run(micro, msg: memoryview) -> bytes:
     out, lse = micro.run(layer, q, k, v, scale)
     out = out.to(dtype)
     return b"".join((_OK, _raw(out), _raw(lse.to(torch.float32))))
+
+
+def _blocks(handler, kind: bytes, body: memoryview) -> bytes:
+    """A block frame: b"G" reads blocks (pickle(ids) -> pickle(tensor)), b"S" writes them
+    (pickle((ids, tensor)) -> nothing), where the handler keeps whole blocks (Lamina's
+    attention workers: punica_x/kv/attention_worker.py)."""
+    if kind == b"G":
+        return pickle.dumps(handler.read_blocks(pickle.loads(body)))
+    ids, data = pickle.loads(body)
+    handler.write_blocks(ids, data)
+    return b""
 
 
 def _dump(exc: Exception) -> bytes:
@@ -229,6 +249,14 @@ class KVChannel:
         out = _tensor(reply[1 : 1 + n], q.dtype, (rows, heads, dim))
         lse = _tensor(reply[1 + n :], torch.float32, (rows, heads))
         return out, lse
+
+    def read_blocks(self, ids: list[int]) -> torch.Tensor:
+        """The owner's data of blocks `ids` (a peer that keeps whole blocks)."""
+        return pickle.loads(self._call(b"G" + pickle.dumps(list(ids)))[1:])
+
+    def write_blocks(self, ids: list[int], data: torch.Tensor) -> None:
+        """Write data [len(ids), ...] into the owner's blocks `ids`."""
+        self._call(b"S" + pickle.dumps((list(ids), data.contiguous())))
 
     def _call(self, frame: bytes) -> memoryview:
         with self._lock:

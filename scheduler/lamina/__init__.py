@@ -1,0 +1,7 @@
+"""Lamina (seed 003): attention workers in processes of their own, reached over the DistKV
+data plane (scheduler/distkv/channel.py).
+
+- worker_process.py: an attention worker's process (an AttentionWorker behind a
+  KVChannelServer) and how a model worker starts one;
+- launcher.py: ProcessWorkers, the engine's attention-worker launcher for those processes.
+"""
