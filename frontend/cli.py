@@ -4,7 +4,7 @@
     punica-x prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
     punica-x serve [--model PATH] [--quantization auto|none|int8|int4]
                    [--quant-activations int16|int8|float] [--dtype auto|float32|...]
-                   [--lora-dtype auto|bfloat16|...]
+                   [--lora-dtype auto|bfloat16|...] [--attention-workers N]
                    [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
     punica-x admin tenant weight NAME W
@@ -89,7 +89,7 @@ def server_config(args, limits):
         devices=devices,
         ray_address=args.ray_address,
         autoscale=args.autoscale,
-        distkv=not args.no_distkv,
+        distkv=not args.no_distkv and not engine.attention_workers,  # their KV lends none
         fair_share=not args.no_fair_share,
         restart_runners=not args.no_runner_restart,
     )
@@ -159,7 +159,7 @@ def engine_config(args):
         engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
     if args.no_prefix_caching:
         engine = replace(engine, cache=replace(engine.cache, prefix_caching=False))
-    return engine
+    return replace(engine, attention_workers=args.attention_workers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +263,15 @@ def _quant_args(s) -> None:
 
 def _memory_args(s) -> None:
     """serve's options about each runner's memory (punica_x/engine/memory.py)."""
+    s.add_argument(
+        "--attention-workers",
+        type=int,
+        default=0,
+        help="Lamina: each runner becomes a model worker (weights, adapters, no KV) whose "
+        "attention and KV cache run on this many attention worker processes, each holding a "
+        "slice of every request's KV heads (the count must divide the model's KV heads); "
+        "0 (default): runners keep their own KV. DistKV is off with attention workers",
+    )
     s.add_argument(
         "--memory-utilization",
         type=float,

@@ -42,3 +42,11 @@ class ProcessWorkers:
         for proc in self.processes:
             proc.stop()
         self.channels, self.processes = [], []
+
+
+def attention_launcher(config, runner_id: str, threads: int = 1) -> ProcessWorkers | None:
+    """A runner's launcher: ProcessWorkers when its config asks for attention workers
+    (EngineConfig.attention_workers), else None."""
+    if not config.attention_workers:
+        return None
+    return ProcessWorkers(runner_id, threads)

@@ -24,6 +24,7 @@ from punica_x.api import (
     Resume,
     SamplingParams,
 )
+from scheduler.lamina.launcher import attention_launcher
 from scheduler.runners.interface import describe_runner
 
 
@@ -40,7 +41,9 @@ class LocalRunner:
         loaded = None
         if shared is not None:  # the same weights; a tokenizer of its own (not thread-safe)
             loaded = dataclasses.replace(shared, tokenizer=copy.deepcopy(shared.tokenizer))
-        self.engine = Engine(config, loaded)
+        self.engine = Engine(
+            config, loaded, attention_launcher=attention_launcher(config, runner_id)
+        )
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
         self.info = describe_runner(self.engine.describe())
         self.tokenizer = self.engine.tokenizer

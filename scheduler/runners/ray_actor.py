@@ -28,13 +28,15 @@ class RunnerActor(KVActorMethods):
         import torch
 
         from punica_x.api import AsyncEngine, Engine
+        from scheduler.lamina.launcher import attention_launcher
 
         # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
         # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
         threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         self.runner_id = runner_id
-        self.engine = Engine(config)
+        launcher = attention_launcher(config, runner_id, threads)
+        self.engine = Engine(config, attention_launcher=launcher)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
         self.info_ = describe_runner(self.engine.describe())
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
