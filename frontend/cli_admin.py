@@ -85,12 +85,36 @@ def _status(base: str, token: str) -> int:
     return 0
 
 
+def _worker_rows(r: dict) -> list[tuple[str, ...]]:
+    """A model worker's attention workers, one row each under it: its pid in the backend
+    column, its role with the KV heads it holds ("attention[0:1]"), and the runner's KV
+    blocks (it holds a slice of each)."""
+    kv = f"{r['kv_blocks_used']}/{r['kv_blocks_free']}"
+    return [
+        (
+            f"  {r['id']}/attention-{w['index']}",
+            f"pid={w['pid']}",
+            str(w["node"] or "-"),
+            r["state"],
+            f"attention[{w['kv_heads'][0]}:{w['kv_heads'][1]}]",
+            "-",
+            "-",
+            kv,
+            "-",
+            "-",
+            "-",
+        )
+        for w in r.get("attention_workers", ())
+    ]
+
+
 def _runner_table(data: dict) -> str:
     head = (
         "ID",
         "BACKEND",
         "NODE",
         "STATE",
+        "ROLE",
         "RUNNING",
         "WAITING",
         "KV USED/FREE",
@@ -111,6 +135,7 @@ def _runner_table(data: dict) -> str:
                 r["backend"],
                 str(r["node"] or "-"),
                 r["state"],
+                r.get("role", "runner"),
                 str(r["running"]),
                 str(r["waiting"]),
                 f"{r['kv_blocks_used']}/{r['kv_blocks_free']}",
@@ -119,6 +144,7 @@ def _runner_table(data: dict) -> str:
                 str(r["resident_adapters"]),
             )
         )
+        rows += _worker_rows(r)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [title]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]

@@ -30,6 +30,11 @@ class RunnerRow:
     prefix_cache_hits: int = 0
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
     resident_adapters: int = 0
+    # "runner" (weights and KV), or "model" under Lamina, whose attention and KV are on its
+    # attention_workers: {role, index, pid, node, kv_heads [first, end)} each
+    role: str = "runner"
+    attention_workers: tuple[dict, ...] = ()
+    attention_worker_losses: int = 0
     error: str | None = None
     replaces: str | None = None  # the dead runner it was started in place of
 
@@ -61,4 +66,10 @@ def runner_row(slot) -> RunnerRow:
         prefix_cache_hits=s.prefix_cache_hits,
         prefix_cache=s.prefix_cache,
         resident_adapters=len(h.resident_adapters()),
+        role="model" if s.attention_workers else "runner",
+        attention_workers=tuple(
+            dict(role="attention", index=i, pid=pid, node=node, kv_heads=[lo, hi])
+            for i, pid, node, lo, hi in s.attention_workers
+        ),
+        attention_worker_losses=s.attention_worker_losses,
     )

@@ -76,6 +76,10 @@ def _totals(s):
         "preemptions": ("requests preempted for KV memory (recomputed)", s.preemptions),
         "mlfq_pauses": ("running requests paused for higher-priority ones (MLFQ)", s.pauses),
         "engine_aborts": ("requests aborted in a runner (a client left, a cancel)", s.aborts),
+        "attention_worker_losses": (
+            "attention workers lost and replaced (Lamina; their requests recomputed)",
+            s.attention_worker_losses,
+        ),
         "prefix_cache_queries": (
             "prompt tokens looked up in the prefix cache",
             s.prefix_cache_queries,

@@ -14,6 +14,7 @@ process, or a KVChannel to one in another process or node (the DistKV data plane
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,6 +60,10 @@ class HeadSplitAttention:
         self.workers = list(workers)
         self.runner_id = runner_id
         self.pool = pool or ThreadPoolExecutor(len(workers), thread_name_prefix="lamina")
+        # layers' attention calls sent to the workers and their wall time in the step's
+        # thread (attention on the workers plus the exchange): counters for benchmarks
+        self.calls = 0
+        self.seconds = 0.0
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> HeadSplitPlan:
         plan = step_plan(spans, block_size)
@@ -110,7 +115,10 @@ class HeadSplitPlan:
             vs = v[:, h.kv_heads()].contiguous()
             return step.run(layer, qs.contiguous(), ks.contiguous(), vs, scale)
 
+        t0 = time.perf_counter()
         parts = self.backend._each(call)
+        self.backend.calls += 1
+        self.backend.seconds += time.perf_counter() - t0
         if len(parts) == 1:
             return parts[0]
         out = torch.cat([o.to(q.dtype) for o, _ in parts], dim=1)

@@ -110,6 +110,7 @@ class Engine:
         # the requests the current (or last) step runs: the ones to suspect when it raises
         self.scheduled_ids: tuple[str, ...] = ()
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
+        self.attention_worker_losses = 0  # Lamina's attention workers lost and replaced
 
     def describe(self) -> report.EngineInfo:
         """What this engine is (device, model, LoRA and KV limits): punica_x/engine/report.py."""
@@ -298,7 +299,7 @@ class Engine:
             if logits is None:
                 logits = self.model(batch, self.cache.kv, self.sgmv)
         except PeerLost as exc:
-            self.distkv.lost_peer(exc.owner)
+            lamina_part.lost_peer(self, exc.owner)
             return None
         return batch, ordered, logits
 

@@ -4,12 +4,17 @@ attention backend over them."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from punica_x.attention.lamina import HeadSplitAttention, WorkerRef
 from punica_x.config import EngineConfig
 from punica_x.engine.build import build_attention, kv_geometry
 from punica_x.kv.attention_worker import AttentionWorker, WorkerSpec, head_slices
+from punica_x.kv.head_split import HeadSplitKV
+
+log = logging.getLogger(__name__)
 
 
 def worker_specs(config: EngineConfig, dims, dtype: torch.dtype, backend: str) -> list[WorkerSpec]:
@@ -70,3 +75,34 @@ def close(launcher) -> None:
     """Stop the attention workers a launcher started (nothing for in-process ones)."""
     if launcher is not None and hasattr(launcher, "close"):
         launcher.close()
+
+
+def lost_peer(engine, owner: str) -> None:
+    """A peer holding KV of this step is gone: under Lamina an attention worker (lost_worker),
+    else a DistKV creditor (DistKVPart.lost_peer)."""
+    if isinstance(engine.cache, HeadSplitKV):
+        lost_worker(engine, owner)
+    else:
+        engine.distkv.lost_peer(owner)
+
+
+def lost_worker(engine, owner: str) -> None:
+    """Attention worker `owner` ("attention-<index>") is gone with its slice of every block:
+    it is replaced (restart: a fresh process, or a fresh cache in this one), every request
+    holding blocks recomputes from its tokens (Lamina 4.5: the frontend's tokens are the
+    state), and no cached prefix is trusted any more. Swapped-out copies on the host are
+    whole and stay. The step that met the loss runs again, with the others, next step."""
+    engine.attention_worker_losses += 1
+    log.warning("attention worker %s is gone: replacing it; its requests recompute", owner)
+    cache, batcher = engine.cache, engine.batcher
+    for ref in cache.workers:
+        if f"attention-{ref.heads.index}" == owner:
+            ref.peer.restart()
+    for r in list(batcher.running):
+        batcher.preempt(r)
+    for r in engine.requests.values():  # paused (MLFQ) requests hold blocks too
+        if r.block_ids:
+            cache.release(r.block_ids)
+            r.num_computed_tokens = 0
+            r.num_preemptions += 1
+    cache.allocator.forget_names()

@@ -9,6 +9,8 @@ its gauges are read without a lock (a snapshot, not a ledger)."""
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -85,6 +87,10 @@ class EngineStats:
     cuda_graphs: int = 0
     cuda_graph_steps: int = 0
     eager_decode_steps: int = 0
+    # Lamina (punica_x/attention/lamina.py): attention workers lost and replaced, and each
+    # worker as (index, pid, node, first KV head, end KV head); () without attention workers
+    attention_worker_losses: int = 0
+    attention_workers: tuple[tuple[int, int, str, int, int], ...] = ()
 
     @classmethod
     def total(cls, per: list[EngineStats], waiting: int = 0) -> EngineStats:
@@ -92,8 +98,9 @@ class EngineStats:
         total = {
             f.name: sum(getattr(p, f.name) for p in per)
             for f in fields(cls)
-            if f.name != "prefix_cache"
+            if f.name not in ("prefix_cache", "attention_workers")
         }
+        total["attention_workers"] = tuple(w for p in per for w in p.attention_workers)
         total["waiting"] += waiting
         merged: dict[str, tuple[int, int]] = {}
         for adapter, queries, hits in (row for p in per for row in p.prefix_cache):
@@ -196,7 +203,21 @@ def stats(e) -> EngineStats:
         **_distkv_gauges(e),
         **_prefix_counters(e),
         **_graph_counters(e),
+        attention_worker_losses=e.attention_worker_losses,
+        attention_workers=worker_rows(e.cache),
     )
+
+
+def worker_rows(cache) -> tuple[tuple[int, int, str, int, int], ...]:
+    """Lamina's attention workers of a cache (kv/head_split.py) as (index, pid, node, first
+    KV head, end KV head): a worker in a process of its own reports its pid, one in the
+    engine's process the engine's; () for a cache of its own."""
+    node = platform.node()
+    rows = []
+    for ref in getattr(cache, "workers", ()):
+        pid = getattr(ref.peer, "pid", None) or os.getpid()
+        rows.append((ref.heads.index, int(pid), node, ref.heads.lo, ref.heads.hi))
+    return tuple(rows)
 
 
 def _graph_counters(e) -> dict:

@@ -114,6 +114,11 @@ class AttentionWorker:
         """This worker is gone: every later call raises PeerLost."""
         self.alive = False
 
+    def restart(self) -> None:
+        """Serve again with an empty cache (a replaced worker: what it held is lost)."""
+        self.cache = KVCache(self.spec.cache_spec(), self.spec.num_blocks, self.device)
+        self.alive = True
+
     def _check(self) -> None:
         if not self.alive:
             raise PeerLost(f"attention-{self.spec.heads.index}", "the attention worker is gone")

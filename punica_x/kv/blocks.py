@@ -99,6 +99,15 @@ class BlockAllocator:
             self._cached[digest] = block
             return True
 
+    def forget_names(self) -> None:
+        """Every block's content is gone (the attention worker holding a slice of every block
+        was replaced): no block is named any more, unreferenced cached ones are free."""
+        with self._lock:
+            self._free.extend(reversed(self._lru))
+            self._lru.clear()
+            self._cached.clear()
+            self._hash = [None] * self.num_blocks
+
     def lookup(self, digests: list[bytes]) -> list[int]:
         """The blocks named by the longest prefix of `digests` that is cached, each with a
         new reference taken (they are no longer evictable until freed)."""

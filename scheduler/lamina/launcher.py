@@ -11,8 +11,57 @@ import secrets
 
 from punica_x.attention.lamina import WorkerRef
 from punica_x.kv.attention_worker import WorkerSpec
+from punica_x.kv.rmanager import PeerLost
 from scheduler.distkv.channel import KVChannel
 from scheduler.lamina.worker_process import WorkerProcess, start_worker
+
+
+class RemoteWorker:
+    """An attention worker in a process of its own, as the model worker's peer: prepare /
+    read_blocks / write_blocks go over its KVChannel; restart() replaces the process (a
+    fresh one, empty KV) when the old one died."""
+
+    def __init__(self, spec: WorkerSpec, launcher: ProcessWorkers) -> None:
+        self.spec, self.launcher = spec, launcher
+        self.owner = f"attention-{spec.heads.index}"
+        self.process: WorkerProcess | None = None
+        self.channel: KVChannel | None = None
+        self.start()
+
+    def start(self) -> None:
+        ln = self.launcher
+        self.process = start_worker(self.spec, ln.authkey, ln.threads)
+        address, node = self.process.address, platform.node()
+        self.channel = KVChannel(self.owner, address, ln.model_id, node, ln.authkey)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.process is not None:
+            self.process.stop()
+        self.channel = self.process = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    def prepare(self, debtor: str, plan) -> KVChannel:
+        return self._channel().prepare(debtor, plan)
+
+    def read_blocks(self, ids: list[int]):
+        return self._channel().read_blocks(ids)
+
+    def write_blocks(self, ids: list[int], data) -> None:
+        self._channel().write_blocks(ids, data)
+
+    def _channel(self) -> KVChannel:
+        if self.channel is None:
+            raise PeerLost(self.owner, "the attention worker is stopped")
+        return self.channel
 
 
 class ProcessWorkers:
@@ -23,25 +72,17 @@ class ProcessWorkers:
         self.model_id = model_id
         self.threads = threads
         self.authkey = secrets.token_bytes(32)
-        self.processes: list[WorkerProcess] = []
-        self.channels: list[KVChannel] = []
+        self.workers: list[RemoteWorker] = []
 
     def __call__(self, specs: list[WorkerSpec], device=None) -> list[WorkerRef]:
         self.close()
-        node = platform.node()
-        for spec in specs:
-            proc = start_worker(spec, self.authkey, self.threads)
-            self.processes.append(proc)
-            owner = f"attention-{spec.heads.index}"
-            self.channels.append(KVChannel(owner, proc.address, self.model_id, node, self.authkey))
-        return [WorkerRef(ch, spec.heads) for ch, spec in zip(self.channels, specs)]
+        self.workers = [RemoteWorker(spec, self) for spec in specs]
+        return [WorkerRef(w, w.spec.heads) for w in self.workers]
 
     def close(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        for proc in self.processes:
-            proc.stop()
-        self.channels, self.processes = [], []
+        for w in self.workers:
+            w.stop()
+        self.workers = []
 
 
 def attention_launcher(config, runner_id: str, threads: int = 1) -> ProcessWorkers | None:

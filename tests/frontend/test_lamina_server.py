@@ -6,6 +6,7 @@ counts that would, and bad values of the flag stop the command."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -51,6 +52,33 @@ def test_base_and_adapter_outputs_equal_the_plain_server(lamina_server, server, 
     for model in (server.model_id, "lam"):
         want = completions(server, key, model)
         assert_same(want, completions(lamina_server, lamina_key, model))
+
+
+def test_admin_lists_the_model_worker_and_its_attention_workers(lamina_server):
+    with lamina_server.http(lamina_server.admin_token) as c:
+        (row,) = c.get("/admin/runners").json()["runners"]
+    assert row["role"] == "model" and row["attention_worker_losses"] == 0
+    workers = row["attention_workers"]
+    assert [(w["role"], w["index"], w["kv_heads"]) for w in workers] == [
+        ("attention", 0, [0, 1]),
+        ("attention", 1, [1, 2]),
+    ]
+    assert len({row["pid"], *(w["pid"] for w in workers)}) == 3  # three processes
+    assert lamina_server.metric("punica_x_attention_worker_losses_total") == 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "admin", "status", "--url", lamina_server.url],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PUNICA_X_ADMIN_TOKEN": lamina_server.admin_token},
+    )
+    assert shown.returncode == 0, shown.stderr
+    lines = [line.split() for line in shown.stdout.splitlines()]
+    assert [line[0] for line in lines[2:5]] == [
+        "runner-0",
+        "runner-0/attention-0",
+        "runner-0/attention-1",
+    ]
+    assert lines[2][4] == "model" and lines[3][4] == "attention[0:1]"
 
 
 def test_a_count_that_does_not_divide_the_kv_heads_is_refused(srv_model_dir, tmp_path):

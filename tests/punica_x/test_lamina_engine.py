@@ -122,3 +122,29 @@ def test_distkv_is_refused_with_attention_workers(tiny_model_dir):
     engine = tiny_llm(tiny_model_dir, attention_workers=2).engine
     with pytest.raises(ValueError, match="attention workers"):
         engine.distkv.enable("r0", borrower=None, caps=LendCaps(max_blocks=4))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "mlfq"])
+def test_a_lost_worker_is_replaced_and_its_requests_recompute(
+    tiny_model_dir, tiny_adapters, policy
+):
+    """A worker that stops mid-run (its slice of every block gone): the step that meets it
+    ends, the worker restarts empty, every request with blocks recomputes, cached prefixes
+    are forgotten, and the tokens are the plain engine's."""
+    kw = dict(policy=policy, prefix_caching=True)
+    batch = prompts(6, shared=20)
+    plain = run(make(tiny_model_dir, tiny_adapters, **kw), batch)
+    llm = make(tiny_model_dir, tiny_adapters, attention_workers=2, **kw)
+    engine = llm.engine
+    reqs = [engine.add_request(p, SP, a) for p, a in zip(batch, ADAPTERS)]
+    while min(len(r.output_token_ids) for r in reqs) < 4:
+        engine.step()
+    engine.cache.workers[0].peer.stop()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.attention_worker_losses == 1 and engine.cache.workers[0].peer.alive
+    assert all(r.num_preemptions >= 1 for r in reqs)
+    for want, r in zip(plain, reqs):
+        assert want.token_ids == r.output_token_ids
+        for x, y in zip(want.logprobs, r.logprobs, strict=True):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-5

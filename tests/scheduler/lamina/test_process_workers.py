@@ -5,9 +5,12 @@ shutdown stops them."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import platform
 import random
+import signal
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
@@ -57,12 +60,13 @@ def test_outputs_equal_the_plain_engine(engines):
     for (tokens, logprobs), (tokens2, logprobs2) in zip(want, got):
         assert tokens == tokens2
         assert max(abs(a - b) for a, b in zip(logprobs, logprobs2)) <= 1e-5
-    assert len(launcher.processes) == 2 and all(p.process.is_alive() for p in launcher.processes)
+    assert len(launcher.workers) == 2
+    assert all(w.process.process.is_alive() for w in launcher.workers)
 
 
 def test_a_peer_without_the_key_is_refused_and_the_worker_serves_on(engines):
     plain, split, launcher = engines
-    address = launcher.processes[0].address
+    address = launcher.workers[0].process.address
     with pytest.raises((AuthenticationError, EOFError, ConnectionError)):
         Client(address.unix, "AF_UNIX", authkey=b"not the key, 16 bytes at least")
     prompt = [[7, 8, 9, 10]]
@@ -75,7 +79,7 @@ def test_a_peer_without_the_key_is_refused_and_the_worker_serves_on(engines):
 )
 def test_malformed_frames_get_an_error_and_the_worker_serves_on(engines, frame):
     plain, split, launcher = engines
-    address = launcher.processes[1].address
+    address = launcher.workers[1].process.address
     channel = KVChannel("attention-1", address, "other", platform.node(), launcher.authkey)
     try:
         with pytest.raises(Exception) as info:
@@ -87,10 +91,38 @@ def test_malformed_frames_get_an_error_and_the_worker_serves_on(engines, frame):
     assert generate(split, prompt, ["r8"]) == generate(plain, prompt, ["r8"])
 
 
+def test_a_killed_worker_is_replaced_and_every_stream_finishes_the_same(engines):
+    """SIGKILL of an attention worker mid-stream: the next step finds it gone, a fresh
+    process replaces it and every request recomputes its KV from its tokens, to the plain
+    engine's tokens, within seconds of the death."""
+    plain, split, launcher = engines
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    adapters = ["r16", None, "r8", None]
+    want = generate(plain, prompts, adapters)
+    reqs = [split.add_request(p, SP, a) for p, a in zip(prompts, adapters)]
+    while min(len(r.output_token_ids) for r in reqs) < 3:
+        split.step()
+    old = launcher.workers[1].pid
+    os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
+    while split.attention_worker_losses == 0:
+        split.step()
+    split.step()  # the first step on the new worker
+    assert time.monotonic() - killed < 10
+    while split.has_unfinished():
+        split.step()
+    assert launcher.workers[1].pid not in (0, old)
+    got = [(r.output_token_ids, [t.logprob for t in r.logprobs]) for r in reqs]
+    for (tokens, logprobs), (tokens2, logprobs2) in zip(want, got):
+        assert tokens == tokens2
+        assert max(abs(a - b) for a, b in zip(logprobs, logprobs2)) <= 1e-5
+
+
 def test_shutdown_stops_the_worker_processes(tiny_model_dir):
     launcher = ProcessWorkers(threads=1)
     engine = Engine(config(tiny_model_dir, attention_workers=1), attention_launcher=launcher)
-    procs = [p.process for p in launcher.processes]
+    procs = [w.process.process for w in launcher.workers]
     assert len(procs) == 1 and procs[0].is_alive()
     engine.shutdown()
-    assert not procs[0].is_alive() and launcher.processes == []
+    assert not procs[0].is_alive() and launcher.workers == []
