@@ -57,6 +57,12 @@ def tensor_bytes(path) -> int:
 SHAPE_SERVERS = [
     ("punica-x Q4_0", "punica-x", "Q4_0", ("--quantization", "auto")),
     ("punica-x x:int8 Q4_0", "punica-x", "Q4_0", ("--quantization", "auto", *X8)),
+    (
+        "punica-x x:int8 lora:bf16 Q4_0",
+        "punica-x",
+        "Q4_0",
+        ("--quantization", "auto", *X8, *LORA16),
+    ),
     ("llama.cpp Q4_0", "llama.cpp", "Q4_0", ()),
 ]
 
