@@ -57,6 +57,10 @@ _WHERE: dict[str, str] = {
     "MicroPlan": "punica_x.kv.rmanager",
     "PeerLost": "punica_x.kv.rmanager",
     "RemoteExtent": "punica_x.core",
+    # Lamina: attention workers a runner starts in processes of its own
+    "AttentionWorker": "punica_x.kv.attention_worker",
+    "WorkerSpec": "punica_x.kv.attention_worker",
+    "WorkerRef": "punica_x.attention.lamina",
     # process wiring
     "freeze_heap": "punica_x.heap",
     "thaw": "punica_x.heap",

@@ -9,9 +9,7 @@ from __future__ import annotations
 import platform
 import secrets
 
-from punica_x.attention.lamina import WorkerRef
-from punica_x.kv.attention_worker import WorkerSpec
-from punica_x.kv.rmanager import PeerLost
+from punica_x.api import PeerLost, WorkerRef, WorkerSpec
 from scheduler.distkv.channel import KVChannel
 from scheduler.lamina.worker_process import WorkerProcess, start_worker
 

@@ -11,7 +11,7 @@ import platform
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from punica_x.kv.attention_worker import WorkerSpec
+from punica_x.api import WorkerSpec
 from scheduler.distkv.channel import ChannelAddress
 
 START_TIMEOUT_S = 120.0  # a fresh process imports torch and allocates its KV slice
@@ -67,7 +67,7 @@ def _main(spec: WorkerSpec, authkey: bytes, pipe: Connection, threads: int) -> N
     """The worker process: serve until the parent's end of `pipe` closes."""
     import torch
 
-    from punica_x.kv.attention_worker import AttentionWorker
+    from punica_x.api import AttentionWorker
     from scheduler.distkv.channel import KVChannelServer
 
     try:
