@@ -84,15 +84,7 @@ async def run_raw_clients(
         async def worker():
             while not queue.empty():
                 model, prompt = queue.get_nowait()
-                body = {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                    "ignore_eos": True,
-                }
+                body = stream_body(model, prompt, max_tokens, usage=True)
                 async with http.stream("POST", "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
@@ -103,6 +95,22 @@ async def run_raw_clients(
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         return time.perf_counter() - start, tokens[0]
+
+
+def stream_body(model: str, prompt, max_tokens: int, usage: bool = False) -> dict:
+    """A streamed greedy completion's body (ignore_eos: every request makes max_tokens);
+    usage: ask for the usage chunk at the end."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -125,14 +133,7 @@ async def open_loop_rate(
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as http:
 
         async def one(model, prompt):
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }
+            body = stream_body(model, prompt, max_tokens)
             last = start = time.perf_counter()
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
