@@ -67,16 +67,16 @@ class HeadSplitAttention:
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> HeadSplitPlan:
         plan = step_plan(spans, block_size)
-        steps = self._each(lambda w: w.peer.prepare(self.runner_id, plan))
+        steps = self._each(lambda i, w: w.peer.prepare(self.runner_id, plan))
         rows = sum(sp.num_rows for sp in spans)
         return HeadSplitPlan(self, steps, rows)
 
     def _each(self, fn) -> list:
-        """fn(worker) for every worker, concurrently; the results in worker order (the first
-        failure raised after all have finished)."""
+        """fn(index, worker) for every worker, concurrently; the results in worker order (the
+        first failure raised after all have finished)."""
         if len(self.workers) == 1:
-            return [fn(self.workers[0])]
-        futures = [self.pool.submit(fn, w) for w in self.workers]
+            return [fn(0, self.workers[0])]
+        futures = [self.pool.submit(fn, i, w) for i, w in enumerate(self.workers)]
         errors = [f.exception() for f in futures]
         for exc in errors:
             if exc is not None:
@@ -105,15 +105,12 @@ class HeadSplitPlan:
         if held is None or held[0] != layer:
             raise RuntimeError(f"attend() of layer {layer} without its write_kv()")
         _, k, v = held
-        workers = self.backend.workers
-        index = {id(w): i for i, w in enumerate(workers)}
 
-        def call(w: WorkerRef):
-            h = w.heads
-            qs, ks = q[:, h.q_heads()], k[:, h.kv_heads()]
-            step = self.steps[index[id(w)]]
-            vs = v[:, h.kv_heads()].contiguous()
-            return step.run(layer, qs.contiguous(), ks.contiguous(), vs, scale)
+        def call(i: int, w: WorkerRef):
+            qs, ks, vs = q[:, w.heads.q_heads()], k[:, w.heads.kv_heads()], v[:, w.heads.kv_heads()]
+            return self.steps[i].run(
+                layer, qs.contiguous(), ks.contiguous(), vs.contiguous(), scale
+            )
 
         t0 = time.perf_counter()
         parts = self.backend._each(call)
