@@ -20,6 +20,7 @@ _WHERE: dict[str, str] = {
     "TokenLogprob": "punica_x.core",
     "MAX_LOGPROBS": "punica_x.core",
     "Resume": "punica_x.core",
+    "KVSnapshot": "punica_x.core",
     "JSON_OBJECT": "punica_x.sampling.structured",
     "canonical_schema": "punica_x.sampling.structured",
     # refusals and failures

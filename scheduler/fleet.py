@@ -79,6 +79,11 @@ class RunnerSlot:
     replace_due: bool = False  # dead, and to be replaced once an event loop runs
     where: tuple = (None, None, None)  # node, pid, device (kept after the handle is let go)
     prefix: PrefixIndex | None = None  # what it holds in its prefix cache, as we believe
+    # dead: its handle, kept after it is let go while its requests' KV is taken off its
+    # attention workers (a Lamina model worker's live on: scheduler/lamina/rescue.py), and
+    # the rescues running
+    rescue: object | None = None
+    rescuing: int = 0
 
     def snapshot(self) -> RunnerSnapshot:
         h = self.handle
@@ -206,6 +211,8 @@ class Fleet:
         log.error("runner %s failed: %s; its requests continue elsewhere", slot.runner_id, error)
         draining = slot.state == "draining"
         slot.state, slot.error = "dead", error
+        if getattr(slot.handle, "lamina", None) is not None:
+            slot.rescue = slot.handle  # its attention workers outlive it, with their KV
         self.hooks.runner_left(slot)
         self.failures[slot.runner_id] += 1
         if not draining:  # (a runner being drained was on its way out anyway)

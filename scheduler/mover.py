@@ -7,7 +7,9 @@ prompt + generated tokens, see punica_x.core.Resume) or imports the KV copied al
 (policy/migration.py's cost model picks). Either way the client's stream continues with no token
 missing or repeated, and greedy and seeded output equal a run that never moved.
 
-A request whose runner died continues from what the client was sent. Poison requests: one
+A request whose runner died continues from what the client was sent: it recomputes, or,
+when the runner was a Lamina model worker whose attention workers live on, it takes its KV
+from them (failure, copy: scheduler/lamina/rescue.py). Poison requests: one
 that was in QUARANTINE_STEPS failed steps in a row (no token in between) ends with an error
 and is never moved again; one whose runners failed under it MAX_FAILURES times ends too."""
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 
 from punica_x.api import RunnerLost
@@ -41,7 +44,6 @@ class Mover:
                 (reason, mode): 0
                 for reason in REASONS
                 for mode in (RECOMPUTE, COPY)
-                if not (reason == "failure" and mode == COPY)
             }
         )
         self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
@@ -159,7 +161,32 @@ class Mover:
             stream.fail(f"the request failed on {stream.failures} runners; last: {error}")
             return
         stream.resume = stream.resume_point()
-        self.migrations[("failure", "recompute")] += 1
+        if slot is not None and slot.rescue is not None and _may_take_kv(stream):
+            slot.rescuing += 1
+            asyncio.get_running_loop().create_task(self._rescued(stream, slot))
+            return
+        self.migrations[("failure", RECOMPUTE)] += 1
+        self.dispatch.requeue(stream)
+        self.dispatch.kick()
+
+    async def _rescued(self, stream: ClusterStream, slot: RunnerSlot) -> None:
+        """Requeue a dead runner's stream with its KV from the runner's attention workers
+        (all its tokens but the last one the client was sent), or to recompute without.
+        The last of the runner's streams to be rescued lets its attention workers go."""
+        resume = stream.resume
+        n = len(stream.prompt) + len(resume.output_token_ids) - 1
+        try:
+            kv = await asyncio.to_thread(slot.rescue.rescue_kv, stream.request_id, n)
+        except Exception as exc:  # the data plane's own failures give None; anything else
+            log.warning("rescuing %s's KV failed: %s", stream.request_id, exc)
+            kv = None
+        slot.rescuing -= 1
+        if not slot.rescuing and not slot.streams:
+            handle, slot.rescue = slot.rescue, None
+            await asyncio.to_thread(handle.release_lamina)
+        if kv is not None and stream.resume is resume:
+            stream.resume = dataclasses.replace(resume, kv=kv)
+        self.migrations[("failure", COPY if kv is not None else RECOMPUTE)] += 1
         self.dispatch.requeue(stream)
         self.dispatch.kick()
 
@@ -170,3 +197,13 @@ class Mover:
                 if stream.inner is not None and not stream.moving:
                     await self.migrate(stream, "drain", mode=mode)
             await asyncio.sleep(0.01)  # requests still being opened there, or finishing
+
+
+def _may_take_kv(stream: ClusterStream) -> bool:
+    """A stream can continue from a KV copy: it has streamed tokens (before the first one its
+    prompt's KV may be incomplete) and needs no prompt logprobs it has not got."""
+    resume = stream.resume
+    if resume is None or not resume.output_token_ids or stream.closed:
+        return False
+    wants = stream.sampling.prompt_logprobs is not None
+    return not wants or len(resume.prompt_logprobs or ()) == len(stream.prompt)

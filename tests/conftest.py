@@ -30,6 +30,15 @@ def cpu_isa(request) -> str:
 
 
 @pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray for the whole test session (no dashboard), shut down at its end."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -15,6 +15,7 @@ process, or a KVChannel to one in another process or node (the DistKV data plane
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,32 +34,42 @@ class WorkerRef:
     heads: HeadSlice
 
 
-def step_plan(spans: list[SeqSpan], block_size: int) -> MicroPlan:
+def step_plan(spans: list[SeqSpan], block_size: int, tables=None) -> MicroPlan:
     """The MicroPlan every worker gets for a step: the spans and, in row order, the block
-    and offset of each row's new K/V (a span's rows are the last num_rows of kv_len)."""
+    and offset of each row's new K/V (a span's rows are the last num_rows of kv_len);
+    tables: MicroPlan.tables (None: unchanged since the last plan)."""
     blocks: list[int] = []
     offsets: list[int] = []
     for sp in sorted(spans, key=lambda s: s.row_start):
         for pos in range(sp.kv_len - sp.num_rows, sp.kv_len):
             blocks.append(sp.block_ids[pos // block_size])
             offsets.append(pos % block_size)
-    return MicroPlan((), tuple(spans), tuple(blocks), tuple(offsets))
+    return MicroPlan((), tuple(spans), tuple(blocks), tuple(offsets), tables)
 
 
 class HeadSplitAttention:
     """The attention "backend" of a model worker: plans go to the workers (module doc).
     runner_id names this model worker to them; pool runs the workers' calls concurrently
-    (None: a thread pool of one thread per worker, made here)."""
+    (None: a thread pool of one thread per worker, made here). tables: returns the block
+    tables of every request holding blocks (MicroPlan.tables), sent with a plan when they
+    changed, so that the workers can give a dead model worker's KV to its successor (None:
+    never sent)."""
 
     name = "lamina"
 
     def __init__(
-        self, workers: list[WorkerRef], runner_id: str, pool: Executor | None = None
+        self,
+        workers: list[WorkerRef],
+        runner_id: str,
+        pool: Executor | None = None,
+        tables: Callable[[], tuple] | None = None,
     ) -> None:
         if not workers:
             raise ValueError("HeadSplitAttention needs at least one attention worker")
         self.workers = list(workers)
         self.runner_id = runner_id
+        self.tables = tables
+        self._sent_tables: tuple | None = None
         self.pool = pool or ThreadPoolExecutor(len(workers), thread_name_prefix="lamina")
         # layers' attention calls sent to the workers and their wall time in the step's
         # thread (attention on the workers plus the exchange): counters for benchmarks
@@ -66,10 +77,29 @@ class HeadSplitAttention:
         self.seconds = 0.0
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> HeadSplitPlan:
-        plan = step_plan(spans, block_size)
-        steps = self._each(lambda i, w: w.peer.prepare(self.runner_id, plan))
+        plan = step_plan(spans, block_size, self._changed_tables())
+        try:
+            steps = self._each(lambda i, w: w.peer.prepare(self.runner_id, plan))
+        except Exception:
+            self.forget_tables()
+            raise
         rows = sum(sp.num_rows for sp in spans)
         return HeadSplitPlan(self, steps, rows)
+
+    def _changed_tables(self) -> tuple | None:
+        """The block tables when they differ from those last sent, else None."""
+        if self.tables is None:
+            return None
+        tables = self.tables()
+        if tables == self._sent_tables:
+            return None
+        self._sent_tables = tables
+        return tables
+
+    def forget_tables(self) -> None:
+        """Send the tables with the next plan whatever they are (a worker was replaced, or a
+        plan failed: what the workers kept is unknown)."""
+        self._sent_tables = None
 
     def _each(self, fn) -> list:
         """fn(index, worker) for every worker, concurrently; the results in worker order (the

@@ -236,10 +236,8 @@ class Engine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with ERROR (used when a step raised)."""
-        return [
-            self._finish_and_emit(r, FinishReason.ERROR, error=error)
-            for r in list(self.requests.values())
-        ]
+        reqs = list(self.requests.values())
+        return [self._finish_and_emit(r, FinishReason.ERROR, error=error) for r in reqs]
 
     def has_unfinished(self) -> bool:
         return self.batcher.num_unfinished > 0
@@ -255,7 +253,9 @@ class Engine:
         self.scheduled_ids = ()
         self.adapters.poll()
         outputs = self._fail_broken_adapters()
-        schedule = self.batcher.schedule()
+        schedule = lamina_part.schedule(self)
+        if schedule is None:  # an attention worker was lost in a swap between steps
+            return outputs
         self.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
         outputs += self._end_unschedulable(schedule)
         tell_preempted(schedule.preempted)

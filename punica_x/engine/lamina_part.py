@@ -13,6 +13,7 @@ from punica_x.config import EngineConfig
 from punica_x.engine.build import build_attention, kv_geometry
 from punica_x.kv.attention_worker import AttentionWorker, WorkerSpec, head_slices
 from punica_x.kv.head_split import HeadSplitKV
+from punica_x.kv.rmanager import PeerLost
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,29 @@ def attention_and_workers(engine, config: EngineConfig) -> tuple:
         return attention, None
     launcher = engine.attention_launcher
     workers = build_workers(config, d, device, dtype, attention.name, launcher)
-    return HeadSplitAttention(workers, "model"), workers
+    return HeadSplitAttention(workers, "model", tables=lambda: block_tables(engine)), workers
+
+
+def block_tables(engine) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(request id, block ids) of every request of the engine holding blocks (running,
+    waiting or paused), as MicroPlan.tables sends them to the attention workers."""
+    return tuple((rid, tuple(r.block_ids)) for rid, r in engine.requests.items() if r.block_ids)
 
 
 def close(launcher) -> None:
     """Stop the attention workers a launcher started (nothing for in-process ones)."""
     if launcher is not None and hasattr(launcher, "close"):
         launcher.close()
+
+
+def schedule(engine):
+    """The batcher's schedule, or None when an attention worker was lost while it swapped
+    blocks (lost_peer has dealt with it; the requests run again next step)."""
+    try:
+        return engine.batcher.schedule()
+    except PeerLost as exc:
+        lost_peer(engine, exc.owner)
+        return None
 
 
 def lost_peer(engine, owner: str) -> None:
@@ -98,6 +115,8 @@ def lost_worker(engine, owner: str) -> None:
     for ref in cache.workers:
         if f"attention-{ref.heads.index}" == owner:
             ref.peer.restart()
+    if isinstance(engine.planner.attention, HeadSplitAttention):
+        engine.planner.attention.forget_tables()
     for r in list(batcher.running):
         batcher.preempt(r)
     for r in engine.requests.values():  # paused (MLFQ) requests hold blocks too

@@ -5,10 +5,12 @@ its KV copy imported)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from punica_x.core import KVSnapshot, Resume
 from punica_x.kv.blocks import KVCache, blocks_needed
+from punica_x.kv.rmanager import PeerLost
 from punica_x.kv.swap import SwapPool
 from punica_x.runtime import Request
 from punica_x.sampling.detokenizer import Detokenizer
@@ -63,7 +65,11 @@ def import_kv(cache: KVCache, req: Request, kv: KVSnapshot) -> None:
     if not cache.ensure_capacity(req.block_ids, n):
         log.info("no KV room for %s's copy: it recomputes", req.request_id)
         return
-    cache.import_blocks(req.block_ids, data)
+    try:
+        cache.import_blocks(req.block_ids, data)
+    except PeerLost as exc:  # an attention worker that held its slice is gone: the next
+        log.warning("KV copy of %s not imported (%s): it recomputes", req.request_id, exc)
+        return  # step meets the loss (engine/lamina_part.py) and replaces the worker
     req.num_computed_tokens = n
 
 
@@ -86,7 +92,8 @@ def resume_point(
         if req.host_block_ids:  # swapped out by the MLFQ batcher
             kv = KVSnapshot(n, swap.export(req))
         else:
-            kv = KVSnapshot(n, cache.export_blocks(req.block_ids, n))
+            with contextlib.suppress(PeerLost):  # its KV is lost with a worker: it recomputes
+                kv = KVSnapshot(n, cache.export_blocks(req.block_ids, n))
     return Resume(
         output_token_ids=tuple(req.output_token_ids),
         emitted_chars=detokenizer.emitted(req.request_id),

@@ -216,7 +216,8 @@ def worker_rows(cache) -> tuple[tuple[int, int, str, int, int], ...]:
     rows = []
     for ref in getattr(cache, "workers", ()):
         pid = getattr(ref.peer, "pid", None) or os.getpid()
-        rows.append((ref.heads.index, int(pid), node, ref.heads.lo, ref.heads.hi))
+        where = getattr(ref.peer, "node", None) or node  # a Ray actor may be on another node
+        rows.append((ref.heads.index, int(pid), where, ref.heads.lo, ref.heads.hi))
     return tuple(rows)
 
 

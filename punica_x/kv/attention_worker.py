@@ -101,6 +101,9 @@ class AttentionWorker:
         self.cache = KVCache(spec.cache_spec(), spec.num_blocks, self.device)
         self.attention = get_attention_backend(self.device, spec.backend, spec.dtype)
         self.alive = True
+        # the model worker's block tables as of its last plan (MicroPlan.tables): request
+        # id -> block ids, the place of a request's KV should the model worker die
+        self.tables: dict[str, tuple[int, ...]] = {}
         self.calls = 0  # per-layer attention calls served
         self.seconds = 0.0  # spent computing them
         self._lock = threading.Lock()
@@ -117,6 +120,7 @@ class AttentionWorker:
     def restart(self) -> None:
         """Serve again with an empty cache (a replaced worker: what it held is lost)."""
         self.cache = KVCache(self.spec.cache_spec(), self.spec.num_blocks, self.device)
+        self.tables = {}
         self.alive = True
 
     def _check(self) -> None:
@@ -134,10 +138,26 @@ class AttentionWorker:
             raise ValueError(f"block ids {bad[:8]} outside this attention worker's {n} blocks")
         if len(plan.write_blocks) != len(plan.write_offsets):
             raise ValueError("write_blocks and write_offsets differ in length")
+        if plan.tables is not None:
+            self._keep_tables(plan.tables)
         meta = self.attention.plan(list(plan.spans), self.spec.block_size, self.device)
         blocks = torch.tensor(plan.write_blocks, dtype=torch.int64, device=self.device)
         offsets = torch.tensor(plan.write_offsets, dtype=torch.int64, device=self.device)
         return _WorkerStep(self, meta, blocks, offsets)
+
+    def _keep_tables(self, tables) -> None:
+        n = self.spec.num_blocks
+        kept = {str(rid): tuple(int(b) for b in ids) for rid, ids in tables}
+        if any(not 0 <= b < n for ids in kept.values() for b in ids):
+            raise ValueError(f"a block table holds block ids outside this worker's {n} blocks")
+        self.tables = kept
+
+    def block_tables(self) -> dict[str, tuple[int, ...]]:
+        """The block tables of the model worker's last plan that sent them, less those whose
+        blocks were written since by write_blocks (a swap-in or a copy into blocks another
+        request held: what they point to is no longer that request's)."""
+        self._check()
+        return dict(self.tables)
 
     def read_blocks(self, ids: list[int]) -> torch.Tensor:
         """A copy of blocks `ids` of this slice, [n, L, 2, N_kv / W, P, D] on the CPU."""
@@ -148,6 +168,10 @@ class AttentionWorker:
     def write_blocks(self, ids: list[int], data: torch.Tensor) -> None:
         """Write read_blocks' tensor (this slice's heads) into blocks `ids`."""
         self._check()
+        written = set(ids)
+        stale = [rid for rid, t in self.tables.items() if written.intersection(t)]
+        for rid in stale:
+            del self.tables[rid]
         index = torch.tensor(ids, dtype=torch.int64, device=self.device)
         self.cache.kv.index_copy_(0, index, data.to(self.device, self.cache.kv.dtype))
 

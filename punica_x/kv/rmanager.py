@@ -70,6 +70,10 @@ class MicroPlan:
     spans: tuple[SeqSpan, ...]
     write_blocks: tuple[int, ...]
     write_offsets: tuple[int, ...]
+    # Lamina's attention workers only: every request holding blocks on the model worker,
+    # (request id, block table), when they changed since the last plan (None: unchanged).
+    # A worker keeps the latest, so the KV of a dead model worker's requests can be found.
+    tables: tuple[tuple[str, tuple[int, ...]], ...] | None = None
 
 
 class MicroAttention(Protocol):

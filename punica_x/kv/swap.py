@@ -49,8 +49,12 @@ class SwapPool:
         ids = self.host.allocator.allocate(n) if self.host is not None and n > 0 else None
         if ids is None:
             return False
-        dst = torch.tensor(ids, dtype=torch.int64)
-        self.host.kv.index_copy_(0, dst, cache.read_blocks(r.block_ids[:n]).to("cpu"))
+        try:  # the cache's data may be on peers (Lamina's attention workers), which can fail
+            data = cache.read_blocks(r.block_ids[:n]).to("cpu")
+        except BaseException:
+            self.host.allocator.free(ids)
+            raise
+        self.host.kv.index_copy_(0, torch.tensor(ids, dtype=torch.int64), data)
         cache.release(r.block_ids)
         r.host_block_ids = ids
         self.stats.swaps_out += 1
@@ -64,7 +68,11 @@ class SwapPool:
         if not cache.ensure_capacity(r.block_ids, r.num_computed_tokens):
             return False
         src = torch.tensor(r.host_block_ids, dtype=torch.int64)
-        cache.write_blocks(r.block_ids[:n], self.host.kv.index_select(0, src))
+        try:
+            cache.write_blocks(r.block_ids[:n], self.host.kv.index_select(0, src))
+        except BaseException:  # it stays swapped out, whole
+            cache.release(r.block_ids)
+            raise
         self.release(r)
         self.stats.swaps_in += 1
         self.stats.bytes_in += n * self.bytes_per_block

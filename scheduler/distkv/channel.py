@@ -18,8 +18,11 @@ Frames (little endian), one message each way per call:
     run      b"R" + _RUN header + q | k | v raw bytes       -> b"\\0" + out | lse raw bytes
     get      b"G" + pickle(block ids)                       -> b"\\0" + pickle(tensor)
     set      b"S" + pickle((block ids, tensor))             -> b"\\0"
+    tables   b"T"                                           -> b"\\0" + pickle(block tables)
     failure                                                 -> b"\\1" + pickle(exception)
-get and set serve Lamina's attention workers, whose blocks a model worker swaps and copies.
+get and set serve Lamina's attention workers, whose blocks a model worker swaps and copies;
+tables gives the block tables a worker kept from its model worker's plans (the KV of a dead
+model worker's requests, scheduler/lamina/rescue.py).
 The first message on a connection is the debtor's runner id (pickled). A creditor that is
 gone (closed socket, no reply within CALL_TIMEOUT_S, or its rManager stopped) surfaces as
 PeerLost on the debtor."""
@@ -46,7 +49,7 @@ CALL_TIMEOUT_S = 30.0
 _RUN = struct.Struct("<IdB5I")  # layer, scale, dtype code, R, H_q, D, W, N_kv
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OK, _ERR = b"\0", b"\1"
-_BLOCK_FRAMES = (b"G", b"S")
+_BLOCK_FRAMES = (b"G", b"S", b"T")
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,12 @@ class KVChannelServer:
                 self._conns.remove(conn)
             conn.close()
 
+    @property
+    def connections(self) -> int:
+        """Peers connected now (a model worker holds one connection while it lives)."""
+        with self._lock:
+            return len(self._conns)
+
     def close(self) -> None:
         self._closed = True
         for lis in self._listeners:
@@ -197,10 +206,12 @@ def _run(micro, msg: memoryview) -> bytes:
 
 def _blocks(handler, kind: bytes, body: memoryview) -> bytes:
     """A block frame: b"G" reads blocks (pickle(ids) -> pickle(tensor)), b"S" writes them
-    (pickle((ids, tensor)) -> nothing), where the handler keeps whole blocks (Lamina's
-    attention workers: punica_x/kv/attention_worker.py)."""
+    (pickle((ids, tensor)) -> nothing), b"T" gives the handler's block tables, where the
+    handler keeps whole blocks (Lamina's attention workers: punica_x/kv/attention_worker.py)."""
     if kind == b"G":
         return pickle.dumps(handler.read_blocks(pickle.loads(body)))
+    if kind == b"T":
+        return pickle.dumps(handler.block_tables())
     ids, data = pickle.loads(body)
     handler.write_blocks(ids, data)
     return b""
@@ -257,6 +268,10 @@ class KVChannel:
     def write_blocks(self, ids: list[int], data: torch.Tensor) -> None:
         """Write data [len(ids), ...] into the owner's blocks `ids`."""
         self._call(b"S" + pickle.dumps((list(ids), data.contiguous())))
+
+    def block_tables(self) -> dict[str, tuple[int, ...]]:
+        """The block tables the owner (an attention worker) kept from its model worker."""
+        return pickle.loads(self._call(b"T")[1:])
 
     def _call(self, frame: bytes) -> memoryview:
         with self._lock:

@@ -11,6 +11,7 @@ import secrets
 
 from punica_x.api import PeerLost, WorkerRef, WorkerSpec
 from scheduler.distkv.channel import KVChannel
+from scheduler.lamina.rescue import LaminaWorkers, WorkerAt
 from scheduler.lamina.worker_process import WorkerProcess, start_worker
 
 
@@ -81,6 +82,15 @@ class ProcessWorkers:
         for w in self.workers:
             w.stop()
         self.workers = []
+
+    def describe(self) -> LaminaWorkers:
+        """Where the workers are and their key (rescue.py reads their KV with it)."""
+        at = tuple(
+            WorkerAt(w.owner, w.process.address, w.spec.heads.lo, w.spec.heads.hi)
+            for w in self.workers
+            if w.process is not None
+        )
+        return LaminaWorkers(self.model_id, self.authkey, at)
 
 
 def attention_launcher(config, runner_id: str, threads: int = 1) -> ProcessWorkers | None:

@@ -28,15 +28,16 @@ class RunnerActor(KVActorMethods):
         import torch
 
         from punica_x.api import AsyncEngine, Engine
-        from scheduler.lamina.launcher import attention_launcher
+        from scheduler.lamina.ray_workers import ray_attention_launcher
 
         # Ray starts actors with OMP_NUM_THREADS=1; a runner wants every core it was given
         # (the thread backend's default too), or PUNICA_X_RUNNER_THREADS when set.
         threads = int(os.environ.get("PUNICA_X_RUNNER_THREADS", 0)) or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         self.runner_id = runner_id
-        launcher = attention_launcher(config, runner_id, threads)
-        self.engine = Engine(config, attention_launcher=launcher)
+        # attention workers as detached actors: they outlive this process, with its KV
+        self.launcher = ray_attention_launcher(config, runner_id, threads)
+        self.engine = Engine(config, attention_launcher=self.launcher)
         self.async_engine = AsyncEngine(self.engine, on_step_error="stop")
         self.info_ = describe_runner(self.engine.describe())
         self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"punica-x-{runner_id}-adapters-"))
@@ -49,6 +50,11 @@ class RunnerActor(KVActorMethods):
 
     def info(self) -> RunnerInfo:
         return self.info_
+
+    def lamina_workers(self):
+        """Where this model worker's attention workers are (rescue.LaminaWorkers), None
+        without them: the scheduler keeps it, to take their KV should this process die."""
+        return self.launcher.describe() if self.launcher is not None else None
 
     def stop_lending(self) -> None:
         self.engine.stop_lending()

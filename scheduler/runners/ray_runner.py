@@ -108,12 +108,17 @@ class RayRunner:
         self.actor = actor_cls.remote(config, runner_id)
         info: RunnerInfo = ray.get(self.actor.info.remote())
         self.info = info
+        # a Lamina model worker's attention workers (detached actors): where to take its
+        # requests' KV from should its process die (scheduler/lamina/rescue.py)
+        self.lamina = ray.get(self.actor.lamina_workers.remote())
+        self._lamina_losses = 0
+        self._rescue = None
+        self._rescue_lock = threading.Lock()
         self.tokenizer = None  # the scheduler brings its own (describe_model)
         self.error: str | None = None
         self._names: set[str] = set()
         self._streams: dict[str, tuple[Callable, Callable | None]] = {}
-        empty = EngineStats(0, 0, 0, info.kv_blocks_total, 0, 0, 0, 0)
-        self._snapshot = Snapshot(empty, frozenset(), frozenset())
+        _, self._snapshot = ray.get(self.actor.poll.remote(0, 0))  # its stats as it starts
         self._pump: asyncio.Task | None = None
         self._acked = 0  # highest event seq the pump has dispatched
         self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
@@ -191,6 +196,10 @@ class RayRunner:
                 self._lost(f"runner unreachable: {exc}")
                 return
             self._snapshot = snapshot
+            if snapshot.stats.attention_worker_losses != self._lamina_losses:
+                self._lamina_losses = snapshot.stats.attention_worker_losses
+                with contextlib.suppress(ray.exceptions.RayActorError):
+                    self.lamina = await self.actor.lamina_workers.remote()  # replaced ones
             self._dispatch(events)
             if events:
                 self._acked = max(self._acked, events[-1].seq)
@@ -219,6 +228,19 @@ class RayRunner:
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._delivered.pop(request_id, None)
+
+    def rescue_kv(self, request_id: str, num_tokens: int):
+        """The first num_tokens tokens' KV of a request of this dead runner, read off its
+        attention workers (a KVSnapshot), or None (no attention workers, or they do not
+        hold it). Blocking: the mover calls it on a worker thread."""
+        if self.lamina is None or self.error is None:
+            return None
+        from scheduler.lamina.rescue import KVRescue
+
+        with self._rescue_lock:
+            if self._rescue is None:
+                self._rescue = KVRescue(self.lamina, self.info.block_size)
+            return self._rescue.kv(request_id, num_tokens)
 
     def _lost(self, error: str) -> None:
         self.error = self.error or error
@@ -282,5 +304,20 @@ class RayRunner:
         if self.error is None:
             with contextlib.suppress(Exception):
                 ray.get(self.actor.shutdown.remote(), timeout=30)
+        died = self.error is not None
         self.error = self.error or "shut down"
         ray.kill(self.actor)
+        if not died:  # a dead one's attention workers wait for the rescue (release_lamina)
+            self.release_lamina()
+
+    def release_lamina(self) -> None:
+        """Stop this runner's attention workers (detached actors: they outlive the runner's
+        process unless stopped, or until they have been alone for ray_workers.ORPHAN_S)."""
+        if self.lamina is None:
+            return
+        from scheduler.lamina.rescue import stop_workers
+
+        with self._rescue_lock:
+            if self._rescue is not None:
+                self._rescue.close()
+        stop_workers(self.lamina)

@@ -148,3 +148,38 @@ def test_a_lost_worker_is_replaced_and_its_requests_recompute(
         assert want.token_ids == r.output_token_ids
         for x, y in zip(want.logprobs, r.logprobs, strict=True):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-5
+
+
+class _DiesOnSwap:
+    """A worker peer that dies at its first block read (an MLFQ swap-out between steps)."""
+
+    def __init__(self, peer) -> None:
+        self.peer = peer
+        self.reads = 0
+
+    def read_blocks(self, ids):
+        self.reads += 1
+        if self.reads == 1:
+            self.peer.stop()
+        return self.peer.read_blocks(ids)
+
+    def __getattr__(self, name):
+        return getattr(self.peer, name)
+
+
+def test_a_worker_lost_in_a_swap_between_steps_is_replaced(tiny_model_dir, tiny_adapters):
+    """The loss meets the batcher's swap-out, not the model's step: the step ends, the
+    worker is replaced, the host blocks the swap took are given back, and the tokens are the
+    plain engine's."""
+    kw = dict(policy="mlfq", num_blocks=12, swap_blocks=64, max_batch_size=8)
+    batch = prompts(3)
+    plain = run(make(tiny_model_dir, tiny_adapters, **kw), batch)
+    llm = make(tiny_model_dir, tiny_adapters, attention_workers=2, **kw)
+    ref = llm.engine.cache.workers[1]
+    dying = _DiesOnSwap(ref.peer)
+    llm.engine.cache.workers[1] = type(ref)(dying, ref.heads)
+    split = run(llm, batch)
+    assert dying.reads >= 1 and llm.engine.attention_worker_losses == 1
+    assert_identical(plain, split)
+    swap = llm.engine.swap
+    assert swap.host.allocator.num_free == swap.host.allocator.num_blocks  # none leaked

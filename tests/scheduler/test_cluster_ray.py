@@ -29,13 +29,6 @@ SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
     return EngineConfig(

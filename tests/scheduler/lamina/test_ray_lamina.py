@@ -1,0 +1,157 @@
+"""Lamina under Ray (scheduler/lamina/ray_workers.py): each model worker (a Ray runner) has
+its attention workers as Ray actors of their own. SIGKILL of a model worker's process
+mid-stream: its requests continue on another runner from the KV its attention workers still
+hold (nothing recomputed but the last token sent), with the greedy tokens of a run nobody
+killed; SIGKILL of an attention worker: it is replaced and its model worker's requests
+recompute, with the same tokens. Both within 10 s of the death."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from helpers import tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason
+from punica_x.request import EngineRequest
+
+pytest.importorskip("ray")
+
+from scheduler.cluster import Scheduler  # noqa: E402
+from scheduler.runners.ray_runner import RayRunner  # noqa: E402
+
+SP = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir)
+    llm.load_adapter("r8", str(tiny_adapters["r8"]))
+    prompts = [llm.tokenizer.encode(f"lamina request {i} wants tokens") for i in range(4)]
+    adapters = [None, "r8", "r8", None]
+    return prompts, adapters, [r.token_ids for r in llm.generate(prompts, adapters, SP)]
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray, tiny_model_dir, tiny_adapters):
+    from punica_x.models.loader import describe_model
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+        cache=CacheConfig(num_blocks=64),
+        batch=BatchConfig(max_batch_size=4),
+        attention_workers=2,
+    )
+
+    def factory(rid):
+        return RayRunner(config, rid)
+
+    sched = Scheduler(
+        [factory("runner-0"), factory("runner-1")],
+        factory,
+        tokenizer=describe_model(config.model).tokenizer,
+        distkv=False,  # the KV lives on the attention workers, which lend none
+    )
+    asyncio.run(sched.register_adapter("r8", tiny_adapters["r8"]))
+    yield sched
+    sched.shutdown()
+
+
+async def consume(stream, until=None):
+    tokens, last = [], None
+    async for out in stream:
+        tokens += out.new_token_ids
+        last = out
+        if until is not None and len(tokens) >= until:
+            break
+    return tokens, last
+
+
+def active(cluster) -> list:
+    return [s for s in cluster.slots if s.state == "active"]
+
+
+async def open_all(cluster, prompts, adapters, tag: str) -> list:
+    assert len(active(cluster)) == 2
+    streams = []
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        streams.append(await cluster.open(EngineRequest(p, SP, a, f"{tag}-{i}")))
+    return streams
+
+
+def test_attention_workers_are_actors_of_their_own(cluster, reference):
+    prompts, adapters, want = reference
+    rows = cluster.runners()
+    model_pids = {r.pid for r in rows}
+    workers = [w for r in rows for w in r.attention_workers]
+    assert [r.role for r in rows] == ["model", "model"] and len(workers) == 4
+    assert not {w["pid"] for w in workers} & (model_pids | {os.getpid()})
+
+    async def main():
+        streams = await open_all(cluster, prompts, adapters, "plain")
+        return await asyncio.gather(*(consume(s) for s in streams))
+
+    for (tokens, last), ref in zip(asyncio.run(main()), want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == ref
+
+
+def test_sigkill_of_a_model_worker_continues_from_its_kv(cluster, reference):
+    prompts, adapters, want = reference
+    before = dict(cluster.mover.migrations)
+
+    async def main():
+        streams = await open_all(cluster, prompts, adapters, "model-kill")
+        victim = streams[0].slot
+        on_victim = [s for s in streams if s.slot is victim]
+        heads = [await consume(s, until=8) for s in streams]
+        os.kill(victim.handle.info.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        took = time.monotonic() - killed
+        for _ in range(1200):  # its replacement starts on this loop: wait for it here
+            if len(active(cluster)) == 2:
+                break
+            await asyncio.sleep(0.1)
+        return heads, tails, took, len(on_victim)
+
+    heads, tails, took, moved = asyncio.run(main())
+    for (head, _), (tail, last), ref in zip(heads, tails, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + tail == ref
+    after = cluster.mover.migrations
+    assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
+    assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)
+    assert took < 10.0
+    assert [s.rescue for s in cluster.slots if s.state == "dead"] == [None]  # workers let go
+
+
+def test_sigkill_of_an_attention_worker_recomputes_its_requests(cluster, reference):
+    prompts, adapters, want = reference
+
+    async def main():
+        streams = await open_all(cluster, prompts, adapters, "worker-kill")
+        slot = streams[0].slot
+        losses = slot.handle.stats().attention_worker_losses
+        heads = [await consume(s, until=8) for s in streams]
+        pid = slot.handle.stats().attention_workers[1][1]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        took = time.monotonic() - killed
+        for _ in range(50):  # the runner's stats reach the scheduler with its next poll
+            if slot.handle.stats().attention_worker_losses > losses:
+                break
+            await asyncio.sleep(0.1)
+        return heads, tails, took, slot.handle.stats().attention_worker_losses - losses
+
+    heads, tails, took, lost = asyncio.run(main())
+    for (head, _), (tail, last), ref in zip(heads, tails, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + tail == ref
+    assert lost == 1 and took < 10.0
