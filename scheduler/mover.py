@@ -40,11 +40,7 @@ class Mover:
     def __init__(self, fleet: Fleet, dispatch: Dispatcher) -> None:
         self.fleet, self.dispatch = fleet, dispatch
         self.migrations: collections.Counter[tuple[str, str]] = collections.Counter(
-            {
-                (reason, mode): 0
-                for reason in REASONS
-                for mode in (RECOMPUTE, COPY)
-            }
+            {(reason, mode): 0 for reason in REASONS for mode in (RECOMPUTE, COPY)}
         )
         self.costs: dict[str, MigrationCosts] = dict(DEFAULT_COSTS)  # per backend
         self.quarantined = 0  # requests ended as poison (in QUARANTINE_STEPS failed steps)
@@ -163,11 +159,13 @@ class Mover:
         stream.resume = stream.resume_point()
         if slot is not None and slot.rescue is not None and _may_take_kv(stream):
             slot.rescuing += 1
-            asyncio.get_running_loop().create_task(self._rescued(stream, slot))
+            _background(self._rescued(stream, slot))
             return
         self.migrations[("failure", RECOMPUTE)] += 1
         self.dispatch.requeue(stream)
         self.dispatch.kick()
+        if slot is not None:
+            _let_workers_go(slot)
 
     async def _rescued(self, stream: ClusterStream, slot: RunnerSlot) -> None:
         """Requeue a dead runner's stream with its KV from the runner's attention workers
@@ -181,9 +179,7 @@ class Mover:
             log.warning("rescuing %s's KV failed: %s", stream.request_id, exc)
             kv = None
         slot.rescuing -= 1
-        if not slot.rescuing and not slot.streams:
-            handle, slot.rescue = slot.rescue, None
-            await asyncio.to_thread(handle.release_lamina)
+        _let_workers_go(slot)
         if kv is not None and stream.resume is resume:
             stream.resume = dataclasses.replace(resume, kv=kv)
         self.migrations[("failure", COPY if kv is not None else RECOMPUTE)] += 1
@@ -197,6 +193,23 @@ class Mover:
                 if stream.inner is not None and not stream.moving:
                     await self.migrate(stream, "drain", mode=mode)
             await asyncio.sleep(0.01)  # requests still being opened there, or finishing
+
+
+def _let_workers_go(slot: RunnerSlot) -> None:
+    """Once none of a dead runner's streams is left to rescue, stop its attention workers
+    (on a worker thread: Ray calls)."""
+    if slot.rescue is not None and not slot.rescuing and not slot.streams:
+        handle, slot.rescue = slot.rescue, None
+        _background(asyncio.to_thread(handle.release_lamina))
+
+
+_TASKS: set[asyncio.Task] = set()  # running background tasks (the loop keeps weak references)
+
+
+def _background(coro) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 def _may_take_kv(stream: ClusterStream) -> bool:

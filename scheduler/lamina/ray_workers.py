@@ -143,7 +143,9 @@ class RayWorkers:
     def describe(self) -> LaminaWorkers:
         """Where the workers are, for whoever takes over their KV should the model worker
         die (rescue.py): their actor names, addresses and head slices, and the key."""
-        at = tuple(WorkerAt(w.name, w.address, w.spec.heads.lo, w.spec.heads.hi) for w in self.workers)
+        at = tuple(
+            WorkerAt(w.name, w.address, w.spec.heads.lo, w.spec.heads.hi) for w in self.workers
+        )
         return LaminaWorkers(self.model_id, self.authkey, at)
 
 

@@ -12,6 +12,7 @@ punica_x/engine/moves.py) and recomputes nothing but the last token."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 from dataclasses import dataclass
@@ -96,7 +97,5 @@ def stop_workers(at: LaminaWorkers) -> None:
     import ray
 
     for w in at.workers:
-        try:
+        with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(w.name, namespace=NAMESPACE))
-        except ValueError:  # already gone
-            pass

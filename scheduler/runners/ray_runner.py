@@ -42,7 +42,7 @@ from punica_x.api import (
 )
 from scheduler.runners.interface import RunnerInfo
 from scheduler.runners.ray_actor import ADAPTER_FILES, RunnerActor
-from scheduler.runners.ray_events import Event, LostEvent, OutputEvent, PreemptEvent, Snapshot
+from scheduler.runners.ray_events import Event, LostEvent, OutputEvent, PreemptEvent
 
 __all__ = ["RayRunner", "RunnerActor", "ensure_ray"]
 _init_lock = threading.Lock()

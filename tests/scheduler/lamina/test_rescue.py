@@ -132,4 +132,3 @@ def test_bad_tables_are_refused_and_the_old_ones_kept(tables):
     with pytest.raises((ValueError, TypeError)):
         w.prepare("m", plan(tables))
     assert w.block_tables() == {"a": (1,)}
-
