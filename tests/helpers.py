@@ -326,3 +326,30 @@ def random_micro_plan(ids: tuple[int, ...], rng, block: int):
     slots = [(b[t // block], t % block) for t in range(len_b - chunk, len_b)]
     plan = MicroPlan(("ra", "rb"), spans, tuple(s[0] for s in slots), tuple(s[1] for s in slots))
     return plan, 1 + chunk, chunk
+
+
+async def consume(stream, until=None):
+    """(the token ids a cluster stream gives, its last output), reading until the stream
+    ends or, with `until`, until that many tokens have come."""
+    tokens, last = [], None
+    async for out in stream:
+        tokens += out.new_token_ids
+        last = out
+        if until is not None and len(tokens) >= until:
+            break
+    return tokens, last
+
+
+def ray_scheduler(config, runners: int = 2, **options):
+    """A Scheduler over `runners` Ray runners of `config` (runner-0, runner-1, ...), whose
+    factory starts more of the same (scale-up, replacements of dead ones)."""
+    from punica_x.models.loader import describe_model
+    from scheduler.cluster import Scheduler
+    from scheduler.runners.ray_runner import RayRunner
+
+    def factory(rid):
+        return RayRunner(config, rid)
+
+    started = [factory(f"runner-{i}") for i in range(runners)]
+    tokenizer = describe_model(config.model).tokenizer
+    return Scheduler(started, factory, tokenizer=tokenizer, **options)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import platform
-import secrets
 import threading
 import time
 import uuid
 
-from punica_x.api import PeerLost, WorkerRef, WorkerSpec
-from scheduler.distkv.channel import ChannelAddress, KVChannel
-from scheduler.lamina.rescue import NAMESPACE, LaminaWorkers, WorkerAt
+from punica_x.api import WorkerSpec
+from scheduler.distkv.channel import ChannelAddress
+from scheduler.lamina.peer import ChannelPeer, Launcher
+from scheduler.lamina.rescue import NAMESPACE
 
 ORPHAN_S = float(os.environ.get("PUNICA_X_LAMINA_ORPHAN_S", 60.0))
 
@@ -59,23 +59,20 @@ class AttentionActor:
                 os._exit(0)  # no model worker and nobody rescuing its KV: gone
 
 
-class ActorWorker:
-    """The model worker's side of one AttentionActor: prepare / read_blocks / write_blocks
-    over its KVChannel; restart() replaces the actor (a fresh one, empty KV)."""
+class ActorWorker(ChannelPeer):
+    """The model worker's side of one AttentionActor (detached: it outlives the model
+    worker's process, see the module doc)."""
 
     def __init__(self, spec: WorkerSpec, launcher: RayWorkers) -> None:
-        self.spec, self.launcher = spec, launcher
-        self.owner = f"attention-{spec.heads.index}"
         self.actor = None
-        self.channel: KVChannel | None = None
-        self.name, self.address, self.pid = "", None, 0
-        self.start()
+        self.pid = 0
+        super().__init__(spec, launcher)
 
     @property
     def node(self) -> str:
         return self.address.node if self.address is not None else ""
 
-    def start(self) -> None:
+    def _launch(self) -> ChannelAddress:
         import ray
 
         ln = self.launcher
@@ -88,65 +85,27 @@ class ActorWorker:
             max_concurrency=4,
         )
         self.actor = cls.remote(self.spec, ln.authkey, ln.threads, ln.orphan_s)
-        self.address, self.pid = ray.get(self.actor.where.remote())
-        self.channel = KVChannel(self.owner, self.address, ln.model_id, platform.node(), ln.authkey)
+        address, self.pid = ray.get(self.actor.where.remote())
+        return address
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
+    def _halt(self) -> None:
         import ray
 
-        if self.channel is not None:
-            self.channel.close()
         if self.actor is not None:
             ray.kill(self.actor)
-        self.channel = self.actor = None
-
-    def prepare(self, debtor: str, plan) -> KVChannel:
-        return self._channel().prepare(debtor, plan)
-
-    def read_blocks(self, ids: list[int]):
-        return self._channel().read_blocks(ids)
-
-    def write_blocks(self, ids: list[int], data) -> None:
-        self._channel().write_blocks(ids, data)
-
-    def _channel(self) -> KVChannel:
-        if self.channel is None:
-            raise PeerLost(self.owner, "the attention worker is stopped")
-        return self.channel
+        self.actor = self.address = None
 
 
-class RayWorkers:
+class RayWorkers(Launcher):
     """An engine's attention_launcher whose workers are AttentionActors; model_id names the
-    model worker to them, threads: torch threads per worker."""
+    model worker to them, threads: torch threads per worker; a worker alone for orphan_s
+    seconds exits."""
+
+    peer = ActorWorker
 
     def __init__(self, model_id: str, threads: int = 1, orphan_s: float = ORPHAN_S) -> None:
-        self.model_id = model_id
-        self.threads = threads
+        super().__init__(model_id, threads)
         self.orphan_s = orphan_s
-        self.authkey = secrets.token_bytes(32)
-        self.workers: list[ActorWorker] = []
-
-    def __call__(self, specs: list[WorkerSpec], device=None) -> list[WorkerRef]:
-        self.close()
-        self.workers = [ActorWorker(spec, self) for spec in specs]
-        return [WorkerRef(w, w.spec.heads) for w in self.workers]
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.workers = []
-
-    def describe(self) -> LaminaWorkers:
-        """Where the workers are, for whoever takes over their KV should the model worker
-        die (rescue.py): their actor names, addresses and head slices, and the key."""
-        at = tuple(
-            WorkerAt(w.name, w.address, w.spec.heads.lo, w.spec.heads.hi) for w in self.workers
-        )
-        return LaminaWorkers(self.model_id, self.authkey, at)
 
 
 def ray_attention_launcher(config, runner_id: str, threads: int = 1) -> RayWorkers | None:

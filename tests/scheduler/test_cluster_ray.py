@@ -13,7 +13,7 @@ import shutil
 import signal
 
 import pytest
-from helpers import tiny_llm
+from helpers import consume, ray_scheduler, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
@@ -55,16 +55,8 @@ def reference(tiny_model_dir, tiny_adapters):
 def cluster(local_ray, config, tiny_adapters, tmp_path_factory):
     """Two actors; the adapter is registered from a copy deleted right after, so the actors
     can only be serving the bytes they were sent."""
-    from punica_x.models.loader import describe_model
 
-    def factory(rid):
-        return RayRunner(config, rid)
-
-    sched = Scheduler(
-        [factory("runner-0"), factory("runner-1")],
-        factory,
-        tokenizer=describe_model(config.model).tokenizer,
-    )
+    sched = ray_scheduler(config)
     copy = tmp_path_factory.mktemp("shipped") / "r8"
     shutil.copytree(tiny_adapters["r8"], copy)
 
@@ -75,16 +67,6 @@ def cluster(local_ray, config, tiny_adapters, tmp_path_factory):
     shutil.rmtree(copy)
     yield sched
     sched.shutdown()
-
-
-async def consume(stream, until=None):
-    tokens, last = [], None
-    async for out in stream:
-        tokens += out.new_token_ids
-        last = out
-        if until is not None and len(tokens) >= until:
-            break
-    return tokens, last
 
 
 def test_runners_are_processes_and_place_by_consolidation(cluster, reference):

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from helpers import tiny_llm
+from helpers import consume, ray_scheduler, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
@@ -22,8 +22,6 @@ from punica_x.request import EngineRequest
 
 pytest.importorskip("ray")
 
-from scheduler.cluster import Scheduler  # noqa: E402
-from scheduler.runners.ray_runner import RayRunner  # noqa: E402
 
 SP = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -39,7 +37,6 @@ def reference(tiny_model_dir, tiny_adapters):
 
 @pytest.fixture(scope="module")
 def cluster(local_ray, tiny_model_dir, tiny_adapters):
-    from punica_x.models.loader import describe_model
 
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
@@ -48,28 +45,11 @@ def cluster(local_ray, tiny_model_dir, tiny_adapters):
         attention_workers=2,
     )
 
-    def factory(rid):
-        return RayRunner(config, rid)
-
-    sched = Scheduler(
-        [factory("runner-0"), factory("runner-1")],
-        factory,
-        tokenizer=describe_model(config.model).tokenizer,
-        distkv=False,  # the KV lives on the attention workers, which lend none
-    )
+    # distkv off: the KV lives on the attention workers, which lend none
+    sched = ray_scheduler(config, distkv=False)
     asyncio.run(sched.register_adapter("r8", tiny_adapters["r8"]))
     yield sched
     sched.shutdown()
-
-
-async def consume(stream, until=None):
-    tokens, last = [], None
-    async for out in stream:
-        tokens += out.new_token_ids
-        last = out
-        if until is not None and len(tokens) >= until:
-            break
-    return tokens, last
 
 
 def active(cluster) -> list:
