@@ -31,7 +31,8 @@ class RunnerRow:
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
     resident_adapters: int = 0
     # "runner" (weights and KV), or "model" under Lamina, whose attention and KV are on its
-    # attention_workers: {role, index, pid, node, kv_heads [first, end)} each
+    # attention_workers: {role, index, pid, node, kv_heads [first, end), kv_blocks_used} each
+    # (every worker holds its heads of every block the model worker uses)
     role: str = "runner"
     attention_workers: tuple[dict, ...] = ()
     attention_worker_losses: int = 0
@@ -68,7 +69,14 @@ def runner_row(slot) -> RunnerRow:
         resident_adapters=len(h.resident_adapters()),
         role="model" if s.attention_workers else "runner",
         attention_workers=tuple(
-            dict(role="attention", index=i, pid=pid, node=node, kv_heads=[lo, hi])
+            dict(
+                role="attention",
+                index=i,
+                pid=pid,
+                node=node,
+                kv_heads=[lo, hi],
+                kv_blocks_used=s.kv_blocks_used,  # a slice of the heads of each
+            )
             for i, pid, node, lo, hi in s.attention_workers
         ),
         attention_worker_losses=s.attention_worker_losses,

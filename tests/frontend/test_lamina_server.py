@@ -64,6 +64,7 @@ def test_admin_lists_the_model_worker_and_its_attention_workers(lamina_server):
         ("attention", 1, [1, 2]),
     ]
     assert len({row["pid"], *(w["pid"] for w in workers)}) == 3  # three processes
+    assert all(w["kv_blocks_used"] == row["kv_blocks_used"] for w in workers)
     assert lamina_server.metric("punica_x_attention_worker_losses_total") == 0
     shown = subprocess.run(
         [sys.executable, "-m", "frontend.cli", "admin", "status", "--url", lamina_server.url],
