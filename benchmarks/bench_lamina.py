@@ -7,9 +7,12 @@ workers hold it between them, the plain runner alone): `plain` (one runner, its 
 `proc-1` and `proc-2` (1 or 2 attention worker processes over the DistKV data plane, one
 torch thread each, the default of `serve --attention-workers`). Per engine and workload
 (Backbone: no adapter; Distinct: --requests rank-16 adapters), the median decode step with
-every request decoding (interleaved over --rounds rounds), split into attention (the wall
-time the step's thread waits for the workers' replies: their attention plus the exchange)
-and the rest (the model worker's own work), and decode tokens/s (requests / step).
+every request decoding (interleaved over --rounds rounds), split into model_ms (the model
+worker's own work: the step less its wait for the workers), attention_ms (the workers'
+attention compute, the slowest worker's, as they count it) and exchange_ms (the rest of the
+wait: sockets, pickling, the workers' scheduling), decode tokens/s (requests / step), and
+max_batch: the requests of this length the KV holds (the same memory in every variant, so
+the same batch: Lamina's larger batches need memory of the attention workers' own).
 
     python benchmarks/bench_lamina.py [--model qwen2.5-0.5b] [--requests 16] [--rounds 3]
 """
@@ -93,40 +96,52 @@ def decode_steps(engine, prompts, adapters, sp, steps: int) -> tuple[float, floa
     ):
         engine.step()
     backend = engine.planner.attention
-    times, waits = [], []
+    times, waits, computes = [], [], []
     for _ in range(steps):
-        before = getattr(backend, "seconds", 0.0)
+        before, worked = getattr(backend, "seconds", 0.0), worker_seconds(engine)
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
         waits.append(getattr(backend, "seconds", 0.0) - before)
+        computes.append(max((b - a for a, b in zip(worked, worker_seconds(engine))), default=0))
     for rid in list(engine.requests):
         engine.abort(rid)
-    return statistics.median(times), statistics.median(waits)
+    return statistics.median(times), statistics.median(waits), statistics.median(computes)
+
+
+def worker_seconds(engine) -> list[float]:
+    """Seconds each attention worker has spent computing attention so far (none: [])."""
+    return [ref.peer.counters()[1] for ref in getattr(engine.cache, "workers", ())]
+
+
+def max_batch(engine, tokens: int) -> int:
+    """Requests of `tokens` tokens each that the engine's KV blocks hold at once."""
+    block = engine.cache.block_size
+    return engine.cache.allocator.num_blocks // -(-tokens // block)
 
 
 def measure(args, engines: dict, prompts, workloads: dict) -> list[dict]:
     sp = SamplingParams(max_tokens=args.decode_steps + 8, temperature=0, ignore_eos=True)
-    step = {(v, w): [] for v in engines for w in workloads}
-    attn = {(v, w): [] for v in engines for w in workloads}
+    runs = {(v, w): [] for v in engines for w in workloads}  # (step, wait, compute) each
     for _ in range(args.rounds):
         for w, adapters in workloads.items():
             for v, engine in engines.items():
-                s, a = decode_steps(engine, prompts, adapters, sp, args.decode_steps)
-                step[(v, w)].append(s)
-                attn[(v, w)].append(a)
+                runs[(v, w)].append(decode_steps(engine, prompts, adapters, sp, args.decode_steps))
     rows = []
     n = len(prompts)
-    for (v, w), times in step.items():
-        s, a = statistics.median(times), statistics.median(attn[(v, w)])
-        plain = statistics.median(step[("plain", w)])
+    tokens = max(len(p) for p in prompts) + sp.max_tokens
+    for (v, w), got in runs.items():
+        s, wait, compute = (statistics.median(x) for x in zip(*got))
+        plain = statistics.median(x[0] for x in runs[("plain", w)])
         rows.append(
             {
                 "engine": v,
                 "workload": w,
                 "step_ms": s * 1e3,
-                "attention_ms": a * 1e3,
-                "rest_ms": (s - a) * 1e3,
+                "model_ms": (s - wait) * 1e3,
+                "attention_ms": compute * 1e3,
+                "exchange_ms": max(0.0, wait - compute) * 1e3,
+                "max_batch": max_batch(engines[v], tokens),
                 "decode_tok_s": n / s,
                 "x_plain": plain / s,
             }
@@ -138,13 +153,14 @@ def plot(rows, model: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['engine']}\n{r['workload']}" for r in rows]
-    ax.bar(labels, [r["rest_ms"] for r in rows], label="model worker")
-    ax.bar(
-        labels,
-        [r["attention_ms"] for r in rows],
-        bottom=[r["rest_ms"] for r in rows],
-        label="attention (workers + exchange)",
-    )
+    bottom = [0.0] * len(rows)
+    for key, label in (
+        ("model_ms", "model worker"),
+        ("attention_ms", "attention (workers)"),
+        ("exchange_ms", "exchange"),
+    ):
+        ax.bar(labels, [r[key] for r in rows], bottom=bottom, label=label)
+        bottom = [b + r[key] for b, r in zip(bottom, rows)]
     ax.set_ylabel("decode step, ms")
     m = machine()
     ax.set_title(f"punica-x, attention workers, {model} ({m['cpu']}, {m['isa']})")

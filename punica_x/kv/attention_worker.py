@@ -159,6 +159,11 @@ class AttentionWorker:
         self._check()
         return dict(self.tables)
 
+    def counters(self) -> tuple[int, float]:
+        """(per-layer attention calls served, seconds spent computing them) so far."""
+        with self._lock:
+            return self.calls, self.seconds
+
     def read_blocks(self, ids: list[int]) -> torch.Tensor:
         """A copy of blocks `ids` of this slice, [n, L, 2, N_kv / W, P, D] on the CPU."""
         self._check()

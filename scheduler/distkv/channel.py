@@ -19,10 +19,12 @@ Frames (little endian), one message each way per call:
     get      b"G" + pickle(block ids)                       -> b"\\0" + pickle(tensor)
     set      b"S" + pickle((block ids, tensor))             -> b"\\0"
     tables   b"T"                                           -> b"\\0" + pickle(block tables)
+    counters b"I"                                           -> b"\\0" + pickle((calls, s))
     failure                                                 -> b"\\1" + pickle(exception)
 get and set serve Lamina's attention workers, whose blocks a model worker swaps and copies;
 tables gives the block tables a worker kept from its model worker's plans (the KV of a dead
-model worker's requests, scheduler/lamina/rescue.py).
+model worker's requests, scheduler/lamina/rescue.py); counters its attention calls and the
+seconds it computed them (benchmarks tell the exchange from the attention with them).
 The first message on a connection is the debtor's runner id (pickled). A creditor that is
 gone (closed socket, no reply within CALL_TIMEOUT_S, or its rManager stopped) surfaces as
 PeerLost on the debtor."""
@@ -49,7 +51,7 @@ CALL_TIMEOUT_S = 30.0
 _RUN = struct.Struct("<IdB5I")  # layer, scale, dtype code, R, H_q, D, W, N_kv
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OK, _ERR = b"\0", b"\1"
-_BLOCK_FRAMES = (b"G", b"S", b"T")
+_BLOCK_FRAMES = (b"G", b"S", b"T", b"I")
 
 
 @dataclass(frozen=True)
@@ -205,13 +207,16 @@ def _run(micro, msg: memoryview) -> bytes:
 
 
 def _blocks(handler, kind: bytes, body: memoryview) -> bytes:
-    """A block frame: b"G" reads blocks (pickle(ids) -> pickle(tensor)), b"S" writes them
-    (pickle((ids, tensor)) -> nothing), b"T" gives the handler's block tables, where the
-    handler keeps whole blocks (Lamina's attention workers: punica_x/kv/attention_worker.py)."""
+    """A frame for a handler that keeps whole blocks (Lamina's attention workers:
+    punica_x/kv/attention_worker.py): b"G" reads blocks (pickle(ids) -> pickle(tensor)),
+    b"S" writes them (pickle((ids, tensor)) -> nothing), b"T" and b"I" give its block tables
+    and its counters."""
     if kind == b"G":
         return pickle.dumps(handler.read_blocks(pickle.loads(body)))
     if kind == b"T":
         return pickle.dumps(handler.block_tables())
+    if kind == b"I":
+        return pickle.dumps(handler.counters())
     ids, data = pickle.loads(body)
     handler.write_blocks(ids, data)
     return b""
@@ -272,6 +277,10 @@ class KVChannel:
     def block_tables(self) -> dict[str, tuple[int, ...]]:
         """The block tables the owner (an attention worker) kept from its model worker."""
         return pickle.loads(self._call(b"T")[1:])
+
+    def counters(self) -> tuple[int, float]:
+        """The owner's (attention calls served, seconds computing them) so far."""
+        return pickle.loads(self._call(b"I")[1:])
 
     def _call(self, frame: bytes) -> memoryview:
         with self._lock:

@@ -55,6 +55,10 @@ class ChannelPeer:
     def write_blocks(self, ids: list[int], data) -> None:
         self._channel().write_blocks(ids, data)
 
+    def counters(self) -> tuple[int, float]:
+        """The worker's (attention calls served, seconds computing them) so far."""
+        return self._channel().counters()
+
     def _channel(self) -> KVChannel:
         if self.channel is None:
             raise PeerLost(self.owner, "the attention worker is stopped")

@@ -62,6 +62,8 @@ def test_outputs_equal_the_plain_engine(engines):
         assert max(abs(a - b) for a, b in zip(logprobs, logprobs2)) <= 1e-5
     assert len(launcher.workers) == 2
     assert all(w.process.process.is_alive() for w in launcher.workers)
+    calls, seconds = zip(*(w.counters() for w in launcher.workers))  # the b"I" frame
+    assert calls[0] == calls[1] > 0 and min(seconds) > 0
 
 
 def test_a_peer_without_the_key_is_refused_and_the_worker_serves_on(engines):
