@@ -28,7 +28,8 @@ class BatchPlanner:
         self.block_size = block_size
         self.device = device
         shapes = target.shapes
-        h_out = {g: tuple(shapes[m][1] for m in mods) for g, mods in GROUPS.items()}
+        # a projection the model offers no adapter (a mixture of experts' MLP): width 0
+        h_out = {g: tuple(shapes.get(m, (0, 0))[1] for m in mods) for g, mods in GROUPS.items()}
         self.lora = LoraPlanner(h_out, device)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> tuple[Batch, list[ScheduledRequest]]:

@@ -82,7 +82,8 @@ class LoraTarget:
         """The module names an adapter of this base model may target."""
         inside = {m for parts in self.fused.values() for m in parts}
         edges = EDGE_MODULES if self.vocab_size else ()
-        return tuple(m for m in TARGET_MODULES if m not in inside) + tuple(self.fused) + edges
+        offered = [m for m in TARGET_MODULES if m in self.shapes and m not in inside]
+        return tuple(offered) + tuple(self.fused) + edges
 
     def shape(self, module: str) -> tuple[int, int]:
         """(in, out) of a module adapters target (a fused one's out: its projections'; the

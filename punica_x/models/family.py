@@ -18,7 +18,12 @@ class Family:
     norm_offset: every RMSNorm scales by (1 + weight) (Gemma's checkpoints store the offset
     from 1). sandwich_norms: RMSNorms after attention and around the MLP too (Gemma 2/3:
     pre_feedforward_layernorm, post_feedforward_layernorm). embed_scale: embeddings are
-    multiplied by sqrt(hidden_size) (Gemma). Read from the config whatever the family: the
+    multiplied by sqrt(hidden_size) (Gemma). qk_norm_full: the q and k norms span the whole
+    projection, not each head (OLMoE). qkv_bias_field: the config field that turns the q/k/v
+    biases on when qkv_bias is None (Qwen2-MoE: `qkv_bias`). moe: a mixture of experts
+    (models/moe_spec.py reads its config); norm_topk: whether the top-k routing weights are
+    divided by their sum (None: the config's norm_topk_prob; Mixtral always); float_routing:
+    the routing weights stay float32 (Mixtral). Read from the config whatever the family: the
     activation (`hidden_act` / `hidden_activation`), `query_pre_attn_scalar`,
     `attn_logit_softcapping`, `final_logit_softcapping`, `layer_types` and per-layer-type
     RoPE."""
@@ -34,11 +39,17 @@ class Family:
     norm_offset: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
+    qk_norm_full: bool = False
+    qkv_bias_field: str = "attention_bias"
+    moe: bool = False
+    norm_topk: bool | None = None
+    float_routing: bool = False
 
     def biases(self, config) -> tuple[bool, bool]:
         """(q/k/v bias, o bias) of this family's attention for `config`."""
         default = bool(getattr(config, "attention_bias", False))
-        qkv = default if self.qkv_bias is None else self.qkv_bias
+        field = bool(getattr(config, self.qkv_bias_field, False))
+        qkv = field if self.qkv_bias is None else self.qkv_bias
         return qkv, default if self.o_bias is None else self.o_bias
 
     def sliding_window(self, config) -> int | None:

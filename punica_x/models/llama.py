@@ -10,15 +10,16 @@ step's SGMV metadata, attention reads each sequence's blocks."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from punica_x.layers.linear import Dense, LoraLinear
 from punica_x.layers.norm import RMSNorm
-from punica_x.layers.rope import RotaryEmbedding, per_layer_type
-from punica_x.models.registry import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
+from punica_x.layers.rope import RotaryEmbedding
+from punica_x.models.dims import ACTIVATIONS, LlamaDims  # noqa: F401  (LlamaDims: re-exported)
+from punica_x.models.moe import MoeBlock
+from punica_x.models.registry import SUPPORTED_ARCHITECTURES  # noqa: F401
 from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend, has_rows
 from punica_x.ops.sgmv import SgmvBackend
 from punica_x.runtime import Batch
@@ -29,133 +30,6 @@ DenseChooser = Callable[[int, int, tuple[int, ...]], DenseBackend]
 # quant(format, n, k, rows) -> the dense backend for an [n, k] weight in that block format
 # that sees x of about `rows` rows (ops.quant_dense.choose_quant)
 QuantChooser = Callable[[str, int, int, tuple[int, ...]], DenseBackend]
-
-# HF activation names -> the fused layers' act-and-mul
-ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
-
-
-@dataclass(frozen=True)
-class LlamaDims:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool  # on q, k and v
-    mlp_bias: bool
-    max_positions: int
-    o_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    family: str = "llama"
-    fused_projections: bool = False  # checkpoint and adapters name qkv_proj, gate_up_proj
-    layer_windows: tuple[int, ...] = ()  # each layer's sliding window, 0: full attention
-    attn_softcap: float = 0.0  # attention logit soft-capping (0: none)
-    final_softcap: float = 0.0  # final logit soft-capping (0: none)
-    attn_scale: float = 0.0  # multiplies q.k (0: head_dim ** -0.5)
-    activation: str = "silu"  # a key of ACTIVATIONS
-    norm_offset: bool = False  # RMSNorms scale by (1 + weight)
-    sandwich_norms: bool = False  # post-attention, pre- and post-MLP norms (Gemma)
-    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
-    layer_types: tuple[str, ...] = ()  # each layer's RoPE, where the config has one per type
-
-    @classmethod
-    def from_hf_config(cls, config) -> LlamaDims:
-        family = family_of(config)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation {act!r} (supported: {sorted(ACTIVATIONS)})")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention (an encoder) is not a causal LM")
-        partial = _partial_rotary(config)
-        if partial != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported"
-            )
-        heads = config.num_attention_heads
-        qkv_bias, o_bias = family.biases(config)
-        return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            num_layers=config.num_hidden_layers,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            max_positions=config.max_position_embeddings,
-            o_bias=o_bias,
-            qk_norm=family.qk_norm,
-            family=family.name,
-            fused_projections=family.fused_projections,
-            layer_windows=family.layer_windows(config, config.num_hidden_layers),
-            attn_softcap=_positive(config, "attn_logit_softcapping"),
-            final_softcap=_positive(config, "final_logit_softcapping"),
-            attn_scale=_positive(config, "query_pre_attn_scalar") ** -0.5
-            if _positive(config, "query_pre_attn_scalar")
-            else 0.0,
-            activation=act,
-            norm_offset=family.norm_offset,
-            sandwich_norms=family.sandwich_norms,
-            embed_scale=config.hidden_size**0.5 if family.embed_scale else 1.0,
-            layer_types=tuple(config.layer_types) if per_layer_type(config) else (),
-        )
-
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every projection a LoRA adapter may target."""
-        q, kv, h, i = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-            self.hidden_size,
-            self.intermediate_size,
-        )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def fused_modules(self) -> dict[str, tuple[str, ...]]:
-        """The modules a checkpoint (and its adapters) of this family fuses, as the
-        projections of lora_shapes() they hold in order: {} unless fused_projections."""
-        if not self.fused_projections:
-            return {}
-        return {
-            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-            "gate_up_proj": ("gate_proj", "up_proj"),
-        }
-
-
-def _positive(config, field: str) -> float:
-    """A config's optional positive number (None or absent: 0); ValueError otherwise."""
-    value = getattr(config, field, None)
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{field} must be a positive number, got {value!r}")
-    if value == float("inf"):
-        raise ValueError(f"{field} must be finite, got {value!r}")
-    return float(value)
-
-
-def _partial_rotary(config) -> float:
-    """The share of each head RoPE rotates (Phi-4-mini: 0.75), from the config or its
-    rope_parameters; 1 when neither says."""
-    params = getattr(config, "rope_parameters", None)
-    value = getattr(config, "partial_rotary_factor", None)
-    if value is None and isinstance(params, dict):
-        value = params.get("partial_rotary_factor")
-    return 1.0 if value is None else float(value)
 
 
 class LlamaAttention(nn.Module):
@@ -171,9 +45,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = LoraLinear(q, (d.hidden_size,), "o", d.o_bias, dtype, device)
         self.scale = d.attn_scale or d.head_dim**-0.5
         self.q_norm = self.k_norm = None
-        if d.qk_norm:  # over each head's head_dim values
-            self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype, device)
+        self.norm_heads = d.qk_norm  # over each head's head_dim values, else the whole q / k
+        if d.qk_norm or d.qk_norm_full:
+            width = (d.head_dim,) * 2 if d.qk_norm else (q, kv)
+            self.q_norm = RMSNorm(width[0], d.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(width[1], d.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -194,9 +70,11 @@ class LlamaAttention(nn.Module):
             out = plan.rope_write_attend(qkv, kv, layer, *args, self.window, self.softcap)
             return self.o_proj.forward(out, batch.lora, layer, backend)
         q, k, v = qkv.split_with_sizes(self.qkv_proj.out_slices, dim=-1)
-        if self.q_norm is not None:  # [T * heads, D] rows, normed; then [T, heads * D]
+        if self.q_norm is not None and self.norm_heads:  # [T * heads, D] rows; [T, heads * D]
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
+        elif self.q_norm is not None:  # over all heads at once (OLMoE)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         rope.rotate_(q, self.num_heads, batch.positions, fused)
         rope.rotate_(k, self.num_kv_heads, batch.positions, fused)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -229,7 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(d, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(d, dtype, device)
+        sparse = d.moe is not None and d.moe.sparse_layers[layer]
+        self.mlp = MoeBlock(d, dtype, device) if sparse else LlamaMLP(d, dtype, device)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if d.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype, device)

@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 from punica_x.config import ModelConfig, dtype_name
 from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
-from punica_x.models import gguf_native, packed_checkpoint
+from punica_x.models import gguf_native, moe_loading, packed_checkpoint
 from punica_x.models.cache_entry import building
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
+from punica_x.models.moe import MoeBlock
 from punica_x.models.quantize import ON_LOAD, quantize_on_load
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
@@ -200,6 +201,8 @@ def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> bo
         rest = m.group(2)
         if rest.endswith("rotary_emb.inv_freq"):
             return True
+        if isinstance(layer.mlp, MoeBlock) and rest.startswith("mlp."):
+            return moe_loading.load(layer.mlp, rest, tensor)
         module, _, kind = rest.rpartition(".")
         fused = model.dims.fused_projections
         if module in _SLICES and not (fused and _SLICES[module][0] in _FUSED):
@@ -220,7 +223,7 @@ def _layer_norms(dims: LlamaDims) -> tuple[str, ...]:
     """The RMSNorm weights a layer of this family's checkpoint holds."""
     return (
         _NORMS
-        + (_QK_NORMS if dims.qk_norm else ())
+        + (_QK_NORMS if dims.qk_norm or dims.qk_norm_full else ())
         + (_SANDWICH_NORMS if dims.sandwich_norms else ())
     )
 
@@ -314,17 +317,22 @@ def _read_safetensors(
     files = _safetensor_files(model_dir)
     if packed is not None:
         for name, value in packed_checkpoint.read_packed(files, packed, as_blocks):
-            if not _load_tensor(model, name, value):
-                raise ValueError(f"unexpected tensor {name!r} in {model_dir.name}")
-            seen.add(name)
+            _load_canonical(model, name, value, model_dir.name, seen)
         return seen
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if not _load_tensor(model, name, f.get_tensor(name)):
-                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
-                seen.add(name)
+                _load_canonical(model, name, f.get_tensor(name), path.name, seen)
     return seen
+
+
+def _load_canonical(model: LlamaForCausalLM, name: str, value, where: str, seen: set) -> None:
+    """One checkpoint tensor into the model, a fused expert stack as its experts' tensors
+    (models.moe_loading); each name loaded into `seen`. ValueError for unknown names."""
+    for canonical, tensor in moe_loading.canonical(name, value):
+        if not _load_tensor(model, canonical, tensor):
+            raise ValueError(f"unexpected tensor {name!r} in {where}")
+        seen.add(canonical)
 
 
 def _read_gguf(model: LlamaForCausalLM, path: Path) -> set[str]:
@@ -372,8 +380,13 @@ def _check_complete(dims: LlamaDims, seen: set[str]) -> None:
         per_layer.append("self_attn.o_proj.bias")
     if dims.mlp_bias:
         per_layer += [f"mlp.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
+    sparse = moe_loading.expected(dims.moe) if dims.moe else []
+    dense_mlp = [n for n in per_layer if n.startswith("mlp.")]
     for i in range(dims.num_layers):
-        need |= {f"model.layers.{i}.{name}" for name in per_layer}
+        names = per_layer
+        if dims.moe and dims.moe.sparse_layers[i]:
+            names = [n for n in per_layer if n not in dense_mlp] + sparse
+        need |= {f"model.layers.{i}.{name}" for name in names}
     missing = sorted(need - seen)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,92 @@
+"""A mixture-of-experts MLP block (Qwen2/3-MoE, Mixtral, OLMoE; the spec: moe_spec.py).
+
+Per layer and step, for the step's T rows x [T, hidden]:
+
+1. route: the router's logits [T, E] (a dense GEMM), a float32 softmax, the top k
+   probabilities of each row as its weights [T, k] (normalized to sum 1 where the family
+   does), and its experts [T, k];
+2. group: the T * k (row, expert) pairs sorted by expert once (a stable sort, so each
+   expert's rows keep the step's order, and with it the rows of one adapter stay together);
+3. one dense GEMM pair per active expert over its rows (gate|up, act-and-mul, down): only
+   the routed experts' weights are read, as the model's dense backend holds them;
+4. each pair's output times its weight, summed into its row (index_add).
+
+A shared expert (Qwen2-MoE) runs for every row, weighted by sigmoid(x @ shared_gate^T).
+The routing is computed anew every step and layer, never cached."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from punica_x.layers.linear import Dense
+from punica_x.models.dims import ACTIVATIONS, LlamaDims
+
+
+class MoeBlock(nn.Module):
+    """The experts of one sparse layer. gate: the router ([E, hidden]); experts_gate_up[e]
+    ([2 I, hidden], gate then up) and experts_down[e] ([hidden, I]): expert e; shared_gate_up,
+    shared_down, shared_expert_gate ([1, hidden]): the shared expert, where the spec has one."""
+
+    def __init__(self, d: LlamaDims, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        spec = d.moe
+        h, i, e = d.hidden_size, spec.expert_size, spec.num_experts
+        self.num_experts, self.top_k = e, spec.top_k
+        self.norm_topk, self.float_weights = spec.norm_topk, spec.float_weights
+        self.gate = Dense(h, (e,), False, dtype, device)
+        self.experts_gate_up = nn.ModuleList(
+            Dense(h, (i, i), False, dtype, device) for _ in range(e)
+        )
+        self.experts_down = nn.ModuleList(Dense(i, (h,), False, dtype, device) for _ in range(e))
+        self.act_and_mul = ACTIVATIONS[d.activation]  # the fused layers' method
+        self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
+        if spec.shared_size:
+            s = spec.shared_size
+            self.shared_gate_up = Dense(h, (s, s), False, dtype, device)
+            self.shared_down = Dense(s, (h,), False, dtype, device)
+            self.shared_expert_gate = Dense(h, (1,), False, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch, layer: int, backend, fused) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], the block's output for every row (batch, layer and
+        backend: the LLamaMLP interface; LoRA on the experts is not applied here)."""
+        weights, experts = route(self.gate.dense(x), self.top_k, self.norm_topk)
+        if not self.float_weights:
+            weights = weights.to(x.dtype)
+        rows, counts, order = group_by_expert(experts, self.num_experts)
+        xs = x.index_select(0, rows)  # [T * k, hidden], each expert's rows together
+        act = getattr(fused, self.act_and_mul)
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                h = act(self.experts_gate_up[e].dense(xs[start : start + n]))
+                outs.append(self.experts_down[e].dense(h))
+                start += n
+        ys = torch.cat(outs) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        out = torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
+        if self.shared_gate_up is not None:
+            shared = self.shared_down.dense(act(self.shared_gate_up.dense(x)))
+            out += torch.sigmoid(self.shared_expert_gate.dense(x)) * shared
+        return out
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights float32 [T, k], experts int64 [T, k]): the k largest of
+    softmax(logits) in float32 per row, divided by their sum when `normalize` (HF's
+    TopKRouter: ties go to the lower expert index, as torch.topk picks them)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int):
+    """experts [T, k] -> (rows [T * k] int64, counts [E] list of ints, order [T * k]): the
+    (row, expert) pairs sorted by expert, stably (each expert's rows in step order): pair j
+    is row rows[j] at flattened index order[j]; expert e holds counts[e] consecutive pairs."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = torch.div(order, experts.shape[1], rounding_mode="floor")
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return rows, counts, order

@@ -1,0 +1,178 @@
+"""The mixture-of-experts families (models/moe_families.py) against HF transformers + PEFT on
+a tiny random model of each one's own config class: greedy tokens and prompt logprobs in
+float32 for a batch mixing the base model and adapters, bf16 within its rounding, both
+checkpoint layouts of the experts, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    assert_matches_hf_fp32,
+    assert_within_bf16_of_hf,
+    make_peft_adapter,
+    make_tiny_family,
+    tiny_llm,
+)
+from transformers import AutoConfig
+
+from punica_x.models.llama import LlamaDims
+from punica_x.models.moe import MoeBlock
+
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "a mixture of experts routes every token to a few of its experts",
+    "a multi tenant lora",
+]
+ADAPTERS = [None, "attn", None, "attn"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CASES = {
+    # top-k weights normalized; layer 1 a dense MLP (mlp_only_layers); per-head q/k norms
+    "qwen3_moe": dict(_EXPERTS, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    # a shared expert gated by a sigmoid, q/k/v biases; weights not normalized
+    "qwen2_moe": dict(_EXPERTS, shared_expert_intermediate_size=48, norm_topk_prob=False),
+    # top-2 of 4, normalized, in float32; block_sparse_moe.experts.{e}.w1|w3|w2 on disk
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # q / k norms over the whole projection; top-3 of 8 not normalized
+    "olmoe": dict(num_experts=8, num_experts_per_tok=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def moe_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    family = request.param
+    folder = make_tiny_family(tmp_path_factory.mktemp(family), family, **CASES[family])
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapters = {"attn": make_peft_adapter(base, folder.parent / "attn-lora", 8, ATTENTION, 3)}
+    return family, folder, adapters
+
+
+def test_the_registry_finds_the_family_and_its_experts(moe_model):
+    family, folder, _ = moe_model
+    dims = LlamaDims.from_hf_config(AutoConfig.from_pretrained(folder))
+    spec = dims.moe
+    assert dims.family == family and spec is not None
+    assert spec.num_experts == CASES[family].get("num_experts", 4)
+    assert spec.norm_topk == (family in ("qwen3_moe", "mixtral"))
+    assert spec.float_weights == (family == "mixtral")
+    assert (spec.shared_size > 0) == (family == "qwen2_moe")
+    assert spec.sparse_layers == ((True, False) if family == "qwen3_moe" else (True, True))
+    assert dims.qk_norm == (family == "qwen3_moe") and dims.qk_norm_full == (family == "olmoe")
+    assert dims.attention_bias == (family in ("qwen2_moe",))
+    model = tiny_llm(folder).engine.model
+    kinds = [type(layer.mlp) is MoeBlock for layer in model.layers]
+    assert kinds == list(spec.sparse_layers)
+
+
+def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(moe_model):
+    """Base rows and attention-adapter rows in one batch: greedy tokens equal, every prompt
+    token's logprob within 1e-4 of HF + PEFT's."""
+    family, folder, adapters = moe_model
+    llm = tiny_llm(folder)
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    assert_matches_hf_fp32(llm, folder, adapters, PROMPTS, ADAPTERS, 12, family)
+
+
+def test_prompt_logprobs_within_bf16_tolerance(moe_model):
+    """The prompt's logprobs within bf16's rounding of HF + PEFT's float32 ones, as the mean
+    over the prompt (tests/helpers.py: a flipped routing moves one position further)."""
+    family, folder, adapters = moe_model
+    assert_within_bf16_of_hf(folder, adapters, PROMPTS, ADAPTERS, family, routed=True)
+
+
+def test_fused_expert_checkpoints_load_as_the_per_expert_ones(moe_model, tmp_path):
+    """transformers 5's in-memory layout (mlp.experts.gate_up_proj [E, 2 I, H], down_proj
+    [E, H, I]) saved as it is serves exactly what the per-expert checkpoint serves."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    family, folder, _ = moe_model
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    (fused / "model.safetensors").unlink()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    from punica_x import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    want = tiny_llm(folder).generate(PROMPTS, None, sp)
+    got = tiny_llm(fused).generate(PROMPTS, None, sp)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(moe_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    family, folder, _ = moe_model
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    state = load_file(str(folder / "model.safetensors"))
+    expert = "w2" if family == "mixtral" else "down_proj"
+    dropped = [k for k in state if f"experts.1.{expert}" in k and "layers.0." in k]
+    assert len(dropped) == 1
+    del state[dropped[0]]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing 1 tensors.*experts.1.down_proj"):
+        tiny_llm(broken)
+
+
+def test_an_adapter_on_the_dense_mlp_names_is_refused(moe_model, tiny_adapters):
+    """A dense model's MLP adapter (gate_proj, up_proj, down_proj) on a MoE base: refused by
+    name, the family's modules offered."""
+    from punica_x.lora.adapter import AdapterError
+
+    family, folder, _ = moe_model
+    with pytest.raises(AdapterError, match=f"this {family} base model's modules are") as err:
+        tiny_llm(folder).load_adapter("dense", str(tiny_adapters["r16"]))
+    assert err.value.code in ("unknown_module", "shape_mismatch")
+
+
+def _qwen3_moe(**changes):
+    """A Qwen3-MoE config's fields with `changes`, past HF's own validation (its strict
+    dataclass refuses some at assignment), as a hand-edited config.json would be read."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2)
+    return SimpleNamespace(**{**config.to_dict(), **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 exceeds the 8 experts"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok must be a positive integer"),
+        ({"num_experts": -1}, "num_experts must be a positive integer"),
+        ({"num_experts": 2.5}, "num_experts must be a positive integer"),
+        ({"num_experts": True}, "num_experts must be a positive integer"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+        ({"decoder_sparse_step": "2"}, "decoder_sparse_step must be a positive integer"),
+        ({"moe_intermediate_size": -4}, "moe_intermediate_size must be a positive integer"),
+        ({"shared_expert_intermediate_size": "48"}, "shared_expert_intermediate_size must be"),
+        ({"mlp_only_layers": 3}, "mlp_only_layers must be a list of layer indices"),
+        ({"mlp_only_layers": [1.5]}, "mlp_only_layers must be a list of layer indices"),
+        ({"clip_qkv": 8.0}, "clip_qkv 8.0"),
+    ],
+)
+def test_absurd_expert_configs_are_refused_by_name(changes, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaDims.from_hf_config(_qwen3_moe(**changes))
+
+
+def test_sparse_layers_follow_mlp_only_layers_and_the_sparse_step():
+    spec = LlamaDims.from_hf_config(_qwen3_moe(decoder_sparse_step=2, mlp_only_layers=[3])).moe
+    assert spec.sparse_layers == (False, True, False, False)
