@@ -93,12 +93,15 @@ class LoraBatchMeta:
     """SGMV metadata of one step, one entry per projection group ("qkv", "o", "gate_up",
     "down"), planned once and read by every layer. workspace: float32 [T, max rank sum].
     embed / head: LoRA on the embedding and the LM head, (first row, end row, A^T, B^T) of
-    each run of rows whose adapter has it (empty: no row's adapter does, nothing to add)."""
+    each run of rows whose adapter has it (empty: no row's adapter does, nothing to add).
+    experts: LoRA on a mixture of experts, (first row, end row, the adapter's expert groups:
+    lora/expert_layout.py) of each run of rows whose adapter has it (models/moe.py)."""
 
     groups: dict[str, SgmvWeights]
     workspace: torch.Tensor
     embed: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
     head: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+    experts: tuple[tuple[int, int, dict], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from punica_x.lora.adapter import LoraAdapter
+from punica_x.lora.expert_keys import EXPERT_MODULES
 from punica_x.ops.sgmv_weights import SgmvWeights
 from punica_x.runtime import LoraBatchMeta
 
@@ -31,6 +32,17 @@ def _edges(seg: Sequence[int], weights: Sequence[LoraAdapter | None], group: str
         for i, w in enumerate(weights)
         if w is not None and group in w.groups
     )
+
+
+def _experts(seg: Sequence[int], weights: Sequence[LoraAdapter | None]) -> tuple:
+    """(first row, end row, {expert group: (a, b)}) of each segment whose adapter has LoRA
+    on a mixture of experts (lora/expert_layout.py)."""
+    runs = []
+    for i, w in enumerate(weights):
+        groups = {g: w.groups[g] for g in EXPERT_MODULES if w is not None and g in w.groups}
+        if groups:
+            runs.append((seg[i], seg[i + 1], groups))
+    return tuple(runs)
 
 
 class LoraPlanner:
@@ -91,6 +103,5 @@ class LoraPlanner:
         width = max((w.max_rank for w in groups.values()), default=1)
         # [T, max rank sum]: shrink output, consumed by the expand of the same projection
         workspace = torch.empty(seg[-1], width, dtype=torch.float32, device=self.device)
-        return LoraBatchMeta(
-            groups, workspace, _edges(seg, weights, "embed"), _edges(seg, weights, "head")
-        )
+        edges = _edges(seg, weights, "embed"), _edges(seg, weights, "head")
+        return LoraBatchMeta(groups, workspace, *edges, _experts(seg, weights))

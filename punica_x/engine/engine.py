@@ -88,6 +88,9 @@ class Engine:
             d.vocab_size,
             d.hidden_size,
             dict(self.model.edge_digests),
+            d.moe.num_experts if d.moe else 0,
+            d.expert_lora_shapes(),
+            d.moe.sparse_layers if d.moe else (),
         )
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
         attention, workers = lamina_part.attention_and_workers(self, config)

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from punica_x.dtypes import dtype_name
 from punica_x.lora.edges import edge_digest, edge_groups
+from punica_x.lora.expert_layout import to_expert_layout
 from punica_x.lora.layout import GROUPS, to_sgmv_layout  # noqa: F401  (GROUPS: re-exported)
 from punica_x.lora.peft_checks import (  # noqa: F401  (re-exported: the adapter's vocabulary)
     CONFIG_FILE,
@@ -29,8 +30,10 @@ from punica_x.lora.peft_checks import (  # noqa: F401  (re-exported: the adapter
     LoraTarget,
     check_files,
     check_tensor,
+    declared_modules,
     digest,
     expected_shape,
+    expert_factor,
 )
 from punica_x.lora.peft_options import PeftOptions
 from punica_x.side_thread import on_side_thread
@@ -45,7 +48,9 @@ class LoraAdapter:
     groups[g] = (a [L, R_g, h_in], b [L, sum_j r_j * h_out_j]) for each projection group with
     at least one targeted slice; ranks[g] = rank of each slice of g (0 = not targeted).
     LoRA on the edges: groups["embed"] = (A^T [vocab, r], B^T [r, hidden]) and
-    groups["head"] = (A^T [hidden, r], B^T [r, vocab]), ranks (r,). scaling is folded into b.
+    groups["head"] = (A^T [hidden, r], B^T [r, vocab]), ranks (r,). LoRA on a mixture of
+    experts: groups "experts.gate_up_proj", "experts.down_proj" and "gate" (lora/expert_layout.py).
+    scaling is folded into b.
     The tensors are in the serving dtype (load_peft_adapter's
     `dtype`), so nbytes is what the adapter costs the pool; stored_dtype is the dtype of the
     uploaded A/B tensors ("float16"; a comma list, sorted, when the file mixes dtypes:
@@ -90,15 +95,20 @@ def _load_peft_adapter(path, target: LoraTarget, max_rank: int, dtype: torch.dty
         )
         tensors = _read_tensors(f, checked, target)
     stored = ",".join(sorted({dtype_name(t.dtype) for t in tensors.values()}))
-    declared = tuple(m for m in target.modules if any(k[1] == m for k in tensors))
+    declared = declared_modules(target, tensors)
     tensors = _split_fused(_scaled(tensors, checked.options), target)
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in tensors))
     ranks, groups = to_sgmv_layout(tensors, modules, target, dtype)
     edge_ranks, edge_tensors = edge_groups(tensors, dtype)
     ranks.update(edge_ranks)
     groups.update(edge_tensors)
+    expert_ranks, expert_tensors = to_expert_layout(tensors, target, dtype)
+    ranks.update(expert_ranks)
+    groups.update(expert_tensors)
     sha = digest(checked.config_bytes, weights_path.read_bytes())
-    top = max(t.shape[0] for (_, _, ab), t in tensors.items() if ab == "A")
+    top = max(
+        t.shape[0] // expert_factor(target, m) for (_, m, ab), t in tensors.items() if ab == "A"
+    )
     return LoraAdapter(top, checked.alpha, checked.scaling, declared, ranks, groups, sha, stored)
 
 

@@ -17,8 +17,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from punica_x.lora import safetensors_header
+from punica_x.lora import expert_keys, safetensors_header
 from punica_x.lora.edges import EDGE, EDGE_BASE_KEY, EDGE_KEY, EDGE_MODULES
+from punica_x.lora.peft_errors import AdapterError
 from punica_x.lora.peft_options import OptionError, PeftOptions, read_options
 from punica_x.lora.safetensors_header import TensorEntry
 
@@ -45,18 +46,9 @@ _KEY = re.compile(
 _UNSUPPORTED = {
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
 }
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-
-
-class AdapterError(ValueError):
-    """A refused adapter. ``code`` is stable (frontends map it to API errors)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,10 @@ class LoraTarget:
     fused: the modules its family fuses, as the projections they hold in order (Phi-3:
     qkv_proj = q_proj|k_proj|v_proj): adapters name those instead of the projections, and an
     adapter on a fused module becomes one SGMV slice per projection (the same A, B's rows of
-    that projection), exactly what PEFT computes on the fused module. family: its name."""
+    that projection), exactly what PEFT computes on the fused module. family: its name.
+    A mixture of experts: num_experts (E), expert_shapes (in, out) of "experts.gate_up_proj",
+    "experts.down_proj" and the router "gate" (lora/expert_keys.py), and sparse_layers, the
+    layers that have experts."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
@@ -76,6 +71,9 @@ class LoraTarget:
     vocab_size: int = 0
     hidden_size: int = 0
     edge_digests: dict[str, str] = field(default_factory=dict)
+    num_experts: int = 0
+    expert_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -92,6 +90,8 @@ class LoraTarget:
             return self.vocab_size, self.hidden_size
         if module == "lm_head":
             return self.hidden_size, self.vocab_size
+        if module in self.expert_shapes:
+            return self.expert_shapes[module]
         parts = self.fused.get(module)
         if parts is None:
             return self.shapes[module]
@@ -140,14 +140,18 @@ def check_peft_header(path: str | Path, target: LoraTarget, max_rank: int) -> Ad
 
     checked = check_files(folder, target, max_rank, keys)
     data = weights.read_bytes()
-    declared = tuple(m for m in target.modules if any(k[1] == m for k in checked.tensors))
+    declared = declared_modules(target, checked.tensors)
     for (layer, module, ab), key in checked.tensors.items():
         entry = header[key]
         want = expected_shape(target, checked.options, layer, module, ab)
         check_tensor(key, entry.dtype, entry.shape, want)
         if not entry.finite(data):
             raise AdapterError("non_finite", f"{key} contains NaN or Inf values")
-    a_rows = [header[k].shape[0] for (_, _, ab), k in checked.tensors.items() if ab == "A"]
+    a_rows = [
+        header[k].shape[0] // expert_factor(target, module)
+        for (_, module, ab), k in checked.tensors.items()
+        if ab == "A"
+    ]
     dtypes = ",".join(sorted({header[k].dtype for k in checked.tensors.values()}))
     return AdapterSummary(max(a_rows), declared, digest(checked.config_bytes, data), dtypes)
 
@@ -171,10 +175,16 @@ def check_files(folder: Path, target: LoraTarget, max_rank: int, keys, check_bas
         raise AdapterError("missing_file", f"{WEIGHTS_FILE} not found in {folder}")
     names = list(keys())
     check_target_modules(config.get("target_modules"), target)
+    parameters = expert_keys.targeted_parameters(
+        config.get("target_parameters"), target.num_experts
+    )
     bases = tuple(k for k in names if EDGE_BASE_KEY.match(k))
     for key in bases if check_base is not None else ():
         check_base(key)
-    parsed = {parse_key(k, target): k for k in names if k not in bases}
+    parsed = {parse_key(k, target, parameters): k for k in names if k not in bases}
+    bare = sorted(set(parameters) - {m for _, m, _ in parsed})
+    if bare:
+        raise AdapterError("bad_weights", f"target_parameters {bare} have no weights")
     check_coverage(parsed, config, target, options.layers)
     return Checked(config, config_bytes, alpha, scaling, options, parsed, bases)
 
@@ -195,7 +205,20 @@ def expected_shape(
     """(the shape a LoRA tensor must have: A [rank, in], B [out, rank]; that rank)."""
     h_in, h_out = target.shape(module)
     rank = options.rank(layer, module)
-    return ((rank, h_in) if ab == "A" else (h_out, rank)), rank
+    rows = rank * expert_factor(target, module)  # an expert stack's r of each expert
+    return ((rows, h_in) if ab == "A" else (h_out, rows)), rank
+
+
+def expert_factor(target: LoraTarget, module: str) -> int:
+    """E for an expert stack's LoRA (A [r * E, in]), 1 for any other module's."""
+    return target.num_experts if module in expert_keys.EXPERT_STACKS else 1
+
+
+def declared_modules(target: LoraTarget, tensors) -> tuple[str, ...]:
+    """The modules an adapter's tensors {(layer, module, ab): ...} target, in the base
+    model's order, its expert parameters last."""
+    names = target.modules + expert_keys.EXPERT_MODULES
+    return tuple(m for m in names if any(k[1] == m for k in tensors))
 
 
 def check_tensor(key: str, dtype: str, shape: tuple[int, ...], want) -> None:
@@ -294,10 +317,21 @@ def check_target_modules(targets, target: LoraTarget) -> None:
 def offer(target: LoraTarget) -> str:
     """What an adapter of this base model may target, for refusals (names the family: an
     adapter made for another family targets other module names)."""
-    return f"this {target.family} base model's modules are {', '.join(target.modules)}"
+    experts = f"; {expert_keys.offered(target.num_experts)}" if target.num_experts else ""
+    return f"this {target.family} base model's modules are {', '.join(target.modules)}{experts}"
 
 
-def parse_key(key: str, target: LoraTarget) -> tuple[int, str, str]:
+def parse_key(key: str, target: LoraTarget, parameters: tuple[str, ...] = ()):
+    """(layer, module, "A"|"B") of one LoRA tensor name; parameters: the expert parameters
+    the config's target_parameters names (expert_keys.targeted_parameters)."""
+    expert = expert_keys.KEY.match(key) if target.num_experts else None
+    if expert is not None:
+        layer, module, ab = expert_keys.parse_expert_key(expert, parameters)
+        if layer >= target.num_layers or not target.sparse_layers[layer]:
+            raise AdapterError(
+                "shape_mismatch", f"{key}: layer {layer} of the base model has no experts"
+            )
+        return layer, module, ab
     edge = EDGE_KEY.match(key)
     if edge and target.vocab_size:
         module = edge.group(1) or edge.group(3)
@@ -327,7 +361,9 @@ def check_coverage(
     if not modules:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
     declared = config.get("target_modules")
+    experts = {m for m in modules if m in expert_keys.EXPERT_MODULES}
     if isinstance(declared, list):
+        declared = declared + sorted(experts)
         extra = sorted(modules - set(declared))
         if extra:
             raise AdapterError(
@@ -338,7 +374,7 @@ def check_coverage(
             raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
     wanted = range(target.num_layers) if layers is None else sorted(layers)
     for module in modules:
-        for layer in [EDGE] if module in EDGE_MODULES else wanted:
+        for layer in [EDGE] if module in EDGE_MODULES else _layers(wanted, module, target):
             for ab in "AB":
                 if (layer, module, ab) not in parsed:
                     raise AdapterError(
@@ -350,3 +386,10 @@ def check_coverage(
             raise AdapterError(
                 "bad_weights", f"weights for layers {outside} outside layers_to_transform"
             )
+
+
+def _layers(wanted, module: str, target: LoraTarget) -> list[int]:
+    """The layers of `wanted` where `module` exists (an expert parameter: sparse ones)."""
+    if module not in expert_keys.EXPERT_MODULES:
+        return list(wanted)
+    return [layer for layer in wanted if target.sparse_layers[layer]]

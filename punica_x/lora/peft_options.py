@@ -105,9 +105,8 @@ def _name(layer: int, module: str) -> str:
     (layer -1: the embedding and the LM head, outside the layers)."""
     if layer < 0:
         return "model.embed_tokens" if module == "embed_tokens" else module
-    parent = (
-        "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
-    )
+    mlp = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "gate")  # gate: a router
+    parent = "mlp" if module in mlp or module.startswith("experts.") else "self_attn"
     return f"model.layers.{layer}.{parent}.{module}"
 
 

@@ -115,6 +115,19 @@ class LlamaDims:
             "down_proj": (i, h),
         }
 
+    def expert_lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of the expert parameters an adapter may target (target_parameters:
+        lora/expert_keys.py): each expert's gate|up and down, and the router; {} unless a
+        mixture of experts."""
+        if self.moe is None:
+            return {}
+        h, i = self.hidden_size, self.moe.expert_size
+        return {
+            "experts.gate_up_proj": (h, 2 * i),
+            "experts.down_proj": (i, h),
+            "gate": (h, self.moe.num_experts),
+        }
+
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
         """The modules a checkpoint (and its adapters) of this family fuses, as the
         projections of lora_shapes() they hold in order: {} unless fused_projections."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from punica_x.layers.linear import Dense
 from punica_x.models.dims import ACTIVATIONS, LlamaDims
+from punica_x.models.expert_lora import ExpertSegments, add_router_lora
 
 
 class MoeBlock(nn.Module):
@@ -48,26 +49,44 @@ class MoeBlock(nn.Module):
             self.shared_expert_gate = Dense(h, (1,), False, dtype, device)
 
     def forward(self, x: torch.Tensor, batch, layer: int, backend, fused) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden], the block's output for every row (batch, layer and
-        backend: the LLamaMLP interface; LoRA on the experts is not applied here)."""
-        weights, experts = route(self.gate.dense(x), self.top_k, self.norm_topk)
+        """x: [T, hidden] -> [T, hidden], the block's output for every row; the LoRA of the
+        rows' adapters on the router and the experts (batch.lora.experts) added at `layer`
+        through the SGMV `backend` (None: the reference)."""
+        runs = batch.lora.experts if batch.lora is not None else ()
+        logits = self.gate.dense(x).float()
+        if runs:
+            add_router_lora(logits, x, runs, layer)
+        weights, experts = route(logits, self.top_k, self.norm_topk)
         if not self.float_weights:
             weights = weights.to(x.dtype)
         rows, counts, order = group_by_expert(experts, self.num_experts)
         xs = x.index_select(0, rows)  # [T * k, hidden], each expert's rows together
+        segments = ExpertSegments(rows, counts, runs, x.shape[0]) if runs else None
+        gate_up = _per_expert(self.experts_gate_up, xs, counts)  # [T * k, 2 I]
+        if segments is not None:
+            segments.add(gate_up, xs, "experts.gate_up_proj", layer, backend)
         act = getattr(fused, self.act_and_mul)
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                h = act(self.experts_gate_up[e].dense(xs[start : start + n]))
-                outs.append(self.experts_down[e].dense(h))
-                start += n
-        ys = torch.cat(outs) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        h = act(gate_up)
+        ys = _per_expert(self.experts_down, h, counts)  # [T * k, hidden]
+        if segments is not None:
+            segments.add(ys, h, "experts.down_proj", layer, backend)
+        ys = ys * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         out = torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
         if self.shared_gate_up is not None:
             shared = self.shared_down.dense(act(self.shared_gate_up.dense(x)))
             out += torch.sigmoid(self.shared_expert_gate.dense(x)) * shared
         return out
+
+
+def _per_expert(dense: nn.ModuleList, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each active expert's GEMM over its consecutive rows of xs, concatenated ([N, out]):
+    only the routed experts' weights are read."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outs.append(dense[e].dense(xs[start : start + n]))
+            start += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

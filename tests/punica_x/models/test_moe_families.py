@@ -1,7 +1,8 @@
 """The mixture-of-experts families (models/moe_families.py) against HF transformers + PEFT on
 a tiny random model of each one's own config class: greedy tokens and prompt logprobs in
-float32 for a batch mixing the base model and adapters, bf16 within its rounding, both
-checkpoint layouts of the experts, and the refusals."""
+float32 for a batch mixing base rows with adapters on attention only, on attention + experts +
+router (PEFT's target_parameters) and on one expert stack at another rank; bf16 within its
+rounding; both checkpoint layouts of the experts; the refusals."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ PROMPTS = [
     "hello world",
     "a mixture of experts routes every token to a few of its experts",
     "a multi tenant lora",
+    "the router picks two experts",
+    "and the last one",
 ]
-ADAPTERS = [None, "attn", None, "attn"]
+ADAPTERS = [None, "experts", "attn", "experts", "down", None]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EVERYTHING = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 _EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
     # top-k weights normalized; layer 1 a dense MLP (mlp_only_layers); per-head q/k norms
@@ -47,7 +51,16 @@ def moe_model(request, tmp_path_factory):
     family = request.param
     folder = make_tiny_family(tmp_path_factory.mktemp(family), family, **CASES[family])
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    adapters = {"attn": make_peft_adapter(base, folder.parent / "attn-lora", 8, ATTENTION, 3)}
+    root = folder.parent
+    adapters = {
+        "attn": make_peft_adapter(base, root / "attn-lora", 8, ATTENTION, 3),
+        "experts": make_peft_adapter(
+            base, root / "experts-lora", 4, ["q_proj", "o_proj"], 4, target_parameters=EVERYTHING
+        ),
+        "down": make_peft_adapter(
+            base, root / "down-lora", 6, ["k_proj"], 5, target_parameters=["down_proj"]
+        ),
+    }
     return family, folder, adapters
 
 
@@ -69,7 +82,7 @@ def test_the_registry_finds_the_family_and_its_experts(moe_model):
 
 
 def test_greedy_tokens_and_logprobs_equal_hf_peft_in_float32(moe_model):
-    """Base rows and attention-adapter rows in one batch: greedy tokens equal, every prompt
+    """Base rows and the three adapters' rows in one batch: greedy tokens equal, every prompt
     token's logprob within 1e-4 of HF + PEFT's."""
     family, folder, adapters = moe_model
     llm = tiny_llm(folder)
@@ -176,3 +189,114 @@ def test_absurd_expert_configs_are_refused_by_name(changes, match):
 def test_sparse_layers_follow_mlp_only_layers_and_the_sparse_step():
     spec = LlamaDims.from_hf_config(_qwen3_moe(decoder_sparse_step=2, mlp_only_layers=[3])).moe
     assert spec.sparse_layers == (False, True, False, False)
+
+
+def test_the_upload_check_reads_an_expert_adapter_as_the_runner_does(moe_model):
+    """check_peft_header (the frontend's, without torch values) and the runner's parse agree:
+    the rank is each expert's r, not PEFT's r * E rows, and the expert parameters are named."""
+    from punica_x.lora.adapter import load_peft_adapter
+    from punica_x.lora.peft_checks import check_peft_header
+
+    family, folder, adapters = moe_model
+    target = tiny_llm(folder).engine.adapters.target
+    summary = check_peft_header(adapters["experts"], target, 64)
+    loaded = load_peft_adapter(adapters["experts"], target, 64, torch.float32)
+    assert summary.rank == loaded.rank == 4
+    assert summary.target_modules == loaded.target_modules
+    assert summary.target_modules == (
+        "q_proj",
+        "o_proj",
+        *("experts.gate_up_proj", "experts.down_proj", "gate"),
+    )
+
+
+def _rewritten(adapter, dst, config=None, tensors=None):
+    """A copy of `adapter` with its config's fields and its tensors changed (tensors: a
+    function of the {name: tensor} dict)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, dst)
+    if config:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors:
+        path = str(dst / "adapter_model.safetensors")
+        save_file(tensors(load_file(path)), path)
+    return dst
+
+
+def _dropped(word):
+    return lambda state: {k: v for k, v in state.items() if word not in k}
+
+
+def _copied_to_layer_1(state):
+    moved = {k.replace("layers.0.", "layers.1."): v.clone() for k, v in state.items()}
+    return {**state, **moved}
+
+
+REFUSALS = {
+    "not a list": ({"target_parameters": "mlp.experts.gate_up_proj"}, None, "bad_config"),
+    "not a name": ({"target_parameters": [3]}, None, "bad_config"),
+    "unknown": ({"target_parameters": ["mlp.experts.up_proj"]}, None, "unknown_module"),
+    "one layer": (
+        {"target_parameters": ["model.layers.0.mlp.experts.gate_up_proj"]},
+        None,
+        "unknown_module",
+    ),
+    "no weights": (None, _dropped("mlp.experts"), "bad_weights"),
+    "router not declared": ({"target_parameters": EVERYTHING[:2]}, None, "bad_weights"),
+    "dense layer": (None, _copied_to_layer_1, "shape_mismatch"),
+    "rank": ({"r": 2}, None, "shape_mismatch"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_expert_adapters_are_refused_by_name(moe_model, tmp_path, case):
+    """Each refusal an AdapterError with its code, at upload (check_peft_header) and on the
+    runner alike; nothing of the adapter is kept."""
+    from punica_x.lora.adapter import AdapterError
+    from punica_x.lora.peft_checks import check_peft_header
+
+    family, folder, adapters = moe_model
+    config, tensors, code = REFUSALS[case]
+    if case == "dense layer" and family != "qwen3_moe":
+        pytest.skip("only the qwen3_moe case has a dense layer (mlp_only_layers)")
+    bad = _rewritten(adapters["experts"], tmp_path / "bad", config, tensors)
+    llm = tiny_llm(folder)
+    with pytest.raises(AdapterError) as upload:
+        check_peft_header(bad, llm.engine.adapters.target, 64)
+    with pytest.raises(AdapterError) as runner:
+        llm.load_adapter("bad", str(bad))
+    assert upload.value.code == runner.value.code == code, str(runner.value)
+    assert "bad" not in llm.engine.adapters.names()
+
+
+def test_an_expert_adapter_for_another_expert_count_is_refused(moe_model, tmp_path):
+    """Made for 8 experts, loaded on Mixtral's 4 (or the other way): a shape mismatch naming
+    the tensor, not a silently wrong expert split."""
+    from transformers import AutoModelForCausalLM
+
+    from punica_x.lora.adapter import AdapterError
+
+    family, folder, _ = moe_model
+    other = "olmoe" if family == "mixtral" else "mixtral"
+    src = make_tiny_family(tmp_path / other, other, **CASES[other])
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    foreign = make_peft_adapter(
+        base, tmp_path / "foreign", 4, ["q_proj"], 1, target_parameters=EVERYTHING[:2]
+    )
+    with pytest.raises(AdapterError, match="experts") as err:
+        tiny_llm(folder).load_adapter("foreign", str(foreign))
+    assert err.value.code == "shape_mismatch"
+
+
+def test_target_parameters_on_a_dense_base_is_refused(tiny_model_dir, tiny_adapters, tmp_path):
+    from punica_x.lora.adapter import AdapterError
+
+    bad = _rewritten(tiny_adapters["r4"], tmp_path / "bad", {"target_parameters": ["w"]})
+    with pytest.raises(AdapterError, match="has no experts") as err:
+        tiny_llm(tiny_model_dir).load_adapter("bad", str(bad))
+    assert err.value.code == "unsupported_option"
