@@ -1,0 +1,206 @@
+"""What the engine does around the model works unchanged on a mixture of experts (a tiny
+Qwen3-MoE with a dense layer, and adapters on its attention, experts and router): prefix-cache
+hits, chunked prefill with preemption and MLFQ swaps give the plain run's tokens; a request
+moved by recomputation or by a live KV copy continues exactly; DistKV borrowing matches one
+big runner; the memory plan counts the experts' weights. The routing is computed in every
+step, never cached: each of these runs recomputes it for every token it computes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import make_peft_adapter, make_tiny_family, tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.engine import Engine
+from punica_x.engine.memory import weights_bytes
+from punica_x.models.loader import load_model
+
+SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+NAMES = [None, "experts", "attn", None, "experts", "attn"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe-serving")
+    folder = make_tiny_family(
+        root / "qwen3-moe",
+        "qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapters = {
+        "attn": make_peft_adapter(base, root / "attn", 8, ["q_proj", "v_proj"], 1),
+        "experts": make_peft_adapter(
+            base, root / "experts", 4, ["o_proj"], 2, target_parameters=EXPERTS
+        ),
+    }
+    return folder, adapters
+
+
+def make(moe, **kwargs):
+    folder, adapters = moe
+    llm = tiny_llm(folder, **kwargs)
+    for name, path in adapters.items():
+        llm.load_adapter(name, str(path))
+    return llm
+
+
+def workload(seed: int = 0) -> list[list[int]]:
+    """Six prompts sharing a 37-token system prompt, then their own question."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(37)]
+    return [system + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))] for _ in range(6)]
+
+
+def two_waves(llm, prompts):
+    """The first two prompts, then all six (the second wave finds the first's blocks)."""
+    return llm.generate(prompts[:2], NAMES[:2], SP) + llm.generate(prompts, NAMES, SP)
+
+
+def assert_same(want, got, tol: float = 1e-5) -> None:
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and y.logprob == pytest.approx(x.logprob, abs=tol)
+
+
+class OneSecond:
+    """Every prefill predicted at 0.5 s and every step charged 1 s (MLFQ level 0 of a 1 s
+    quantum): requests demote after 1, 2, 4 steps and are swapped out."""
+
+    def predict(self, tokens: int) -> float:
+        return 0.5
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def charge_one_second(llm) -> None:
+    b = llm.engine.batcher
+    b.timer = OneSecond()
+    charge = b.after_step
+    b.after_step = lambda scheduled, seconds: charge(scheduled, 1.0)
+
+
+CONFIGS = {
+    "prefix-hits": {},
+    "chunked-preempted": {"max_batched_tokens": 7, "num_blocks": 18, "block_size": 4},
+    "mlfq-swapped": {
+        "policy": "mlfq",
+        "mlfq_quantum_s": 1.0,
+        "mlfq_levels": 4,
+        "max_batch_size": 2,
+        "num_blocks": 40,
+        "block_size": 4,
+        "swap_blocks": 64,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefix_hits_preemption_and_swaps_give_the_plain_runs_outputs(moe, name):
+    prompts = workload()
+    plain = two_waves(make(moe, prefix_caching=False), prompts)
+    llm = make(moe, prefix_caching=True, **CONFIGS[name])
+    if name == "mlfq-swapped":
+        charge_one_second(llm)
+    assert_same(plain, two_waves(llm, prompts))
+    e = llm.engine
+    assert sum(e.batcher.prefix.stats.hits.values()) > 0
+    assert set(e.batcher.prefix.stats.hits) >= {"", "experts", "attn"}
+    if name == "chunked-preempted":
+        assert e.batcher.num_preemptions > 0
+    if name == "mlfq-swapped":
+        assert e.swap.stats.swaps_out > 0
+    assert e.cache.allocator.num_used == 0
+
+
+def _run(engine, prompt, adapter, resume=None, steps=None):
+    outs = []
+    req = engine.add_request(prompt, SP, adapter, on_output=outs.append, resume=resume)
+    n = 0
+    while not req.finished and (steps is None or n < steps):
+        engine.step()
+        n += 1
+    return outs, req
+
+
+@pytest.mark.parametrize("with_kv", [False, True], ids=["recomputed", "live-copy"])
+@pytest.mark.parametrize("adapter", [None, "experts"])
+def test_a_moved_request_continues_exactly(moe, with_kv, adapter):
+    first, second = make(moe).engine, make(moe).engine
+    prompt = workload()[2]
+    reference, _ = _run(first, prompt, adapter)
+    before, req = _run(first, prompt, adapter, steps=4)
+    resume = first.take(req.request_id, with_kv)
+    assert (resume.kv is not None) == with_kv
+    after, moved = _run(second, prompt, adapter, resume=resume)
+    tokens = [t for o in before + after for t in o.new_token_ids]
+    assert tokens == reference[-1].token_ids == moved.output_token_ids
+    got = [lp.logprob for o in before + after for lp in o.new_logprobs]
+    want = [lp.logprob for o in reference for lp in o.new_logprobs]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def _engine(shared, num_blocks: int) -> Engine:
+    config = EngineConfig(
+        model=ModelConfig(model="unused", dtype="float32"),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        batch=BatchConfig(max_batched_tokens=2048),
+    )
+    return Engine(config, shared)
+
+
+def test_distkv_borrowing_matches_one_big_runner(moe):
+    """A request of 12 blocks on a runner of 4 borrows 8 on two peers and computes attention
+    where they live; its tokens equal one runner with room for all of it."""
+    from scheduler.distkv.network import KVNetwork, default_caps
+
+    folder, _ = moe
+    shared = load_model(ModelConfig(model=str(folder), dtype="float32"))
+    prompt = [(i * 7) % 200 + 3 for i in range(150)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    def run(e):
+        req = e.add_request(prompt, greedy, request_id="q")
+        while e.has_unfinished():
+            e.step()
+        return req.output_token_ids
+
+    want = run(_engine(shared, 64))
+    a, b, c = _engine(shared, 4), _engine(shared, 6), _engine(shared, 6)
+    net = KVNetwork()
+    for rid, e in {"a": a, "b": b, "c": c}.items():
+        borrower = net.add_runner(rid)
+        caps = default_caps(e.cache.allocator.num_blocks)
+        net.attach(rid, e.distkv.enable(rid, borrower, caps, False, pool=net.pool))
+    assert run(a) == want
+    assert b.distkv.rmanager.calls > 0 and c.distkv.rmanager.calls > 0
+    assert net.ledger.debts() == {}
+
+
+def test_the_memory_plan_counts_every_experts_weights(moe):
+    """The plan's weights are the model's parameters, each expert's included (8 experts of
+    layer 0 hold more than the dense MLP of layer 1), and a planned engine generates as a
+    fixed one."""
+    folder, _ = moe
+    fixed = make(moe)
+    planned = make(moe, utilization=0.05, kv_fraction=0.1, host_bytes=64 << 20)
+    model = planned.engine.model
+    assert planned.engine.memory_plan.weights_bytes == weights_bytes(model)
+    experts = sum(weights_bytes(m) for m in model.layers[0].mlp.experts_gate_up)
+    assert experts > weights_bytes(model.layers[1].mlp) > 0
+    prompts = workload()[:3]
+    want = [o.token_ids for o in fixed.generate(prompts, NAMES[:3], SP)]
+    assert [o.token_ids for o in planned.generate(prompts, NAMES[:3], SP)] == want
