@@ -99,9 +99,12 @@ def serving_dtypes(config: EngineConfig) -> tuple[torch.device, torch.dtype, tor
 
 def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:
     """CUDA graphs for `engine`'s decode steps (an Engine, built but for them), captured now
-    (engine/cuda_graphs.py); None on a CPU, with config.cuda_graphs off, or with an attention
-    backend they do not cover."""
+    (engine/cuda_graphs.py); None on a CPU, with config.cuda_graphs off, on a mixture of
+    experts, or with an attention backend they do not cover."""
     if engine.device.type != "cuda" or not config.cuda_graphs:
+        return None
+    if engine.model.dims.moe is not None:  # the experts' row counts are read on the host
+        log.info("CUDA graphs: off (a mixture of experts groups its rows by expert each step)")
         return None
     attention = engine.planner.attention.name
     if attention != "torch":
