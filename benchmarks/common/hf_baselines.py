@@ -17,6 +17,8 @@ class HFBaselines:
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.tok.padding_side = "left"
+        if self.tok.pad_token is None:  # batches are padded (left); the pad is never read
+            self.tok.pad_token = self.tok.eos_token
         self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.peft = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

@@ -79,6 +79,32 @@ SHAPES = {
             eos_token_id=128001,
         ),
     ),
+    # allenai/OLMoE-1B-7B-0924's config.json with 2 of its 16 layers (each layer exact: 64
+    # experts of 1024, top-8 unnormalized, full-projection q/k norms), ~1.05B parameters: 4.2
+    # GB in float32, what a 2-core 24 GiB machine can serve beside HF's copy (the whole model
+    # is 27.6 GB in float32)
+    "olmoe-1b-7b-2l": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            vocab_size=50304,
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=False,
+            max_position_embeddings=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            pad_token_id=1,
+            bos_token_id=None,
+            eos_token_id=50279,
+        ),
+    ),
 }
 
 

@@ -18,6 +18,7 @@ WORKLOADS = {
     "identical": "identical",
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 TOPICS = [
     "the ocean",
     "volcanoes",
@@ -58,7 +59,8 @@ def make_prompts(tokenizer, n: int, warm_up: bool = False) -> list[str]:
 
 
 def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
-    """n PEFT adapters of `rank` on all 7 projections (random, seeds 1000..), saved to
+    """n PEFT adapters of `rank` on all 7 projections (random, seeds 1000..; a mixture of
+    experts: on its attention, its experts and its router, EXPERT_PARAMETERS), saved to
     root/a0, root/a1, ... The adapters do not depend on the base's weights: a directory
     without them (a GGUF file's metadata directory, read natively) gives the same ones."""
     from peft import LoraConfig, get_peft_model
@@ -68,13 +70,20 @@ def make_adapters(model_dir: Path, n: int, rank: int, root: Path) -> list[Path]:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    targets, params = TARGETS, None
+    if getattr(base.config, "num_experts", None) or getattr(base.config, "num_local_experts", 0):
+        targets, params = TARGETS[:4], EXPERT_PARAMETERS  # the MLP is experts: attention + them
     paths = []
     for i in range(n):
         torch.manual_seed(1000 + i)
-        model = get_peft_model(
-            base,
-            LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=rank,
+            target_modules=targets,
+            target_parameters=params,
+            init_lora_weights=False,
         )
+        model = get_peft_model(base, config)
         model.save_pretrained(root / f"a{i}")
         base = model.unload()
         paths.append(root / f"a{i}")

@@ -18,8 +18,26 @@ from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
+from punica_x.lora.peft_checks import LoraTarget
 
 log = logging.getLogger("punica_x.engine.engine")
+
+
+def lora_target(d, edge_digests: dict[str, str]) -> LoraTarget:
+    """What a model of dims `d` offers adapters (lora.peft_checks.LoraTarget): its
+    projections, fused modules, edges (with the base weights' digests) and experts."""
+    return LoraTarget(
+        d.num_layers,
+        d.lora_shapes(),
+        d.fused_modules(),
+        d.family,
+        d.vocab_size,
+        d.hidden_size,
+        dict(edge_digests),
+        d.moe.num_experts if d.moe else 0,
+        d.expert_lora_shapes(),
+        d.moe.sparse_layers if d.moe else (),
+    )
 
 
 def kv_geometry(config: EngineConfig, dims, dtype: torch.dtype) -> tuple[KVCacheSpec, int]:

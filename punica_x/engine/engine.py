@@ -17,7 +17,7 @@ from punica_x.core import (
     new_request_id,
 )
 from punica_x.engine import lamina_part, memory, report
-from punica_x.engine.build import build_decode_graphs, build_kv, serving_dtypes
+from punica_x.engine.build import build_decode_graphs, build_kv, lora_target, serving_dtypes
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
@@ -28,7 +28,6 @@ from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
 from punica_x.kv.prefix import cache_key
 from punica_x.kv.rmanager import PeerLost
-from punica_x.lora.adapter import LoraTarget
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
 from punica_x.ops.sgmv import choose_sgmv
@@ -80,18 +79,7 @@ class Engine:
     def _build(self, config: EngineConfig) -> None:
         """The engine's parts around the loaded model, sized by `config`."""
         d, device, dtype = self.model.dims, self.device, self.dtype
-        target = LoraTarget(
-            d.num_layers,
-            d.lora_shapes(),
-            d.fused_modules(),
-            d.family,
-            d.vocab_size,
-            d.hidden_size,
-            dict(self.model.edge_digests),
-            d.moe.num_experts if d.moe else 0,
-            d.expert_lora_shapes(),
-            d.moe.sparse_layers if d.moe else (),
-        )
+        target = lora_target(d, self.model.edge_digests)
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
         attention, workers = lamina_part.attention_and_workers(self, config)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype, workers)
