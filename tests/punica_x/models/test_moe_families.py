@@ -1,7 +1,8 @@
 """The mixture-of-experts families (models/moe_families.py) against HF transformers + PEFT on
 a tiny random model of each one's own config class: greedy tokens and prompt logprobs in
 float32 for a batch mixing base rows with adapters on attention only, on attention + experts +
-router (PEFT's target_parameters) and on one expert stack at another rank; bf16 within its
+router (PEFT's target_parameters), on one expert stack at another rank, and with rank and
+alpha patterns on the expert stacks (one layer at another rank); bf16 within its
 rounding; both checkpoint layouts of the experts; the refusals."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ PROMPTS = [
     "the router picks two experts",
     "and the last one",
 ]
-ADAPTERS = [None, "experts", "attn", "experts", "down", None]
+ADAPTERS = [None, "experts", "attn", "experts", "down", "patterned"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EVERYTHING = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 _EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -59,6 +60,17 @@ def moe_model(request, tmp_path_factory):
         ),
         "down": make_peft_adapter(
             base, root / "down-lora", 6, ["k_proj"], 5, target_parameters=["down_proj"]
+        ),
+        # layer 0's down stack at rank 2, every gate|up stack at alpha 11, q at rank 6
+        "patterned": make_peft_adapter(
+            base,
+            root / "patterned-lora",
+            4,
+            ["q_proj"],
+            6,
+            target_parameters=EVERYTHING[:2],
+            rank_pattern={"model.layers.0.mlp.experts.down_proj": 2, "q_proj": 6},
+            alpha_pattern={"experts.gate_up_proj": 11.0},
         ),
     }
     return family, folder, adapters
