@@ -92,6 +92,8 @@ class LoraTarget:
             return self.hidden_size, self.vocab_size
         if module in self.expert_shapes:
             return self.expert_shapes[module]
+        if expert_keys.per_expert(module) is not None:
+            return expert_keys.per_expert_shape(module, self.expert_shapes)
         parts = self.fused.get(module)
         if parts is None:
             return self.shapes[module]
@@ -217,8 +219,8 @@ def expert_factor(target: LoraTarget, module: str) -> int:
 def declared_modules(target: LoraTarget, tensors) -> tuple[str, ...]:
     """The modules an adapter's tensors {(layer, module, ab): ...} target, in the base
     model's order, its expert parameters last."""
-    names = target.modules + expert_keys.EXPERT_MODULES
-    return tuple(m for m in names if any(k[1] == m for k in tensors))
+    present = {expert_keys.stack_of(k[1]) for k in tensors}  # per-expert modules: their stack
+    return tuple(m for m in target.modules + expert_keys.EXPERT_MODULES if m in present)
 
 
 def check_tensor(key: str, dtype: str, shape: tuple[int, ...], want) -> None:
@@ -309,7 +311,8 @@ def check_target_modules(targets, target: LoraTarget) -> None:
         return  # "all-linear" or a regex: the weights file decides what is targeted
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise AdapterError("bad_config", f"target_modules must be a list of names, got {targets!r}")
-    unknown = sorted(set(targets) - set(target.modules))
+    offered = set(target.modules) | (set(expert_keys.PER_EXPERT) if target.num_experts else set())
+    unknown = sorted(set(targets) - offered)
     if unknown:
         raise AdapterError("unknown_module", f"unknown target modules {unknown}; {offer(target)}")
 
@@ -324,9 +327,9 @@ def offer(target: LoraTarget) -> str:
 def parse_key(key: str, target: LoraTarget, parameters: tuple[str, ...] = ()):
     """(layer, module, "A"|"B") of one LoRA tensor name; parameters: the expert parameters
     the config's target_parameters names (expert_keys.targeted_parameters)."""
-    expert = expert_keys.KEY.match(key) if target.num_experts else None
+    expert = expert_keys.parse(key, parameters, target.num_experts) if target.num_experts else None
     if expert is not None:
-        layer, module, ab = expert_keys.parse_expert_key(expert, parameters)
+        layer, module, ab = expert
         if layer >= target.num_layers or not target.sparse_layers[layer]:
             raise AdapterError(
                 "shape_mismatch", f"{key}: layer {layer} of the base model has no experts"
@@ -360,21 +363,23 @@ def check_coverage(
     modules = {m for _, m, _ in parsed}
     if not modules:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
+    expert_keys.check_every_expert(modules, target.num_experts)
     declared = config.get("target_modules")
-    experts = {m for m in modules if m in expert_keys.EXPERT_MODULES}
+    names = {expert_keys.declared_name(m) for m in modules}
     if isinstance(declared, list):
-        declared = declared + sorted(experts)
-        extra = sorted(modules - set(declared))
+        declared = declared + sorted(names & set(expert_keys.EXPERT_MODULES))
+        extra = sorted(names - set(declared))
         if extra:
             raise AdapterError(
                 "bad_weights", f"weights for {extra} not in target_modules {declared}"
             )
-        missing = sorted(set(declared) - modules)
+        missing = sorted(set(declared) - names)
         if missing:
             raise AdapterError("bad_weights", f"target_modules {missing} have no weights")
     wanted = range(target.num_layers) if layers is None else sorted(layers)
     for module in modules:
-        for layer in [EDGE] if module in EDGE_MODULES else _layers(wanted, module, target):
+        where = [EDGE] if module in EDGE_MODULES else wanted
+        for layer in expert_keys.layers_of(where, module, target.sparse_layers):
             for ab in "AB":
                 if (layer, module, ab) not in parsed:
                     raise AdapterError(
@@ -386,10 +391,3 @@ def check_coverage(
             raise AdapterError(
                 "bad_weights", f"weights for layers {outside} outside layers_to_transform"
             )
-
-
-def _layers(wanted, module: str, target: LoraTarget) -> list[int]:
-    """The layers of `wanted` where `module` exists (an expert parameter: sparse ones)."""
-    if module not in expert_keys.EXPERT_MODULES:
-        return list(wanted)
-    return [layer for layer in wanted if target.sparse_layers[layer]]

@@ -312,3 +312,106 @@ def test_target_parameters_on_a_dense_base_is_refused(tiny_model_dir, tiny_adapt
     with pytest.raises(AdapterError, match="has no experts") as err:
         tiny_llm(tiny_model_dir).load_adapter("bad", str(bad))
     assert err.value.code == "unsupported_option"
+
+
+def _per_expert_copy(src, dst, family: str, num_experts: int):
+    """`src` (LoRA on both expert stacks, PEFT's target_parameters) rewritten as an older
+    checkpoint names it: each expert's gate_proj / up_proj / down_proj (Mixtral: w1 / w3 /
+    w2 under block_sparse_moe) with its own A [r, in] and B [out, r], the same function."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if family == "mixtral" else {}
+    parent = "block_sparse_moe" if family == "mixtral" else "mlp"
+    shutil.copytree(src, dst)
+    state, out = load_file(str(src / "adapter_model.safetensors")), {}
+    stacks = re.compile(r"^(.*\.layers\.\d+\.)mlp\.experts\.(base_layer\.)?lora_(A|B)\.weight$")
+    for key, t in state.items():
+        m = stacks.match(key)
+        if m is None:
+            out[key] = t
+            continue
+        projs = ("gate_proj", "up_proj") if m.group(2) else ("down_proj",)
+        for e in range(num_experts):
+            if m.group(3) == "A":  # [r * E, in]: expert e's rows
+                part = t.view(num_experts, -1, t.shape[1])[e]
+                pieces = {p: part for p in projs}
+            else:  # [out, r * E] as [out, r, E]; gate|up's out is gate's rows then up's
+                b = t.view(t.shape[0], -1, num_experts)[:, :, e]
+                pieces = dict(zip(projs, b.chunk(len(projs))))
+            for p, piece in pieces.items():
+                name = f"{m.group(1)}{parent}.experts.{e}.{names.get(p, p)}.lora_{m.group(3)}"
+                out[f"{name}.weight"] = piece.clone()
+    save_file(out, str(dst / "adapter_model.safetensors"))
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg["target_modules"] = sorted(cfg["target_modules"]) + sorted(
+        names.get(p, p) for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    cfg["target_parameters"] = None
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_older_per_expert_checkpoints_serve_what_their_stacks_do(moe_model, tmp_path):
+    """The per-expert names of older PEFT checkpoints (Mixtral's w1 / w3 / w2) fold into the
+    stacks' layout: an adapter rewritten in them gives HF + PEFT's tokens and logprobs for the
+    stacked original, mixed with base rows."""
+    from transformers import AutoModelForCausalLM
+
+    family, folder, _ = moe_model
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    stacked = make_peft_adapter(
+        base, tmp_path / "stacked", 4, ["q_proj"], 8, target_parameters=EVERYTHING[:2]
+    )
+    experts = LlamaDims.from_hf_config(AutoConfig.from_pretrained(folder)).moe.num_experts
+    older = _per_expert_copy(stacked, tmp_path / "older", family, experts)
+    llm = tiny_llm(folder)
+    llm.load_adapter("older", str(older))
+    prompts, names = PROMPTS[:3], ["older", None, "older"]
+    assert_matches_hf_fp32(llm, folder, {"older": stacked}, prompts, names, 10, family)
+
+
+def _no_expert_1(state):
+    return {k: v for k, v in state.items() if ".experts.1." not in k}
+
+
+def _expert_99(state):
+    return {k.replace(".experts.0.", ".experts.99."): v for k, v in state.items()}
+
+
+@pytest.mark.parametrize(
+    "case, change, code",
+    [
+        ("an expert missing", dict(tensors=_no_expert_1), "bad_weights"),
+        ("an expert the base lacks", dict(tensors=_expert_99), "shape_mismatch"),
+        ("both formats", dict(config={"target_parameters": EVERYTHING[:2]}), "bad_weights"),
+    ],
+)
+def test_bad_per_expert_checkpoints_are_refused(moe_model, tmp_path, case, change, code):
+    from transformers import AutoModelForCausalLM
+
+    from punica_x.lora.adapter import AdapterError
+    from punica_x.lora.peft_checks import check_peft_header
+
+    family, folder, _ = moe_model
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    stacked = make_peft_adapter(
+        base, tmp_path / "stacked", 4, ["q_proj"], 8, target_parameters=EVERYTHING[:2]
+    )
+    experts = LlamaDims.from_hf_config(AutoConfig.from_pretrained(folder)).moe.num_experts
+    older = _per_expert_copy(stacked, tmp_path / "older", family, experts)
+    if case == "both formats":  # the stacks' tensors beside the per-expert ones
+        from safetensors.torch import load_file
+
+        stacks = load_file(str(stacked / "adapter_model.safetensors"))
+        change = dict(change, tensors=lambda state: {**state, **stacks})
+    bad = _rewritten(older, tmp_path / "bad", change.get("config"), change.get("tensors"))
+    llm = tiny_llm(folder)
+    with pytest.raises(AdapterError) as upload:
+        check_peft_header(bad, llm.engine.adapters.target, 64)
+    with pytest.raises(AdapterError) as runner:
+        llm.load_adapter("bad", str(bad))
+    assert upload.value.code == runner.value.code == code, str(runner.value)
