@@ -361,3 +361,38 @@ def ray_scheduler(config, runners: int = 2, **options):
     started = [factory(f"runner-{i}") for i in range(runners)]
     tokenizer = describe_model(config.model).tokenizer
     return Scheduler(started, factory, tokenizer=tokenizer, **options)
+
+
+class FixedTimer:
+    """Every prefill predicted at 0.5 s (MLFQ level 0 of a 1 s quantum)."""
+
+    def predict(self, tokens: int) -> float:
+        return 0.5
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def charge_one_second(llm) -> None:
+    """Every MLFQ step charged 1 s: requests demote after 1, 2, 4 steps and are paused."""
+    b = llm.engine.batcher
+    b.timer = FixedTimer()
+    charge = b.after_step
+    b.after_step = lambda scheduled, seconds: charge(scheduled, 1.0)
+
+
+# Engine settings under which a prefix cache must change no output: plain, chunked prefill
+# that preempts, and MLFQ that swaps (with charge_one_second)
+CACHE_CONFIGS = {
+    "plain": {},
+    "chunked-preempted": {"max_batched_tokens": 7, "num_blocks": 18, "block_size": 4},
+    "mlfq-swapped": {
+        "policy": "mlfq",
+        "mlfq_quantum_s": 1.0,
+        "mlfq_levels": 4,
+        "max_batch_size": 2,
+        "num_blocks": 40,
+        "block_size": 4,
+        "swap_blocks": 64,
+    },
+}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compute_scheduled, tiny_llm
+from helpers import FixedTimer, compute_scheduled, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.batching.batcher_mlfq import MLFQBatcher
@@ -227,16 +227,6 @@ def fcfs_outputs(tiny_model_dir, tiny_adapters):
         seeded: [o.token_ids for o in llm.generate(PROMPTS, adapters, sampling(seeded))]
         for seeded in (False, True)
     }
-
-
-class FixedTimer:
-    """Every prefill predicted at 0.5 s (level 0 of quantum 1 s); observations ignored."""
-
-    def predict(self, tokens: int) -> float:
-        return 0.5
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        pass
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import rewrite_config, tiny_llm
+from helpers import CACHE_CONFIGS, charge_one_second, rewrite_config, tiny_llm
 
 from punica_x import SamplingParams
 from punica_x.errors import InvalidRequest
@@ -31,24 +31,6 @@ def make(tiny_model_dir, tiny_adapters, **kwargs):
     return llm
 
 
-class FixedTimer:
-    """Every prefill predicted at 0.5 s (MLFQ level 0 of a 1 s quantum)."""
-
-    def predict(self, tokens: int) -> float:
-        return 0.5
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        pass
-
-
-def charge_one_second(llm) -> None:
-    """Every MLFQ step charged 1 s: requests demote after 1, 2, 4 steps and are paused."""
-    b = llm.engine.batcher
-    b.timer = FixedTimer()
-    charge = b.after_step
-    b.after_step = lambda scheduled, seconds: charge(scheduled, 1.0)
-
-
 def run_two_waves(llm, prompts, sampling=SP):
     """The first two prompts, then all six (the second wave finds the first's blocks)."""
     first = llm.generate(prompts[:2], ADAPTERS[:2], sampling)
@@ -66,19 +48,7 @@ def assert_same(outs_off, outs_on, tol: float = 1e-5) -> None:
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-CONFIGS = {
-    "plain": {},
-    "chunked-preempted": {"max_batched_tokens": 7, "num_blocks": 18, "block_size": 4},
-    "mlfq-swapped": {
-        "policy": "mlfq",
-        "mlfq_quantum_s": 1.0,
-        "mlfq_levels": 4,
-        "max_batch_size": 2,
-        "num_blocks": 40,
-        "block_size": 4,
-        "swap_blocks": 64,
-    },
-}
+CONFIGS = CACHE_CONFIGS
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -269,8 +269,6 @@ REFUSALS = {
 def test_bad_expert_adapters_are_refused_by_name(moe_model, tmp_path, case):
     """Each refusal an AdapterError with its code, at upload (check_peft_header) and on the
     runner alike; nothing of the adapter is kept."""
-    from punica_x.lora.adapter import AdapterError
-    from punica_x.lora.peft_checks import check_peft_header
 
     family, folder, adapters = moe_model
     config, tensors, code = REFUSALS[case]
@@ -278,11 +276,7 @@ def test_bad_expert_adapters_are_refused_by_name(moe_model, tmp_path, case):
         pytest.skip("only the qwen3_moe case has a dense layer (mlp_only_layers)")
     bad = _rewritten(adapters["experts"], tmp_path / "bad", config, tensors)
     llm = tiny_llm(folder)
-    with pytest.raises(AdapterError) as upload:
-        check_peft_header(bad, llm.engine.adapters.target, 64)
-    with pytest.raises(AdapterError) as runner:
-        llm.load_adapter("bad", str(bad))
-    assert upload.value.code == runner.value.code == code, str(runner.value)
+    assert_refused_alike(llm, bad, code)
     assert "bad" not in llm.engine.adapters.names()
 
 
@@ -355,10 +349,8 @@ def _per_expert_copy(src, dst, family: str, num_experts: int):
     return dst
 
 
-def test_older_per_expert_checkpoints_serve_what_their_stacks_do(moe_model, tmp_path):
-    """The per-expert names of older PEFT checkpoints (Mixtral's w1 / w3 / w2) fold into the
-    stacks' layout: an adapter rewritten in them gives HF + PEFT's tokens and logprobs for the
-    stacked original, mixed with base rows."""
+def _stacked_and_older(moe_model, tmp_path):
+    """An adapter on both expert stacks (and q_proj), and its per-expert copy."""
     from transformers import AutoModelForCausalLM
 
     family, folder, _ = moe_model
@@ -367,7 +359,15 @@ def test_older_per_expert_checkpoints_serve_what_their_stacks_do(moe_model, tmp_
         base, tmp_path / "stacked", 4, ["q_proj"], 8, target_parameters=EVERYTHING[:2]
     )
     experts = LlamaDims.from_hf_config(AutoConfig.from_pretrained(folder)).moe.num_experts
-    older = _per_expert_copy(stacked, tmp_path / "older", family, experts)
+    return stacked, _per_expert_copy(stacked, tmp_path / "older", family, experts)
+
+
+def test_older_per_expert_checkpoints_serve_what_their_stacks_do(moe_model, tmp_path):
+    """The per-expert names of older PEFT checkpoints (Mixtral's w1 / w3 / w2) fold into the
+    stacks' layout: an adapter rewritten in them gives HF + PEFT's tokens and logprobs for the
+    stacked original, mixed with base rows."""
+    family, folder, _ = moe_model
+    stacked, older = _stacked_and_older(moe_model, tmp_path)
     llm = tiny_llm(folder)
     llm.load_adapter("older", str(older))
     prompts, names = PROMPTS[:3], ["older", None, "older"]
@@ -391,25 +391,22 @@ def _expert_99(state):
     ],
 )
 def test_bad_per_expert_checkpoints_are_refused(moe_model, tmp_path, case, change, code):
-    from transformers import AutoModelForCausalLM
-
-    from punica_x.lora.adapter import AdapterError
-    from punica_x.lora.peft_checks import check_peft_header
-
     family, folder, _ = moe_model
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    stacked = make_peft_adapter(
-        base, tmp_path / "stacked", 4, ["q_proj"], 8, target_parameters=EVERYTHING[:2]
-    )
-    experts = LlamaDims.from_hf_config(AutoConfig.from_pretrained(folder)).moe.num_experts
-    older = _per_expert_copy(stacked, tmp_path / "older", family, experts)
+    stacked, older = _stacked_and_older(moe_model, tmp_path)
     if case == "both formats":  # the stacks' tensors beside the per-expert ones
         from safetensors.torch import load_file
 
         stacks = load_file(str(stacked / "adapter_model.safetensors"))
         change = dict(change, tensors=lambda state: {**state, **stacks})
     bad = _rewritten(older, tmp_path / "bad", change.get("config"), change.get("tensors"))
-    llm = tiny_llm(folder)
+    assert_refused_alike(tiny_llm(folder), bad, code)
+
+
+def assert_refused_alike(llm, bad, code: str) -> None:
+    """`bad` refused with `code` at upload (check_peft_header) and on the runner alike."""
+    from punica_x.lora.adapter import AdapterError
+    from punica_x.lora.peft_checks import check_peft_header
+
     with pytest.raises(AdapterError) as upload:
         check_peft_header(bad, llm.engine.adapters.target, 64)
     with pytest.raises(AdapterError) as runner:

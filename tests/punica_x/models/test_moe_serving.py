@@ -11,7 +11,13 @@ import random
 
 import pytest
 import torch
-from helpers import make_peft_adapter, make_tiny_family, tiny_llm
+from helpers import (
+    CACHE_CONFIGS,
+    charge_one_second,
+    make_peft_adapter,
+    make_tiny_family,
+    tiny_llm,
+)
 
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
@@ -75,44 +81,11 @@ def assert_same(want, got, tol: float = 1e-5) -> None:
             assert x.token_id == y.token_id and y.logprob == pytest.approx(x.logprob, abs=tol)
 
 
-class OneSecond:
-    """Every prefill predicted at 0.5 s and every step charged 1 s (MLFQ level 0 of a 1 s
-    quantum): requests demote after 1, 2, 4 steps and are swapped out."""
-
-    def predict(self, tokens: int) -> float:
-        return 0.5
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        pass
-
-
-def charge_one_second(llm) -> None:
-    b = llm.engine.batcher
-    b.timer = OneSecond()
-    charge = b.after_step
-    b.after_step = lambda scheduled, seconds: charge(scheduled, 1.0)
-
-
-CONFIGS = {
-    "prefix-hits": {},
-    "chunked-preempted": {"max_batched_tokens": 7, "num_blocks": 18, "block_size": 4},
-    "mlfq-swapped": {
-        "policy": "mlfq",
-        "mlfq_quantum_s": 1.0,
-        "mlfq_levels": 4,
-        "max_batch_size": 2,
-        "num_blocks": 40,
-        "block_size": 4,
-        "swap_blocks": 64,
-    },
-}
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CACHE_CONFIGS))
 def test_prefix_hits_preemption_and_swaps_give_the_plain_runs_outputs(moe, name):
     prompts = workload()
     plain = two_waves(make(moe, prefix_caching=False), prompts)
-    llm = make(moe, prefix_caching=True, **CONFIGS[name])
+    llm = make(moe, prefix_caching=True, **CACHE_CONFIGS[name])
     if name == "mlfq-swapped":
         charge_one_second(llm)
     assert_same(plain, two_waves(llm, prompts))
