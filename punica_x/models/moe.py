@@ -91,8 +91,8 @@ def _per_expert(dense: nn.ModuleList, xs: torch.Tensor, counts: list[int]) -> to
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights float32 [T, k], experts int64 [T, k]): the k largest of
-    softmax(logits) in float32 per row, divided by their sum when `normalize` (HF's
-    TopKRouter: ties go to the lower expert index, as torch.topk picks them)."""
+    softmax(logits) in float32 per row, divided by their sum when `normalize`, as HF's
+    TopKRouter computes them."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
