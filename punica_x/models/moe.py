@@ -48,6 +48,11 @@ class MoeBlock(nn.Module):
             self.shared_down = Dense(s, (h,), False, dtype, device)
             self.shared_expert_gate = Dense(h, (1,), False, dtype, device)
 
+    def experts(self) -> list[Dense]:
+        """Every expert's GEMMs, the shared expert's included (not the router's)."""
+        shared = [self.shared_gate_up, self.shared_down]
+        return [*self.experts_gate_up, *self.experts_down, *(m for m in shared if m is not None)]
+
     def forward(self, x: torch.Tensor, batch, layer: int, backend, fused) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], the block's output for every row; the LoRA of the
         rows' adapters on the router and the experts (batch.lora.experts) added at `layer`

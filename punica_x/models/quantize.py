@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from punica_x.layers.linear import Dense, LoraLinear
+from punica_x.models.moe import MoeBlock
 from punica_x.ops.quant_dense import BLOCK, QuantBlocks
 
 ON_LOAD = {"int8": ("Q8_0", "Q8_0"), "int4": ("Q4_1", "Q8_0")}  # (projections, head)
@@ -38,15 +39,19 @@ def quantize_blocks(name: str, weight: torch.Tensor, fmt: str) -> QuantBlocks:
 
 @torch.no_grad()
 def quantize_on_load(model, mode: str) -> None:
-    """Give every float projection and the head of `model` (models.llama.LlamaForCausalLM)
-    blocks to serve from (Dense.quant_parts); finish_loading then prepares them."""
+    """Give every float projection, every expert of a mixture of experts (its shared expert
+    too) and the head of `model` (models.llama.LlamaForCausalLM) blocks to serve from
+    (Dense.quant_parts); finish_loading then prepares them. A router stays in the serving
+    dtype, as llama.cpp keeps ffn_gate_inp: E x hidden values that pick the experts."""
     proj_fmt, head_fmt = ON_LOAD[mode]
     tied = model.dims.tie_word_embeddings
+    experts = {id(m) for b in model.modules() if isinstance(b, MoeBlock) for m in b.experts()}
     for name, module in model.named_modules():
         if not isinstance(module, Dense) or module.quant_parts or module is model.embed_table:
             continue
         is_head = module is model.lm_head
         source = model.embed_tokens.weight if is_head and tied else module.weight
-        fmt = head_fmt if is_head else proj_fmt if isinstance(module, LoraLinear) else None
+        projection = isinstance(module, LoraLinear) or id(module) in experts
+        fmt = head_fmt if is_head else proj_fmt if projection else None
         if fmt is not None:
             module.quant_parts = {None: quantize_blocks(f"{name}.weight", source, fmt)}

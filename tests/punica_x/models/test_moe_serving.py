@@ -177,3 +177,19 @@ def test_the_memory_plan_counts_every_experts_weights(moe):
     prompts = workload()[:3]
     want = [o.token_ids for o in fixed.generate(prompts, NAMES[:3], SP)]
     assert [o.token_ids for o in planned.generate(prompts, NAMES[:3], SP)] == want
+
+
+@pytest.mark.parametrize("mode, fmt", [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_on_load_quantization_blocks_every_expert_and_keeps_the_router(moe, mode, fmt):
+    """--quantization int8 / int4 on a mixture of experts serves every expert (the bulk of
+    its weights) from blocks, not only the attention; the router stays float; expert
+    adapters run over the blocks."""
+    from punica_x.ops.quant_dense import QuantCpuDense
+
+    llm = make(moe, quantization=mode)
+    block = llm.engine.model.layers[0].mlp
+    assert all(isinstance(m.backend, QuantCpuDense) for m in block.experts())
+    assert {m.backend.format for m in block.experts()} == {fmt}
+    assert not isinstance(block.gate.backend, QuantCpuDense)
+    outs = llm.generate(workload()[:3], NAMES[:3], SP)
+    assert all(len(o.token_ids) == SP.max_tokens for o in outs)
