@@ -45,6 +45,7 @@ from common.workload import make_adapters, make_prompts
 from punica_x import LLM, SamplingParams
 from punica_x.dtypes import dtype_name
 from punica_x.engine.memory import weights_bytes
+from punica_x.layers.linear import Dense
 from punica_x.models import moe
 
 WORKLOADS = ("distinct", "identical", "backbone")
@@ -62,6 +63,13 @@ def parse_args():
         help="the adapter pool, device and host (rank-16 LoRA on OLMoE's 64 experts is ~47 MB "
         "a layer in float32: the 1 GiB default holds 10 of 32 two-layer adapters, and a "
         "Distinct batch then runs 10 requests a step)",
+    )
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="punica-x's on-load quantization (int4: every expert and attention projection "
+        "in Q4_1 blocks, the head in Q8_0, the router float); HF stays float32",
     )
     ap.set_defaults(max_tokens=32, decode_steps=8)
     return ap.parse_args()
@@ -114,9 +122,14 @@ def byte_counts(llm: LLM, rank: int) -> dict:
     pair = rank * ((h + 2 * i) + (i + h)) * size
     router = rank * (h + d.moe.num_experts) * len(blocks) * size
     dense = weights_bytes(model) - experts - embed
+    params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Dense))
+    expert_params = 3 * h * i  # gate, up and down of one expert
     return dict(
         experts=experts,
         dense=dense,
+        # elements each row multiplies outside the experts (quantized weights hold fewer bytes)
+        dense_params=params - expert_params * d.moe.num_experts * len(blocks),
+        expert_params=expert_params,
         expert=one,
         attention=attention,
         pair=pair,
@@ -139,11 +152,11 @@ def floor_bytes(counts: dict, workload: str, active: float, n: int, top_k: int) 
 
 def floor_flops(counts: dict, workload: str, n: int, top_k: int, size: int) -> float:
     """2 x rows x the parameters each row of a decode step multiplies (module doc)."""
-    per_row = counts["dense"] + top_k * counts["expert"] * counts["sparse_layers"]
-    if workload != "backbone":
+    per_row = counts["dense_params"] + top_k * counts["expert_params"] * counts["sparse_layers"]
+    if workload != "backbone":  # the LoRA's bytes are in the serving dtype
         lora = top_k * counts["pair"] * counts["sparse_layers"]
-        per_row += lora + counts["attention"] + counts["router"]
-    return 2.0 * n * per_row / size
+        per_row += (lora + counts["attention"] + counts["router"]) / size
+    return 2.0 * n * per_row
 
 
 def gemm_flops() -> float:
@@ -252,7 +265,11 @@ def main() -> None:
     model = model_path(args.model)
     pool = args.lora_gib << 30  # every adapter resident: a Distinct batch holds all of them
     llm = LLM(
-        dtype=args.dtype, model=model, quantization="none", device_bytes=pool, host_bytes=pool
+        dtype=args.dtype,
+        model=model,
+        quantization=args.quantization,
+        device_bytes=pool,
+        host_bytes=pool,
     )
     dtype = dtype_name(llm.engine.dtype)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -275,6 +292,7 @@ def main() -> None:
         requests=args.requests,
         max_tokens=args.max_tokens,
         rank=args.rank,
+        quantization=args.quantization,
     )
     report(args, rows, summary)
 
@@ -283,7 +301,9 @@ def report(args, rows, summary) -> None:
     cols = ["workload", "ours_tok_s", "hf_tok_s", "x_hf", "active_experts", "step_ms"]
     cols += ["read_floor_ms", "compute_floor_ms", "step_over_floor"]
     title = (
-        f"{summary['model']}, {summary['dtype']}, {args.requests} requests x "
+        f"{summary['model']}, {summary['dtype']}"
+        + (f" {args.quantization}" if args.quantization != "none" else "")
+        + f", {args.requests} requests x "
         f"{args.max_tokens} tokens, rank-{args.rank} LoRA on attention + experts + router; "
         f"{summary['active_experts_per_layer']:.1f} of {summary['num_experts']} experts active "
         f"per layer ({summary['active_experts_gb']:.2f} of {summary['all_experts_gb']:.2f} GB "
@@ -294,6 +314,8 @@ def report(args, rows, summary) -> None:
     print(f"HF + PEFT, a mixed-adapter batch: {summary['hf_mixed_batch']}")
     shape = Path(args.model).name.replace(".", "_").replace("-", "_")  # a shape or a folder
     name = f"bench_moe_{shape}_{summary['dtype']}"
+    if args.quantization != "none":
+        name += f"_{args.quantization}"
     write_json(name, {"rows": rows, "summary": summary})
     plot(name, rows, title)
 
