@@ -5,6 +5,7 @@
     punica-x serve [--model PATH] [--quantization auto|none|int8|int4]
                    [--quant-activations int16|int8|float] [--dtype auto|float32|...]
                    [--lora-dtype auto|bfloat16|...] [--attention-workers N]
+                   [--batch-invariant auto|on|off]
                    [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
     punica-x admin tenant create NAME [--max-concurrent N] [--tokens-per-minute N] [--weight W]
     punica-x admin tenant weight NAME W
@@ -146,6 +147,7 @@ def engine_config(args):
         max_model_len=args.max_model_len,
         quantization=args.quantization,
         quant_activations=args.quant_activations,
+        batch_invariant=args.batch_invariant,
     )
     memory = MemoryConfig(utilization=args.memory_utilization)
     if args.kv_fraction is not None:
@@ -250,6 +252,16 @@ def _quant_args(s) -> None:
         help="how x meets weights served in blocks: each block of 32 values is rounded to "
         "integers for integer dot products. int16 (default): within float32 noise of float; "
         "int8: llama.cpp's arithmetic, the fastest, coarser; float: x exact",
+    )
+    s.add_argument(
+        "--batch-invariant",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the same request gives the same tokens and logprobs bit for bit whatever else "
+        "runs (batching, prefix-cache hits, chunked prefill, preemption, migration): every "
+        "kernel in one reduction order per row. auto (default): on where its measured cost "
+        "is at most 5%% on this CPU (said at start); on: refused where it cannot hold (a GPU "
+        "for now); off: the fastest kernel per shape",
     )
     s.add_argument(
         "--lora-dtype",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from punica_x.dtypes import DTYPES, dtype_name  # noqa: F401  (dtype_name: re-exported)
+from punica_x.ops.invariance import check_mode
 
 GiB = 1 << 30
 
@@ -49,6 +50,9 @@ class ModelConfig:
     fused_backend: str | None = None
     quantization: str = "auto"
     quant_activations: str = "int16"
+    # the same request gives the same bits whatever else runs (punica_x/ops/invariance.py):
+    # "auto" (on where its measured cost is at most 5%), "on" or "off"
+    batch_invariant: str = "auto"
 
     QUANTIZATION = ("auto", "none", "int8", "int4")
     QUANT_ACTIVATIONS = ("int16", "int8", "float")
@@ -66,6 +70,7 @@ class ModelConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive("max_model_len", self.max_model_len)
+        check_mode(self.batch_invariant)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -49,7 +49,8 @@ const void* check_product(const torch::Tensor& y, const torch::Tensor& x, int64_
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), x as it is (qgemm_cpu).
-void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias) {
+void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias,
+           bool fixed_order) {
   CHECK_ARG(x.dim() == 2, "x must be 2-D, got ", x.sizes());
   const int64_t m = x.size(0), k = x.size(1);
   check_blocks(w, format, k);
@@ -59,7 +60,7 @@ void qgemm(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t format, c1
   pybind11::gil_scoped_release no_gil;  // kernels touch no Python state
   const auto run = [&](auto* yp, const auto* xp, const auto* bp) {
     q::qgemm_cpu(yp, y.stride(0), xp, x.stride(0), w.data_ptr<uint8_t>(), w.size(1), int(format), bp, int(m), int(k),
-                 int(n));
+                 int(n), fixed_order);
   };
   if (x.scalar_type() == at::kFloat)
     run(y.data_ptr<float>(), x.data_ptr<float>(), static_cast<const float*>(b));
@@ -104,10 +105,11 @@ void qgemm_grouped(torch::Tensor y, torch::Tensor x, torch::Tensor w, int64_t fo
 
 // qgemm and qgemm_grouped into a new y [M, N] of x's dtype (one allocation fewer from Python
 // on every projection of a decode step).
-torch::Tensor qgemm_new(torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias) {
+torch::Tensor qgemm_new(torch::Tensor x, torch::Tensor w, int64_t format, c10::optional<torch::Tensor> bias,
+                        bool fixed_order) {
   CHECK_ARG(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  qgemm(y, x, w, format, bias);
+  qgemm(y, x, w, format, bias, fixed_order);
   return y;
 }
 
@@ -186,11 +188,11 @@ int64_t first_bad_row(torch::Tensor w, int64_t format, int64_t k) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("qgemm", &qgemm, "y = x @ W^T (+ bias), W in ggml blocks", py::arg("y"), py::arg("x"), py::arg("w"),
-        py::arg("format"), py::arg("bias"));
+        py::arg("format"), py::arg("bias"), py::arg("fixed_order") = false);
   m.def("qgemm_grouped", &qgemm_grouped, "y = x @ W^T (+ bias), W grouped, x rounded to integers", py::arg("y"),
         py::arg("x"), py::arg("w"), py::arg("format"), py::arg("bias"), py::arg("x_bits"));
   m.def("qgemm_new", &qgemm_new, "qgemm into a new y", py::arg("x"), py::arg("w"), py::arg("format"),
-        py::arg("bias"));
+        py::arg("bias"), py::arg("fixed_order") = false);
   m.def("qgemm_grouped_new", &qgemm_grouped_new, "qgemm_grouped into a new y [M, n]", py::arg("x"), py::arg("w"),
         py::arg("format"), py::arg("bias"), py::arg("x_bits"), py::arg("n"));
   m.def("group_rows", &group_rows, "W regrouped for qgemm_grouped", py::arg("w"), py::arg("format"), py::arg("k"));

@@ -75,10 +75,12 @@ inline void for_format(int format, const Fn& fn) {
 }
 
 // T: float or simd::bf16 for x, y and bias (float32 accumulation). w: N rows of K / 32 blocks,
-// row-major, rows `w_row_bytes` apart. bias: null or [N].
+// row-major, rows `w_row_bytes` apart. bias: null or [N]. fixed_order: every row through the
+// one-row tile (batch-invariant: its sums then do not depend on how many rows share the call;
+// the few-row tiles split them into other dependency chains).
 template <typename T>
 void qgemm_cpu(T* y, int64_t y_stride, const T* x, int64_t x_stride, const uint8_t* w, int64_t w_row_bytes,
-               int format, const T* bias, int m, int k, int n);
+               int format, const T* bias, int m, int k, int n, bool fixed_order = false);
 
 // Row groups for the integer-activation kernel: kGroup rows of W side by side per block. A
 // grouped W is ceil(N / kGroup) groups of K / 32 group blocks, kGroup * block_bytes(format)

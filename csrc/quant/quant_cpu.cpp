@@ -149,7 +149,8 @@ void tile(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bias, T
 
 // Rows [0, m) of x against W rows [0, nr) of src (nr <= kNR): tiles of up to kMR rows.
 template <typename TX, typename T, typename Src>
-void tile_rows(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bias, T* y, int64_t ys, int m, int nr) {
+void tile_rows(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bias, T* y, int64_t ys, int m, int nr,
+               bool fixed) {
   auto run = [&](auto mr_c, int m0) {
     constexpr int MR = decltype(mr_c)::value;
     const TX* xm = x + m0 * xs;
@@ -162,6 +163,10 @@ void tile_rows(const Src& src, const TX* x, int64_t xs, int nblocks, const T* bi
     }
   };
   static_assert(kNR == 4, "tile_rows dispatches nr 1..4");
+  if (fixed) {  // batch-invariant: one row per tile, so a row's chains do not depend on m
+    for (int m0 = 0; m0 < m; ++m0) run(std::integral_constant<int, 1>{}, m0);
+    return;
+  }
   for_row_tiles<kMR>(m, run);
 }
 
@@ -185,31 +190,31 @@ void unpack_rows(const uint8_t* w, int64_t row_bytes, int nr, int k, PT* out) {
 
 template <int F, typename TX, typename T>
 void panel_gemm(T* y, int64_t ys, const TX* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
-                int n);
+                int n, bool fixed);
 
 template <int F, typename T>
 void decode(T* y, int64_t ys, const float* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
-            int n) {
+            int n, bool fixed) {
   const int nblocks = k / kBlock;
   constexpr int rows_per_item = 4 * kNR;
   parallel_items((n + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
     const int lo = int(item) * rows_per_item, hi = std::min(n, lo + rows_per_item);
     for (int r0 = lo; r0 < hi; r0 += kNR) {
       const Blocks<F> src{w + r0 * wrb, wrb};
-      tile_rows(src, x, xs, nblocks, bias ? bias + r0 : nullptr, y + r0, ys, m, std::min(kNR, hi - r0));
+      tile_rows(src, x, xs, nblocks, bias ? bias + r0 : nullptr, y + r0, ys, m, std::min(kNR, hi - r0), fixed);
     }
   });
 }
 
 template <int F, typename T>
 void qgemm(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
-           int n) {
+           int n, bool fixed) {
   // x widened to float32 once (every tile reads all of it); then decode (m <= kMR rows: W
   // unpacked in registers, kNR rows of W per tile, items of 4 tiles) or prefill (items of W
   // rows unpacked once into the thread's panel)
   auto run = [&](const float* xf, int64_t xfs) {
-    if (m <= kMR) return decode<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n);
-    return panel_gemm<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n);
+    if (m <= kMR) return decode<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n, fixed);
+    return panel_gemm<F>(y, ys, xf, xfs, w, wrb, bias, m, k, n, fixed);
   };
   if constexpr (std::is_same_v<T, float>) {
     return run(x, xs);
@@ -223,7 +228,7 @@ void qgemm(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t w
 
 template <int F, typename TX, typename T>
 void panel_gemm(T* y, int64_t ys, const TX* x, int64_t xs, const uint8_t* w, int64_t wrb, const T* bias, int m, int k,
-                int n) {
+                int n, bool fixed) {
   const int nblocks = k / kBlock;
   const int rows = int(std::clamp<int64_t>(kPanelBytes / (int64_t(k) * 4) / kNR * kNR, kNR, 256));
   parallel_items((n + rows - 1) / rows, [&](int64_t item) {
@@ -233,7 +238,8 @@ void panel_gemm(T* y, int64_t ys, const TX* x, int64_t xs, const uint8_t* w, int
     unpack_rows<F>(w + lo * wrb, wrb, nr, k, panel.data());
     for (int r0 = 0; r0 < nr; r0 += kNR) {
       const Panel src{panel.data() + int64_t(r0) * k, k};
-      tile_rows(src, x, xs, nblocks, bias ? bias + lo + r0 : nullptr, y + lo + r0, ys, m, std::min(kNR, nr - r0));
+      tile_rows(src, x, xs, nblocks, bias ? bias + lo + r0 : nullptr, y + lo + r0, ys, m, std::min(kNR, nr - r0),
+                fixed);
     }
   });
 }
@@ -260,8 +266,8 @@ void dequant_grouped_rows(T* out, int64_t os, const uint8_t* w, const int64_t* r
 
 template <typename T>
 void qgemm_cpu(T* y, int64_t ys, const T* x, int64_t xs, const uint8_t* w, int64_t wrb, int format, const T* bias,
-               int m, int k, int n) {
-  for_format(format, [&](auto f) { qgemm<decltype(f)::value>(y, ys, x, xs, w, wrb, bias, m, k, n); });
+               int m, int k, int n, bool fixed_order) {
+  for_format(format, [&](auto f) { qgemm<decltype(f)::value>(y, ys, x, xs, w, wrb, bias, m, k, n, fixed_order); });
 }
 
 template <typename T>
@@ -287,9 +293,9 @@ int64_t first_bad_row(const uint8_t* w, int64_t wrb, int format, int64_t n, int 
 }
 
 template void qgemm_cpu<float>(float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int, const float*,
-                               int, int, int);
+                               int, int, int, bool);
 template void qgemm_cpu<simd::bf16>(simd::bf16*, int64_t, const simd::bf16*, int64_t, const uint8_t*, int64_t, int,
-                                    const simd::bf16*, int, int, int);
+                                    const simd::bf16*, int, int, int, bool);
 template void dequant_grouped_rows_cpu<float>(float*, int64_t, const uint8_t*, int, const int64_t*, int64_t, int);
 template void dequant_grouped_rows_cpu<simd::bf16>(simd::bf16*, int64_t, const uint8_t*, int, const int64_t*, int64_t,
                                                    int);

@@ -136,7 +136,7 @@ punica_x::DType cuda_dtype(at::ScalarType t) {
 // what shrink wrote, so a kernel that writes rather than adds needs no memset first).
 void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
             torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank, bool scratch,
-            std::optional<at::ScalarType> w_dtype) {
+            std::optional<at::ScalarType> w_dtype, bool fixed_order) {
   check_rows(x, "x");
   check_rows(v, "v");
   CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
@@ -145,6 +145,7 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
   CHECK_ARG(v.device() == x.device(), "v and x must be on one device");
   SgmvSegments p =
       check_segments(w_ptr, ranks, seg, layer, x.size(0), max_rows, max_rank, x.device());
+  p.fixed_order = fixed_order;
   CHECK_ARG(v.size(1) >= max_rank, "v has ", v.size(1), " columns, the segments need ", max_rank);
   const int h_in = static_cast<int>(x.size(1));
   const at::ScalarType w_t = weights_dtype(x, w_dtype);
@@ -158,6 +159,7 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
     });
     return;
   }
+  CHECK_ARG(!fixed_order, "fixed_order (batch-invariant SGMV) has no CUDA kernel yet");
 #ifdef PUNICA_X_WITH_CUDA
   const c10::cuda::CUDAGuard guard(x.device());
   const punica_x::DType dtype = cuda_dtype(x.scalar_type());
@@ -176,15 +178,15 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
 
 void sgmv_shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor ranks,
                  torch::Tensor seg, int64_t layer, int64_t max_rows, int64_t max_rank,
-                 std::optional<at::ScalarType> w_dtype) {
+                 std::optional<at::ScalarType> w_dtype, bool fixed_order) {
   shrink(std::move(v), std::move(x), std::move(w_ptr), std::move(ranks), std::move(seg), layer,
-         max_rows, max_rank, /*scratch=*/false, w_dtype);
+         max_rows, max_rank, /*scratch=*/false, w_dtype, fixed_order);
 }
 
 // y[t, yoff_j : yoff_j + h_out[j]] += v[t, voff_j : voff_j + r_j] @ B_s,j[layer].
 void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::Tensor ranks,
                  torch::Tensor seg, std::vector<int64_t> h_out, int64_t layer, int64_t max_rows,
-                 int64_t max_rank, std::optional<at::ScalarType> w_dtype) {
+                 int64_t max_rank, std::optional<at::ScalarType> w_dtype, bool fixed_order) {
   check_rows(y, "y");
   check_rows(v, "v");
   CHECK_ARG(v.scalar_type() == at::kFloat, "v must be float32, got ", v.scalar_type());
@@ -193,6 +195,7 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
   CHECK_ARG(v.device() == y.device(), "v and y must be on one device");
   SgmvSegments p =
       check_segments(w_ptr, ranks, seg, layer, y.size(0), max_rows, max_rank, y.device());
+  p.fixed_order = fixed_order;
   CHECK_ARG(static_cast<int64_t>(h_out.size()) == ranks.size(1), "h_out has ", h_out.size(),
             " slices, ranks has ", ranks.size(1));
   int32_t h_out32[kMaxSlices];
@@ -215,6 +218,7 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
     });
     return;
   }
+  CHECK_ARG(!fixed_order, "fixed_order (batch-invariant SGMV) has no CUDA kernel yet");
 #ifdef PUNICA_X_WITH_CUDA
   const c10::cuda::CUDAGuard guard(y.device());
   const bool ok = punica_x::sgmv_expand_cuda(
@@ -231,9 +235,10 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
 void sgmv_add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor v, torch::Tensor a_ptr,
                    torch::Tensor b_ptr, torch::Tensor ranks, torch::Tensor seg,
                    std::vector<int64_t> h_out, int64_t layer, int64_t max_rows, int64_t max_rank,
-                   std::optional<at::ScalarType> w_dtype) {
-  shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank, /*scratch=*/true, w_dtype);
-  sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank, w_dtype);
+                   std::optional<at::ScalarType> w_dtype, bool fixed_order) {
+  shrink(v, x, a_ptr, ranks, seg, layer, max_rows, max_rank, /*scratch=*/true, w_dtype, fixed_order);
+  sgmv_expand(y, v, b_ptr, ranks, seg, std::move(h_out), layer, max_rows, max_rank, w_dtype,
+              fixed_order);
 }
 
 // y += x @ A_s @ B_s for one fixed set of segments and weights on the CPU (one
@@ -247,9 +252,11 @@ class CpuLaunch {
   // they compute from both). The metadata is copied: the caller's tensors may change later.
   CpuLaunch(const torch::Tensor& a_ptr, const torch::Tensor& b_ptr, const torch::Tensor& ranks,
             const torch::Tensor& seg, std::vector<int64_t> h_out, int64_t max_rows, int64_t max_rank,
-            int64_t layers, int64_t h_in, py::object keep, std::optional<at::ScalarType> w_dtype)
+            int64_t layers, int64_t h_in, py::object keep, std::optional<at::ScalarType> w_dtype,
+            bool fixed_order)
       : a_ptr_(a_ptr.clone()), b_ptr_(b_ptr.clone()), ranks_(ranks.clone()), seg_(seg.clone()),
-        max_rank_(max_rank), layers_(layers), h_in_(h_in), w_dtype_(w_dtype), keep_(std::move(keep)) {
+        max_rank_(max_rank), layers_(layers), h_in_(h_in), w_dtype_(w_dtype),
+        fixed_order_(fixed_order), keep_(std::move(keep)) {
     CHECK_ARG(layers >= 0 && layers <= INT32_MAX, "layers must be in 0..2^31-1, got ", layers);
     CHECK_ARG(h_in >= 0 && h_in <= INT32_MAX, "h_in must be in 0..2^31-1, got ", h_in);
     const torch::Device cpu(torch::kCPU);
@@ -303,12 +310,13 @@ class CpuLaunch {
   SgmvSegments segments(const torch::Tensor& w_ptr, int64_t layer) const {
     return SgmvSegments{w_ptr.data_ptr<int64_t>(), ranks_.data_ptr<int32_t>(), seg_.data_ptr<int32_t>(),
                         static_cast<int>(seg_.size(0) - 1), static_cast<int>(ranks_.size(1)),
-                        static_cast<int>(layer)};
+                        static_cast<int>(layer), fixed_order_};
   }
 
   torch::Tensor a_ptr_, b_ptr_, ranks_, seg_;
   int64_t max_rank_ = 0, layers_ = 0, h_in_ = 0, rows_ = 0, total_ = 0;
   std::optional<at::ScalarType> w_dtype_;  // the weights' dtype; x's when not given
+  bool fixed_order_ = false;               // SgmvSegments::fixed_order
   int32_t h_out_[kMaxSlices] = {};
   py::object keep_;  // the weights' tensors, which a_ptr_ and b_ptr_ point into
 };
@@ -366,21 +374,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(punica_x::simd::kIsa); }, "instruction set of this build");
   m.def("sgmv_shrink", &sgmv_shrink, "SGMV shrink (see csrc/sgmv/sgmv.h)", py::arg("v"),
         py::arg("x"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("layer"),
-        py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none());
+        py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none(),
+        py::arg("fixed_order") = false);
   m.def("sgmv_expand", &sgmv_expand, "SGMV expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
         py::arg("v"), py::arg("w_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
-        py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none());
+        py::arg("layer"), py::arg("max_rows"), py::arg("max_rank"), py::arg("w_dtype") = py::none(),
+        py::arg("fixed_order") = false);
   m.def("sgmv_add_lora", &sgmv_add_lora, "shrink then expand (see csrc/sgmv/sgmv.h)", py::arg("y"),
         py::arg("x"), py::arg("v"), py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"),
         py::arg("seg"), py::arg("h_out"), py::arg("layer"), py::arg("max_rows"),
-        py::arg("max_rank"), py::arg("w_dtype") = py::none());
+        py::arg("max_rank"), py::arg("w_dtype") = py::none(), py::arg("fixed_order") = false);
   py::class_<CpuLaunch>(m, "CpuLaunch", "add_lora for fixed CPU segments and weights, checked once")
       .def(py::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                     std::vector<int64_t>, int64_t,
-                    int64_t, int64_t, int64_t, py::object, std::optional<at::ScalarType>>(),
+                    int64_t, int64_t, int64_t, py::object, std::optional<at::ScalarType>, bool>(),
            py::arg("a_ptr"), py::arg("b_ptr"), py::arg("ranks"), py::arg("seg"), py::arg("h_out"),
            py::arg("max_rows"), py::arg("max_rank"), py::arg("layers"), py::arg("h_in"), py::arg("keep"),
-           py::arg("w_dtype") = py::none())
+           py::arg("w_dtype") = py::none(), py::arg("fixed_order") = false)
       .def("add_lora", &CpuLaunch::add_lora, "y += x @ A_s @ B_s at `layer` (v: float32 workspace)",
            py::arg("y"), py::arg("x"), py::arg("v"), py::arg("layer"));
   m.def("has_cuda", &has_cuda, "whether this build carries the CUDA kernels");

@@ -23,6 +23,12 @@ struct SgmvSegments {
   int num_segments;
   int num_slices;
   int layer;
+  // batch-invariant order (ModelConfig.batch_invariant): a row's result is the same bits
+  // whatever its segment's size. Off, a bf16 segment of several rows may take other
+  // arithmetic than a one-row segment (the avx512_bf16 build's dot tiles, AMX tiles); on,
+  // every segment takes the one path a segment of any size can (the dot tiles for every
+  // bf16 segment on avx512_bf16, never AMX tiles).
+  bool fixed_order = false;
 };
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

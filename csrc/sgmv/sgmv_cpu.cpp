@@ -228,7 +228,7 @@ void sgmv_shrink_cpu(float* v, int64_t v_stride, const T* x, int64_t x_stride, i
     const int rows = p.seg[s + 1] - p.seg[s];
     const int rank = rank_sum(p, s);
     if (p.w_ptr[s] == 0 || rows == 0 || rank == 0) continue;
-    if (amx::on_tiles(tile_mode, rows, h_in)) {
+    if (!p.fixed_order && amx::on_tiles(tile_mode, rows, h_in)) {
       for (int j0 = 0; j0 < rank; j0 += kTileWidth)
         items.push_back({s, p.seg[s], rows, j0, std::min(kTileWidth, rank - j0), true});
       continue;
@@ -280,8 +280,11 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
   for (int s = 0; s < p.num_segments; ++s) {
     const int rows = p.seg[s + 1] - p.seg[s];
     if (p.w_ptr[s] == 0 || rows == 0) continue;
-    const bool tiles = amx::on_tiles(tile_mode, rows, 0);
-    const int width = tiles ? kTileWidth : kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
+    const bool tiles = !p.fixed_order && amx::on_tiles(tile_mode, rows, 0);
+    // bf16 dot tiles (avx512_bf16): segments of several rows; with fixed_order every segment,
+    // so a row's sums do not depend on how many rows share its adapter
+    const bool dot = kDotExpand<T> && (rows > 1 || p.fixed_order) && !tiles;
+    const int width = tiles ? kTileWidth : kLanes * (rows == 1 && !dot ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
       const int r = p.ranks[s * p.num_slices + j];
       if (r == 0) continue;
@@ -295,7 +298,7 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
 #if defined(__AVX512BF16__)
       // several rows: two rank rows per vdpbf16ps; one row reads B from memory, where the
       // widening tile measured faster (1.06x warm, 1.03x cold for the dot tile)
-      if (kDotExpand<T> && rows > 1 && !tiles) {
+      if (dot) {
         pairs = pair_elems;
         pair_elems += int64_t(rows) * expand_dot::pair_stride(r);
       }

@@ -10,6 +10,12 @@ over 64 rows used before, in brackets): 128 rows x 128 keys 0.39 / 0.39 (1.22) m
 2048 x 2048 84 / 46 (323) ms. Between them they are within noise, so the kernel keeps what
 it does as fast, flash takes the large chunks.
 
+Batch-invariant mode (ModelConfig.batch_invariant; CpuAttention(flash=False)): every chunk
+runs through the kernel, whose sums over the keys of a (row, head) go block by block from
+position 0 in one order whatever the chunk's size, so a row's output is the same bits as a
+prompt, a chunk of one or a decode row (flash attention tiles a long chunk's keys by its
+size: a cached prefix, a chunked or a recomputed prompt then changes the bits).
+
 A layer with a sliding window or logit soft-capping (Mistral, Qwen2's and Gemma's local
 layers; Gemma 2) runs every sequence through the kernel: it skips the blocks before a tile's
 window (cost ~ rows x window, where flash with a mask would pay rows x kv_len), and flash has
@@ -164,8 +170,15 @@ def flash_prefill(q, kvl, seq: PrefillSeq, scale: float, out, lse, mask=None) ->
 class CpuAttention:
     name = "cpu"
 
-    def __init__(self, isa: str | None = None) -> None:
+    def __init__(self, isa: str | None = None, flash: bool = True) -> None:
+        """flash: large chunks through PyTorch's flash attention (False: every chunk through
+        the kernel, the batch-invariant mode)."""
         self.ext = load_extension("attention_cpu", isa)
+        self.isa, self.flash = isa, flash
+
+    def fixed_order(self) -> CpuAttention:
+        """This backend in batch-invariant mode (no flash attention)."""
+        return CpuAttention(self.isa, flash=False)
 
     def merge_rows(self, out, lse, o, s, dst: torch.Tensor, src: torch.Tensor) -> None:
         """In place: row dst[i] of (out [T, H, D], lse [T, H] float32) absorbs row src[i] of
@@ -180,7 +193,8 @@ class CpuAttention:
             for pos in range(sp.kv_len - sp.num_rows, sp.kv_len):
                 slot_blocks.append(sp.block_ids[pos // block_size])
                 slot_offsets.append(pos % block_size)
-            if sp.num_rows > LONG_PREFILL and sp.num_rows * sp.kv_len > FLASH_MIN_WORK:
+            flash = sp.num_rows > LONG_PREFILL and sp.num_rows * sp.kv_len > FLASH_MIN_WORK
+            if flash and self.flash:
                 nb = -(-sp.kv_len // block_size)
                 blocks = torch.tensor(sp.block_ids[:nb], dtype=torch.int64)
                 long.append(PrefillSeq(sp.row_start, sp.num_rows, sp.kv_len, blocks))

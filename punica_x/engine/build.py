@@ -8,17 +8,20 @@ import logging
 
 import torch
 
-from punica_x.attention import choose_attention
+from punica_x.attention import choose_attention, get_attention_backend
 from punica_x.batching.batcher import Batcher
 from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig
 from punica_x.dtypes import dtype_name
 from punica_x.engine.cuda_graphs import DecodeGraphs
+from punica_x.env import ATTENTION_BACKEND, SGMV_BACKEND
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 from punica_x.lora.peft_checks import LoraTarget
+from punica_x.ops.invariance import INVARIANT_BACKEND, Invariance, with_engine_backends
+from punica_x.ops.sgmv import choose_sgmv, cpu_sgmv_fixed_order
 
 log = logging.getLogger("punica_x.engine.engine")
 
@@ -75,8 +78,34 @@ def build_kv(
     return cache, swap, batcher
 
 
-def build_attention(config: EngineConfig, dims, device: torch.device, dtype: torch.dtype):
-    """The paged attention backend for the device (config.attention_backend chooses)."""
+def engine_invariance(loaded: Invariance, config: EngineConfig) -> Invariance:
+    """The model's batch-invariance decision (made at load) held against the attention and
+    SGMV backends the config or environment names (ops.invariance.with_engine_backends)."""
+    named = {
+        "attention": config.attention_backend or ATTENTION_BACKEND.get() or None,
+        "SGMV": config.sgmv_backend or SGMV_BACKEND.get() or None,
+    }
+    invariance = with_engine_backends(loaded, config.model.batch_invariant, named)
+    if invariance is not loaded:
+        log.info("batch invariance: %s", invariance.reason)
+    return invariance
+
+
+def build_sgmv(config: EngineConfig, dims, device, dtype, lora_dtype, fixed_order: bool):
+    """The SGMV backend (config.sgmv_backend chooses), in batch-invariant order where
+    fixed_order (the cpu kernels: ops.invariance)."""
+    if fixed_order:
+        return cpu_sgmv_fixed_order()
+    return choose_sgmv(device, dtype, dims.lora_shapes(), config.sgmv_backend, lora_dtype)
+
+
+def build_attention(
+    config: EngineConfig, dims, device: torch.device, dtype: torch.dtype, fixed_order=False
+):
+    """The paged attention backend for the device (config.attention_backend chooses; the
+    cpu kernel without flash attention where fixed_order: ops.invariance)."""
+    if fixed_order:
+        return get_attention_backend(device, INVARIANT_BACKEND, dtype).fixed_order()
     attention = choose_attention(
         device,
         dtype,

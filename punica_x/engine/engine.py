@@ -17,7 +17,14 @@ from punica_x.core import (
     new_request_id,
 )
 from punica_x.engine import lamina_part, memory, report
-from punica_x.engine.build import build_decode_graphs, build_kv, lora_target, serving_dtypes
+from punica_x.engine.build import (
+    build_decode_graphs,
+    build_kv,
+    build_sgmv,
+    engine_invariance,
+    lora_target,
+    serving_dtypes,
+)
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
@@ -30,7 +37,6 @@ from punica_x.kv.prefix import cache_key
 from punica_x.kv.rmanager import PeerLost
 from punica_x.lora.pool import AdapterPool
 from punica_x.models.loader import LoadedModel, load_model
-from punica_x.ops.sgmv import choose_sgmv
 from punica_x.request import EngineRequest
 from punica_x.runtime import Request, RequestStatus
 from punica_x.sampling.detokenizer import Detokenizer
@@ -81,6 +87,7 @@ class Engine:
         d, device, dtype = self.model.dims, self.device, self.dtype
         target = lora_target(d, self.model.edge_digests)
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
+        self.invariance = engine_invariance(self.loaded.invariance, config)  # ops.invariance
         attention, workers = lamina_part.attention_and_workers(self, config)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype, workers)
         self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
@@ -89,8 +96,7 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         eos = self.loaded.eos_token_ids
         self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
-        shapes, lora_dtype = d.lora_shapes(), self.lora_dtype
-        self.sgmv = choose_sgmv(device, dtype, shapes, config.sgmv_backend, lora_dtype)
+        self.sgmv = build_sgmv(config, d, device, dtype, self.lora_dtype, self.invariance.on)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.requests: dict[str, Request] = {}
         # DistKV (off until engine.distkv.enable(...)): lending, borrowing, moves home

@@ -18,7 +18,9 @@ from punica_x.kv.rmanager import PeerLost
 log = logging.getLogger(__name__)
 
 
-def worker_specs(config: EngineConfig, dims, dtype: torch.dtype, backend: str) -> list[WorkerSpec]:
+def worker_specs(
+    config: EngineConfig, dims, dtype: torch.dtype, backend: str, fixed_order: bool = False
+) -> list[WorkerSpec]:
     """One WorkerSpec per attention worker of `config` (ValueError, naming the model's KV
     heads, when their count does not divide them): the engine's KV geometry, each worker a
     slice of the heads, the model's windows and soft-cap, the engine's attention backend."""
@@ -36,6 +38,7 @@ def worker_specs(config: EngineConfig, dims, dtype: torch.dtype, backend: str) -
             windows=windows,
             softcap=float(dims.attn_softcap),
             backend=backend,
+            fixed_order=fixed_order,
         )
         for s in slices
     ]
@@ -48,11 +51,12 @@ def build_workers(
     dtype: torch.dtype,
     backend: str,
     launcher=None,
+    fixed_order: bool = False,
 ) -> list[WorkerRef]:
     """config.attention_workers attention workers: AttentionWorkers in this process on
     `device`, or what launcher(specs, device) starts (e.g. scheduler/lamina/launcher.py's
     ProcessWorkers: a process each, reached over the DistKV data plane)."""
-    specs = worker_specs(config, dims, dtype, backend)
+    specs = worker_specs(config, dims, dtype, backend, fixed_order)
     if launcher is not None:
         return launcher(specs, device)
     return [WorkerRef(AttentionWorker(spec, device), spec.heads) for spec in specs]
@@ -64,11 +68,12 @@ def attention_and_workers(engine, config: EngineConfig) -> tuple:
     with the backend's kernels, started by engine.attention_launcher) and the model worker's
     HeadSplitAttention over them."""
     d, device, dtype = engine.model.dims, engine.device, engine.dtype
-    attention = build_attention(config, d, device, dtype)
+    fixed = engine.invariance.on
+    attention = build_attention(config, d, device, dtype, fixed)
     if not config.attention_workers:
         return attention, None
     launcher = engine.attention_launcher
-    workers = build_workers(config, d, device, dtype, attention.name, launcher)
+    workers = build_workers(config, d, device, dtype, attention.name, launcher, fixed)
     return HeadSplitAttention(workers, "model", tables=lambda: block_tables(engine)), workers
 
 

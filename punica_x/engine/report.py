@@ -48,6 +48,9 @@ class EngineInfo:
     kv_bytes_per_token: int
     kv_blocks_swap: int  # the MLFQ host pool (0 under FCFS)
     prefix_caching: bool = False  # it reuses cached prefixes (punica_x/kv/prefix.py)
+    # its kernels run in batch-invariant order (punica_x/ops/invariance.py), and why
+    batch_invariant: bool = False
+    batch_invariant_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,8 @@ def describe(e) -> EngineInfo:
         kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
         kv_blocks_swap=e.swap.num_blocks if e.swap is not None else 0,
         prefix_caching=e.batcher.prefix is not None,
+        batch_invariant=e.invariance.on,
+        batch_invariant_reason=e.invariance.reason,
     )
 
 

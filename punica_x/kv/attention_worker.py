@@ -70,8 +70,8 @@ def head_slices(num_heads: int, num_kv_heads: int, workers: int) -> list[HeadSli
 class WorkerSpec:
     """What an attention worker is built from: its head slice, the KV geometry (the model's
     layers, head_dim, block size, dtype and block count), each layer's sliding window (0: all
-    keys) and the logit soft-cap (0: none), and the attention backend's name (the model
-    worker's choice, so both compute the same way)."""
+    keys) and the logit soft-cap (0: none), and the attention backend's name and order (the
+    model worker's choice, so both compute the same way)."""
 
     heads: HeadSlice
     num_layers: int
@@ -82,6 +82,7 @@ class WorkerSpec:
     windows: tuple[int, ...]
     softcap: float
     backend: str
+    fixed_order: bool = False  # batch-invariant order (ops.invariance): no flash attention
 
     def cache_spec(self) -> KVCacheSpec:
         n = self.heads.hi - self.heads.lo
@@ -100,6 +101,8 @@ class AttentionWorker:
         self.device = torch.device(device)
         self.cache = KVCache(spec.cache_spec(), spec.num_blocks, self.device)
         self.attention = get_attention_backend(self.device, spec.backend, spec.dtype)
+        if spec.fixed_order:
+            self.attention = self.attention.fixed_order()
         self.alive = True
         # the model worker's block tables as of its last plan (MicroPlan.tables): request
         # id -> block ids, the place of a request's KV should the model worker die

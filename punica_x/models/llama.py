@@ -185,9 +185,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Dense):
                 blocks = module.quantized_weight()
-                rows = HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
-                if module is self.embed_table:
-                    rows = ()  # only rows() are read
+                rows = self._dense_rows(module)
                 if blocks is not None:
                     if quant is None:
                         raise ValueError(f"{blocks.name}: quantized, and no quantized backend")
@@ -205,6 +203,22 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens.weight.new_empty(0, self.dims.hidden_size), requires_grad=False
             )
         _pin_submodules(self)
+
+    def _dense_rows(self, module: Dense) -> tuple[int, ...]:
+        """The row counts a Dense's backend is chosen for: a decode step's and a prefill
+        chunk's, the LM head's sampled rows, none for an embedding table (rows() only)."""
+        if module is self.embed_table:
+            return ()
+        return HEAD_ROWS if module is self.lm_head else PROJECTION_ROWS
+
+    def float_dense_shapes(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(n, k, rows) of every Dense loaded in float (not as quantized blocks), before
+        finish_loading: the shapes choose_dense will be asked for."""
+        return [
+            (m.out_features, m.in_features, self._dense_rows(m))
+            for m in self.modules()
+            if isinstance(m, Dense) and not m.quant_parts and m is not self.embed_table
+        ]
 
     def weight_formats(self) -> str:
         """What the dense weights are served as, e.g. "bfloat16" or "Q4_1,Q8_0": the block

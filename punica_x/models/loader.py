@@ -24,11 +24,13 @@ from punica_x.env import cache_dir
 from punica_x.lora.edges import edge_digest
 from punica_x.models import gguf_native, moe_loading, packed_checkpoint
 from punica_x.models.cache_entry import building
+from punica_x.models.invariant_choice import choose_invariance
 from punica_x.models.llama import LlamaDims, LlamaForCausalLM
 from punica_x.models.moe import MoeBlock
 from punica_x.models.quantize import ON_LOAD, quantize_on_load
 from punica_x.ops.dense import choose_dense
 from punica_x.ops.fused import choose_fused
+from punica_x.ops.invariance import Invariance, backend_name
 from punica_x.ops.quant_dense import X_BITS, QuantBlocks, choose_quant, dequantize_blocks
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class LoadedModel:
     name: str
     eos_token_ids: frozenset[int]
     max_model_len: int
+    # whether its kernels run in batch-invariant order, and why (ops.invariance)
+    invariance: Invariance = Invariance(False, "not decided")
 
 
 def default_model_path() -> Path:
@@ -286,11 +290,13 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model.edge_digests = _edge_digests(model, dtype)
     if quantization in ON_LOAD:
         quantize_on_load(model, quantization)
+    invariance = choose_invariance(cfg, model, device, dtype)  # ops.invariance
+    dense_name = backend_name(cfg.dense_backend, invariance.on)
     model.finish_loading(
-        lambda n, k, rows: choose_dense(device, dtype, n, k, rows, cfg.dense_backend),
-        choose_fused(device, dtype, dims, cfg.fused_backend),
+        lambda n, k, rows: choose_dense(device, dtype, n, k, rows, dense_name),
+        choose_fused(device, dtype, dims, backend_name(cfg.fused_backend, invariance.on)),
         lambda fmt, n, k, rows: choose_quant(
-            fmt, device, dtype, n, k, rows, X_BITS[cfg.quant_activations]
+            fmt, device, dtype, n, k, rows, X_BITS[cfg.quant_activations], invariance.on
         ),
     )
     model.eval()
@@ -302,6 +308,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         meta.name,
         meta.eos_token_ids,
         meta.max_model_len,
+        invariance,
     )
 
 

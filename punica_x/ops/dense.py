@@ -154,12 +154,21 @@ def choose_dense(
     default."""
     device = torch.device(device)
     name = name or DENSE_BACKEND.get() or None
-    if name or device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
-        return BACKENDS.get(device, dtype, name)
+    tuned = None if name else tune_dense(device, dtype, n, k, rows)
+    return BACKENDS.get(device, dtype, name or (tuned.name if tuned else None))
+
+
+def tune_dense(
+    device: torch.device, dtype: torch.dtype, n: int, k: int, rows: tuple[int, ...]
+) -> autotune.Tuned | None:
+    """The timing of every CPU candidate for an [n, k] weight over x of `rows` rows
+    (autotune: cached per machine; a lone candidate untimed); None off the CPU, for a dtype
+    no compiled kernel takes, or with timing disabled."""
+    if device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
+        return None
     candidates = {c: _timing(c, n, k, rows, dtype) for c in _cpu_candidates(dtype)}
     key = f"{n}x{k} rows={','.join(map(str, rows))}" + autotune.dtype_suffix(dtype)
-    tuned = autotune.choose("dense", key, candidates)
-    return BACKENDS.get(device, dtype, tuned.name)
+    return autotune.choose("dense", key, candidates)
 
 
 def _cpu_candidates(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:

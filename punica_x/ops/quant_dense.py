@@ -116,7 +116,11 @@ class QuantCpuDense:
         isa: str | None = None,
         dequant_from: int | None = None,
         x_bits: int = 0,
+        fixed_order: bool = False,
     ) -> None:
+        """fixed_order: batch-invariant (ops.invariance): x as it is goes one row per tile
+        (csrc/quant/quant.h; the integer-activation kernel is row-invariant as it is) and
+        nothing is dequantized for a large call."""
         from punica_x.ops._build import load_extension
 
         if fmt not in FORMATS:
@@ -125,7 +129,9 @@ class QuantCpuDense:
         self.format, self.type, self.dtype = fmt, FORMATS[fmt][0], dtype
         if x_bits not in X_BITS.values():
             raise ValueError(f"x_bits must be one of {sorted(X_BITS.values())}, got {x_bits!r}")
-        self.dequant_from, self.x_bits = dequant_from, x_bits
+        if fixed_order and dequant_from is not None:
+            raise ValueError("fixed_order dequantizes nothing: dequant_from must be None")
+        self.dequant_from, self.x_bits, self.fixed_order = dequant_from, x_bits, fixed_order
         self.name = f"quant_{fmt.lower()}" + (f"_x{x_bits}" if x_bits else "")
         self._all_rows: dict[int, torch.Tensor] = {}
 
@@ -149,7 +155,7 @@ class QuantCpuDense:
             return self.ext.qgemm_grouped_new(
                 x.contiguous(), prepared, self.type, bias, self.x_bits, n
             )
-        return self.ext.qgemm_new(x.contiguous(), prepared, self.type, bias)
+        return self.ext.qgemm_new(x.contiguous(), prepared, self.type, bias, self.fixed_order)
 
     def rows(self, prepared: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
         """W[ids] dequantized to the serving dtype: [T, K]."""
@@ -173,17 +179,18 @@ def quant_backend(
     dtype: torch.dtype,
     dequant_from: int | None = None,
     x_bits: int = 0,
+    fixed_order: bool = False,
 ) -> QuantCpuDense:
-    """The backend serving `fmt` blocks (one per format, dtype, crossover and activation
-    rounding); ValueError off the CPU."""
+    """The backend serving `fmt` blocks (one per format, dtype, crossover, activation
+    rounding and order); ValueError off the CPU."""
     if torch.device(device).type != "cpu":
         raise ValueError(
             f"quantized {fmt} weights run on the CPU only for now; serve this file with "
             "--quantization none on a GPU"
         )
-    key = (fmt, dtype, dequant_from, x_bits)
+    key = (fmt, dtype, dequant_from, x_bits, fixed_order)
     if key not in _MADE:
-        _MADE[key] = QuantCpuDense(fmt, dtype, dequant_from=dequant_from, x_bits=x_bits)
+        _MADE[key] = QuantCpuDense(fmt, dtype, None, dequant_from, x_bits, fixed_order)
     return _MADE[key]
 
 
@@ -195,16 +202,18 @@ def choose_quant(
     k: int,
     rows: tuple[int, ...],
     x_bits: int = 0,
+    fixed_order: bool = False,
 ) -> QuantCpuDense:
     """The backend for an [n, k] weight in `fmt` blocks that sees x of about `rows` rows
     (x_bits: the blocks multiply x rounded to integers of x_bits, 0 for x as it is):
     from the largest row count down, while dequantizing for the call and torch's matmul time
     faster than the blocks (punica_x.ops.autotune, cached per machine), it dequantizes from
-    there on. Timing off ($PUNICA_X_AUTOTUNE=0): the blocks at every row count."""
+    there on. Timing off ($PUNICA_X_AUTOTUNE=0) or fixed_order (the batch-invariant mode:
+    ops.invariance; torch's matmul blocks by the row count): the blocks at every row count."""
     from punica_x.ops import autotune
 
     dequant_from = None
-    if autotune.enabled():
+    if autotune.enabled() and not fixed_order:
         blocks = quant_backend(fmt, device, dtype, x_bits=x_bits)
         for m in sorted(rows, reverse=True):
             key = f"{fmt} {n}x{k} rows={m}" + autotune.dtype_suffix(dtype)
@@ -213,7 +222,7 @@ def choose_quant(
             if autotune.choose("quant", key, candidates).name != "dequant":
                 break
             dequant_from = m
-    return quant_backend(fmt, device, dtype, dequant_from, x_bits)
+    return quant_backend(fmt, device, dtype, dequant_from, x_bits, fixed_order)
 
 
 _CHOICES = ("blocks", "dequant")

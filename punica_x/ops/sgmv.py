@@ -73,19 +73,23 @@ def _bound(backend: SgmvBackend, w: SgmvWeights) -> Launch:
 class CompiledBackend:
     """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
 
-    def __init__(self, name: str, module) -> None:
+    def __init__(self, name: str, module, fixed_order: bool = False) -> None:
+        """fixed_order: batch-invariant order (csrc/sgmv/sgmv.h, ops.invariance), CPU only."""
         self.name = name
         self.module = module
+        self.fixed_order = fixed_order
 
     def shrink(self, v, x, w, layer) -> None:
         self.module.sgmv_shrink(
-            v, x, w.a_ptr, w.ranks, w.seg, layer, w.max_rows, w.max_rank, w.weight_dtype
-        )
+            v, x, w.a_ptr, w.ranks, w.seg, layer, w.max_rows, w.max_rank, w.weight_dtype,
+            self.fixed_order,
+        )  # fmt: skip
 
     def expand(self, y, v, w, layer) -> None:
         self.module.sgmv_expand(
-            y, v, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank, w.weight_dtype
-        )
+            y, v, w.b_ptr, w.ranks, w.seg, w.h_out, layer, w.max_rows, w.max_rank, w.weight_dtype,
+            self.fixed_order,
+        )  # fmt: skip
 
     def add_lora(self, y, x, v, w, layer) -> None:
         self.module.sgmv_add_lora(
@@ -101,6 +105,7 @@ class CompiledBackend:
             w.max_rows,
             w.max_rank,
             w.weight_dtype,
+            self.fixed_order,
         )
 
     def bind(self, w) -> Launch:
@@ -124,6 +129,7 @@ class CompiledBackend:
             h_in,
             (w.a, w.b),
             w.weight_dtype,
+            self.fixed_order,
         )
         return launch.add_lora
 
@@ -163,6 +169,12 @@ def _compiled(name: str, with_cuda: bool, isa: str | None = None) -> SgmvBackend
 def cpu_backend(isa: str | None = None) -> SgmvBackend:
     """The compiled CPU kernels built for `isa` (None: $PUNICA_X_CPU_ISA / native)."""
     return _compiled("cpu", with_cuda=False, isa=isa)
+
+
+def cpu_sgmv_fixed_order(isa: str | None = None) -> CompiledBackend:
+    """The compiled CPU kernels in batch-invariant order (ops.invariance): a row's result is
+    the same bits whatever the size of its segment."""
+    return CompiledBackend("cpu", cpu_backend(isa).module, fixed_order=True)
 
 
 BACKENDS: Registry[SgmvBackend] = Registry(

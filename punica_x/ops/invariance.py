@@ -1,0 +1,130 @@
+"""Batch invariance (ModelConfig.batch_invariant): the same request gives the same bits,
+whatever else is running.
+
+A row's result must not depend on what else shares its kernel calls: how many rows a GEMM
+has, where the row sits in the batch, how many rows share its adapter's SGMV segment, whether
+its prompt came as one chunk, several, after a cached prefix or as a decode row. In bf16 a
+last-bit difference flips a near-tie of greedy decoding within a few dozen tokens, so without
+this a prefix-cache hit, a neighbour's traffic, chunked prefill, preemption or migration can
+change a completion.
+
+The mode holds every kernel a token passes through to one reduction order per row:
+* dense projections and the LM head: the compiled ``cpu`` GEMM (csrc/dense), whose per-row
+  sums run over K in one order whatever the row count (oneDNN and torch pick blockings by
+  it), and quantized blocks without the dequantize-and-matmul path for large chunks;
+* SGMV: the ``cpu`` kernels with ``fixed_order`` (sgmv.h: every segment takes the arithmetic
+  of a segment of any size);
+* attention: the paged kernel for every chunk, no flash attention (attention/cpu.py);
+* fused RMSNorm, RoPE and activations: the ``cpu`` kernels (one row at a time);
+sampling and logprobs are per row already.
+
+``on``: these kernels (ValueError where they cannot run: off the CPU, an untuned CPU, float16,
+or a backend named that is not one of them). ``off``: the fastest per shape (autotune).
+``auto`` (the default): on where it costs at most MAX_COST on this CPU's kernels, measured at
+first load from the dense backends' timings on the model's own shapes (what autotune times
+anyway: rows 8, 32 and 256 per projection, 8 and 32 for the LM head): the time of the ``cpu``
+GEMM over that of each shape's fastest backend, summed over the model's projections. The
+other kernels of the mode are the ones a decode step runs anyway. On CUDA auto is off and on
+is refused (no batch-invariant CUDA kernels yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+MODES = ("auto", "on", "off")
+MAX_COST = 0.05  # auto: the mode's measured cost, a fraction of the dense projections' time
+# the backend of each kind that computes batch-invariantly
+INVARIANT_BACKEND = "cpu"
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """on: whether the kernels run in batch-invariant order; reason: why, for the start-up
+    log and the engine's description; cost: the measured cost fraction (None: not measured)."""
+
+    on: bool
+    reason: str
+    cost: float | None = None
+
+
+def check_mode(mode: object) -> None:
+    """ValueError unless `mode` is one of MODES."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"batch_invariant must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def decide(
+    mode: str,
+    device_type: str,
+    kernels: bool,
+    named: Mapping[str, str | None],
+    cost: Callable[[], float],
+) -> Invariance:
+    """The mode's decision. kernels: whether the compiled CPU kernels run this model here
+    (a tuned x86 level, float32 or bfloat16); named: {kind: backend a user named} (None or ""
+    for none); cost(): the measured cost fraction, called only for auto. ValueError for `on`
+    where the mode cannot hold."""
+    check_mode(mode)
+    if mode == "off":
+        return Invariance(False, "batch_invariant=off")
+    blocker = _blocker(device_type, kernels, named)
+    if blocker:
+        if mode == "on":
+            raise ValueError(f"batch_invariant=on cannot hold: {blocker}; use off or auto")
+        return Invariance(False, f"auto: off, {blocker}")
+    if mode == "on":
+        return Invariance(True, "batch_invariant=on")
+    measured = cost()
+    verdict = "on" if measured <= MAX_COST else "off"
+    reason = (
+        f"auto: {verdict}, its measured cost is {100 * measured:.1f}% of the dense projections' "
+        f"time on this CPU (on up to {100 * MAX_COST:.0f}%)"
+    )
+    return Invariance(verdict == "on", reason, measured)
+
+
+def with_engine_backends(
+    invariance: Invariance, mode: str, named: Mapping[str, str | None]
+) -> Invariance:
+    """`invariance` (decided at load for the model's kernels) held against the attention and
+    SGMV backends the engine's config or environment names: ValueError for `on` with one
+    that is not batch-invariant; `auto` turns off, saying why."""
+    blocker = _blocker("cpu", True, named) if invariance.on else ""
+    if not blocker:
+        return invariance
+    if mode == "on":
+        raise ValueError(f"batch_invariant=on cannot hold: {blocker}; use off or auto")
+    return Invariance(False, f"auto: off, {blocker}", invariance.cost)
+
+
+def _blocker(device_type: str, kernels: bool, named: Mapping[str, str | None]) -> str:
+    if device_type != "cpu":
+        return f"no batch-invariant kernels on {device_type} yet"
+    if not kernels:
+        return "the compiled CPU kernels do not run this model here (untuned CPU or dtype)"
+    others = {kind: name for kind, name in named.items() if name and name != INVARIANT_BACKEND}
+    if others:
+        listed = ", ".join(f"{kind} backend {name!r}" for kind, name in sorted(others.items()))
+        return f"{listed} named, not the batch-invariant {INVARIANT_BACKEND!r}"
+    return ""
+
+
+def backend_name(name: str | None, on: bool) -> str | None:
+    """The backend of a kind to ask for: the batch-invariant one where the mode is on, else
+    `name` (the one named, or None to choose)."""
+    return INVARIANT_BACKEND if on else name
+
+
+def dense_cost(timings: list[tuple[int, Mapping[str, float]]]) -> float:
+    """The mode's cost on the dense projections: (count, {backend: ms}) per weight shape, as
+    autotune timed the candidates; sum of count x the ``cpu`` GEMM's time over sum of count x
+    the fastest's, minus 1 (0 where every shape is fastest on ``cpu`` or had no timing)."""
+    ours = best = 0.0
+    for count, times in timings:
+        if not times or INVARIANT_BACKEND not in times:
+            continue
+        ours += count * times[INVARIANT_BACKEND]
+        best += count * min(times.values())
+    return ours / best - 1.0 if best > 0 else 0.0
