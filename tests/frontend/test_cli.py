@@ -105,3 +105,10 @@ def test_serve_quant_activations_reach_the_model_config(capsys):
     assert _engine().model.quant_activations == "int16"
     good, bad = ("int16", "int8", "float"), ("int4", "INT8", "", "fp32")
     _check_choices(capsys, "--quant-activations", "quant_activations", good, bad)
+
+
+def test_serve_batch_invariant_reaches_the_model_config(capsys):
+    assert _engine().model.batch_invariant == "auto"
+    _check_choices(
+        capsys, "--batch-invariant", "batch_invariant", ("auto", "on", "off"), ("ON", "1", "")
+    )
