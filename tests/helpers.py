@@ -22,6 +22,16 @@ CPU_ISAS = [
     for level in ("avx2", "avx512", "avx512_bf16")
 ]
 
+# Chat questions the real-model tests ask (bf16, GGUF, batch invariance)
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Who wrote Hamlet?",
+    "Give me a tip for sleeping well.",
+]
+
 TINY_TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "a multi tenant lora server batches many adapters over one backbone",

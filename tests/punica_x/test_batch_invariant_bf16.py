@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from helpers import CHAT_QUESTIONS, make_peft_adapter
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import FLASH_MIN_WORK
@@ -21,14 +21,7 @@ from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Who wrote Hamlet?",
-    "Give me a tip for sleeping well.",
-]
+QUESTIONS = CHAT_QUESTIONS
 SYSTEM = " ".join(["You are a careful assistant who answers briefly and precisely."] * 95)
 MODELS = [None, "r8", "r16"]
 SP = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)

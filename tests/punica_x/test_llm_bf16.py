@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chat_prompts, llm_with_adapters, make_peft_adapter
+from helpers import CHAT_QUESTIONS, chat_prompts, llm_with_adapters, make_peft_adapter
 
 from punica_x import SamplingParams
 from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Who wrote Hamlet?",
-    "Give me a tip for sleeping well.",
-]
+QUESTIONS = CHAT_QUESTIONS
 ADAPTERS = {
     "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),

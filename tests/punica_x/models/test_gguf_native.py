@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers import chat_prompts
+from helpers import CHAT_QUESTIONS, chat_prompts
 
 from punica_x import LLM, SamplingParams
 from punica_x.config import ModelConfig
@@ -20,14 +20,7 @@ from punica_x.models import gguf_native
 from punica_x.models.loader import default_model_path
 from punica_x.ops.quant_dense import QuantCpuDense
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Who wrote Hamlet?",
-    "Give me a tip for sleeping well.",
-]
+QUESTIONS = CHAT_QUESTIONS
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and"
 
 
