@@ -4,12 +4,14 @@ per workload, in decode and in prefill, and what does `auto` decide on this CPU?
 Two engines in one process, the mode on and off, same model, dtype and adapters
 (bench_generate's: rank-16 LoRA on all 7 projections, one per request). Decode: the median
 step once all --requests requests decode (common.engine_timing.decode_step_time), for
-Distinct (every request its own adapter), Identical (one adapter) and Backbone (none).
-Prefill: the time to compute --prefill-tokens prompt tokens of one request on the base model
-(one chunk: where flash attention takes it with the mode off), and the prefill of the
---requests prompts of Distinct together (their first token). Every configuration is measured
-in every one of --rounds rounds, the order reversed on odd rounds, and each cost is the ratio
-on / off within a round (median, min, max over rounds), so the machine's drift cancels.
+Distinct (every request its own adapter), Identical (one adapter) and Backbone (none): the
+two engines' steps alternate (on, off, on, ... for --decode-steps pairs), so both see the same
+machine. Prefill: the time to compute --prefill-tokens prompt tokens of one request on the
+base model (one chunk: where flash attention takes it with the mode off), and the prefill of
+the --requests prompts of Distinct together (their first token), on and off back to back.
+Every workload is measured in each of --rounds rounds, which engine goes first alternating by
+round; each cost is the ratio on / off within a round (median, min, max over rounds), so the
+machine's drift (tens of percent over minutes on these VMs) cancels.
 A third engine with batch_invariant=auto reports what auto chose and its measured cost.
 
 Default: the default server's model and weights (SmolLM2-135M's own Q4_1 blocks,
@@ -28,7 +30,7 @@ import time
 
 import torch
 from common.args import add_dtype, add_engine_workload, parser
-from common.engine_timing import decode_step_time, interleaved_rounds, paired_ratio, warm_up
+from common.engine_timing import paired_ratio, start_decoding, stop_all, warm_up
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
@@ -47,12 +49,35 @@ def parse_args():
     add_dtype(ap, help="the serving dtype of both engines")
     ap.add_argument("--quantization", default="auto", choices=["auto", "none"])
     ap.add_argument("--prefill-tokens", type=int, default=1024)
-    ap.set_defaults(dtype="bfloat16", rounds=5, max_tokens=16)
-    return ap.parse_args()
+    ap.set_defaults(dtype="bfloat16", rounds=5, decode_steps=30)
+    args = ap.parse_args()
+    args.max_tokens = max(args.max_tokens, args.decode_steps + 4)  # all decode while timed
+    return args
 
 
 def serve(args, mode: str) -> LLM:
     return LLM(dtype=args.dtype, quantization=args.quantization, batch_invariant=mode)
+
+
+def paired_decode(engines: dict, order, prompts, adapters, sp, args) -> dict[str, float]:
+    """{mode: median step seconds} once every request decodes on both engines, their steps
+    alternating in `order` (each pair of steps sees the same machine)."""
+    for mode in order:
+        start_decoding(engines[mode], prompts, adapters, sp)
+    times: dict[str, list[float]] = {mode: [] for mode in order}
+    for _ in range(args.decode_steps):
+        for mode in order:
+            t0 = time.perf_counter()
+            engines[mode].engine.step()
+            times[mode].append(time.perf_counter() - t0)
+    for llm in engines.values():
+        stop_all(llm)
+    return {mode: statistics.median(t) for mode, t in times.items()}
+
+
+def paired_prefill(engines: dict, order, prompts, adapters) -> dict[str, float]:
+    """{mode: prefill seconds}, measured in `order`."""
+    return {mode: prefill_time(engines[mode], prompts, adapters) for mode in order}
 
 
 def prefill_time(llm: LLM, prompts, adapters) -> float:
@@ -93,13 +118,17 @@ def main() -> None:
         warm_up(llm, prompts)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     work = {
-        **{w: lambda llm, w=w: decode_step_time(llm, prompts, names[w], sp, args.decode_steps)
+        **{w: lambda order, w=w: paired_decode(engines, order, prompts, names[w], sp, args)
            for w in DECODE},
-        "prefill_long": lambda llm: prefill_time(llm, long, [None]),
-        "prefill_batch": lambda llm: prefill_time(llm, prompts, names["distinct"]),
+        "prefill_long": lambda order: paired_prefill(engines, order, long, [None]),
+        "prefill_batch": lambda order: paired_prefill(engines, order, prompts, names["distinct"]),
     }  # fmt: skip
-    configs = {(w, m): (w, m) for w in work for m in engines}
-    per_round = interleaved_rounds(configs, args.rounds, lambda c: work[c[0]](engines[c[1]]))
+    per_round = {(w, m): [] for w in work for m in engines}
+    for r in range(args.rounds):  # on first in even rounds, off first in odd ones
+        order = ("on", "off") if r % 2 == 0 else ("off", "on")
+        for w, measure in work.items():
+            for m, seconds in measure(order).items():
+                per_round[(w, m)].append(seconds)
     rows = [row(w, per_round) for w in work]
     summary = {
         "dtype": dtype_name(engines["on"].engine.dtype),

@@ -33,6 +33,19 @@ def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
     by LoRA (SmolLM2 bf16, 32 requests, Zen 4, 2026-11-26: Distinct's attention over the
     backbone's +1.0-1.4 ms a step unsalted, +0.4-0.6 salted, +0.1 with prefix caching off;
     the rest follows the rows' order, which sorting by adapter changes)."""
+    engine = start_decoding(llm, prompts, adapters, sp)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    stop_all(llm)
+    return statistics.median(times)
+
+
+def start_decoding(llm: LLM, prompts, adapters, sp):
+    """Add the requests (decode_step_time's salts) and step until every one decodes; returns
+    the engine."""
     engine = llm.engine
     sps = sp if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
     for p, a, one, salt in zip(prompts, adapters, sps, unique_salts("decode-step", len(prompts))):
@@ -42,14 +55,13 @@ def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:
         for r in engine.requests.values()
     ):
         engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    return statistics.median(times)
+    return engine
+
+
+def stop_all(llm: LLM) -> None:
+    """Abort every request of the engine."""
+    for rid in list(llm.engine.requests):
+        llm.engine.abort(rid)
 
 
 def unique_salts(prefix: str, n: int) -> list[str]:
