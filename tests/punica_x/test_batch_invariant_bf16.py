@@ -11,6 +11,8 @@ changed 2 of 9 such completions here (AMD EPYC, AVX2)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from helpers import CHAT_QUESTIONS, make_peft_adapter
@@ -137,3 +139,48 @@ def test_a_moved_stream_continues_bit_for_bit(llm, small, long_runs, with_kv):
         tokens = [t for o in outs for t in o.new_token_ids]
         lps = [(lp.logprob, lp.top) for o in outs for lp in o.new_logprobs]
         assert (tokens, lps) == whole[(0, m)], m
+
+
+def test_streams_of_a_failed_runner_continue_bit_for_bit(llm):
+    """Two runners over the model; the one holding the requests fails in a step (as a killed
+    process or crashed kernel does): the scheduler resumes each stream on the other from
+    what its client had, by recomputation, and every token and logprob equals the run alone."""
+    from punica_x.config import BatchConfig, EngineConfig, ModelConfig
+    from punica_x.request import EngineRequest
+    from scheduler.cluster import Scheduler
+    from scheduler.runners.local import LocalRunner
+
+    prompts = [tuple(llm.tokenizer(chat(llm, q)).input_ids) for q in QUESTIONS[:4]]
+    alone = [result(llm.generate([list(p)], [None], SP)[0]) for p in prompts]
+    model = ModelConfig(model="unused", dtype="bfloat16", batch_invariant="on")
+    config = EngineConfig(model=model, batch=BatchConfig(max_batch_size=4))
+
+    async def main():
+        runners = [LocalRunner(config, f"runner-{i}", shared=llm.engine.loaded) for i in (0, 1)]
+        sched = Scheduler(runners, None)
+        engine = sched.slots[0].handle.engine
+        real_step, calls = engine.step, [0]
+
+        def step():
+            calls[0] += 1
+            if calls[0] == 9:
+                raise RuntimeError("injected runner failure")
+            return real_step()
+
+        engine.step = step
+        reqs = [EngineRequest(p, SP, None, f"q{i}") for i, p in enumerate(prompts)]
+        streams = [await sched.open(r) for r in reqs]
+
+        async def read(stream):
+            outs = [out async for out in stream]
+            tokens = [t for o in outs for t in o.new_token_ids]
+            return tokens, [(lp.logprob, lp.top) for o in outs for lp in o.new_logprobs]
+
+        got = await asyncio.gather(*(read(s) for s in streams))
+        rows = sched.runners()
+        sched.shutdown()
+        return got, rows
+
+    got, rows = asyncio.run(main())
+    assert rows[0].state == "dead" and "injected runner failure" in rows[0].error
+    assert got == alone
