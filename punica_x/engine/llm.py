@@ -23,7 +23,9 @@ class LLM:
     """``LLM()`` serves the default model; ``LLM(model="path")`` a HF directory or GGUF file.
 
     Keyword arguments set fields of the engine config: dtype, device, max_model_len,
-    quantization, quant_activations (ModelConfig), block_size, kv_cache_bytes, num_blocks,
+    quantization, quant_activations, batch_invariant ("auto" | "on" | "off": the same bits
+    whatever else runs, punica_x/ops/invariance.py) (ModelConfig), block_size, kv_cache_bytes,
+    num_blocks,
     swap_bytes, swap_blocks, prefix_caching (CacheConfig; on by default, docs/prefix.md),
     max_lora_rank, device_bytes, host_bytes, lora_dtype (LoraConfig), max_batch_size,
     max_batched_tokens, policy ("fcfs" | "mlfq"), mlfq_quantum_s, mlfq_levels, mlfq_starve_s
