@@ -103,6 +103,7 @@ def _worker_rows(r: dict) -> list[tuple[str, ...]]:
             "-",
             "-",
             "-",
+            "-",
         )
         for w in r.get("attention_workers", ())
     ]
@@ -121,6 +122,7 @@ def _runner_table(data: dict) -> str:
         "LENT/BORROWED",
         "PREFIX HITS",
         "ADAPTERS",
+        "INVARIANT",
     )
     rows = [head]
     model = data.get("model") or {}
@@ -142,12 +144,14 @@ def _runner_table(data: dict) -> str:
                 f"{r.get('kv_blocks_lent', 0)}/{r.get('kv_blocks_borrowed', 0)}",
                 _hit_rate(r.get("prefix_cache_hits", 0), r.get("prefix_cache_queries", 0)),
                 str(r["resident_adapters"]),
+                {True: "on", False: "off"}.get(r.get("batch_invariant"), "-"),
             )
         )
         rows += _worker_rows(r)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [title]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines += _invariance_lines(data["runners"])
     advice = data["advice"]
     detail = f" ({data['advice_reason']})" if data.get("advice_reason") else ""
     lines.append(f"queued at the scheduler: {data['queued']}; advice: {advice}{detail}")
@@ -157,6 +161,15 @@ def _runner_table(data: dict) -> str:
         f"prefix cache: {_hit_rate(hits, queries)} of {queries} prompt tokens looked up were cached"
     )
     return "\n".join(lines)
+
+
+def _invariance_lines(runners: list[dict]) -> list[str]:
+    """A line per batch-invariance decision among the runners: which runners, and why."""
+    by_reason: dict[str, list[str]] = {}
+    for r in runners:
+        if r.get("batch_invariant_reason"):
+            by_reason.setdefault(r["batch_invariant_reason"], []).append(r["id"])
+    return [f"batch invariance of {', '.join(ids)}: {why}" for why, ids in by_reason.items()]
 
 
 def _hit_rate(hits: int, queries: int) -> str:

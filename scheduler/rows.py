@@ -38,6 +38,10 @@ class RunnerRow:
     attention_worker_losses: int = 0
     error: str | None = None
     replaces: str | None = None  # the dead runner it was started in place of
+    # its kernels run in batch-invariant order (EngineInfo.batch_invariant; None: no engine),
+    # and why: runners started at other times may decide `auto` differently
+    batch_invariant: bool | None = None
+    batch_invariant_reason: str = ""
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,6 +71,8 @@ def runner_row(slot) -> RunnerRow:
         prefix_cache_hits=s.prefix_cache_hits,
         prefix_cache=s.prefix_cache,
         resident_adapters=len(h.resident_adapters()),
+        batch_invariant=h.info.batch_invariant,
+        batch_invariant_reason=h.info.batch_invariant_reason,
         role="model" if s.attention_workers else "runner",
         attention_workers=tuple(
             dict(

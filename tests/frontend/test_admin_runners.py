@@ -65,7 +65,13 @@ def test_status_lists_both_runners_and_needs_the_admin_token(cluster, client):
     assert [line.split()[0] for line in lines[1:3]] == ["runner-0", "runner-1"]
     assert lines[-2].startswith("queued at the scheduler: 0; advice:")
     assert lines[-1].startswith("prefix cache: ")
-    assert lines[0].split()[-3:] == ["PREFIX", "HITS", "ADAPTERS"]
+    # both runners decided batch invariance alike (auto measures each at its start)
+    reason = body["runners"][0]["batch_invariant_reason"]
+    assert reason.startswith("auto: ") and body["runners"][1]["batch_invariant_reason"] == reason
+    assert lines[-3] == f"batch invariance of runner-0, runner-1: {reason}"
+    on = "on" if body["runners"][0]["batch_invariant"] else "off"
+    assert lines[0].split()[-4:] == ["PREFIX", "HITS", "ADAPTERS", "INVARIANT"]
+    assert [line.split()[-1] for line in lines[1:3]] == [on, on]
 
 
 def test_drain_under_live_streams_then_scale_up_then_the_last_is_refused(cluster, client):
