@@ -35,6 +35,11 @@ one dtype; --peer-dtype auto gives vLLM its own default. The HF baselines stay f
 punica-x serves another dtype than float32, a float32 punica-x engine runs the same workloads
 in the same run (column ours_fp32_tok_s; x_fp32 = the served dtype over float32).
 
+--batch-invariant auto|on|off sets punica-x's mode (ModelConfig.batch_invariant; auto, the
+product's default, decides by its measured cost: the summary says what it chose); both adds
+a table of the mode's cost per workload and the backbone, engines on and off interleaved by
+round (end to end, decode step, prefill: common/generate_columns.invariance_table).
+
 --device cuda: one GPU, a Llama-3-8B-shaped model by default, 32 and 128 requests, HF
 beside it (common/gpu_generate.py; figures in benchmarks/results/cuda/).
 """
@@ -52,7 +57,13 @@ from common.engine_timing import (
     run_ours,
     warm_up,
 )
-from common.generate_columns import add_fp32, add_heap, add_hf
+from common.generate_columns import (
+    INVARIANCE_COLUMNS,
+    add_fp32,
+    add_heap,
+    add_hf,
+    invariance_table,
+)
 from common.gpu_generate import add_gpu_args, check_gpu_args
 from common.gpu_generate import main as main_gpu
 from common.report import describe_machine, machine, print_table, pyplot, save_plot, write_json
@@ -123,6 +134,12 @@ def parse_args():
         help="also measure tok/s with this many more live Python objects (0: skip)",
     )
     add_dtype(ap, help="punica-x's serving dtype (auto: its own default on this CPU)")
+    ap.add_argument(
+        "--batch-invariant",
+        default="auto",
+        choices=["auto", "on", "off", "both"],
+        help="punica-x's batch-invariant mode; both: auto, and the on/off cost per workload",
+    )
     add_gpu_args(ap)
     ap.add_argument(
         "--peer-dtype",
@@ -147,7 +164,9 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     model = model_path(args.model, args.tokenizer)
-    llm = LLM(dtype=args.dtype, model=model, quantization=args.quantization)
+    mode = "auto" if args.batch_invariant == "both" else args.batch_invariant
+    llm = LLM(dtype=args.dtype, model=model, quantization=args.quantization, batch_invariant=mode)
+    invariant = llm.engine.describe()
     ours_dtype = dtype_name(llm.engine.dtype)
     args.peer_dtype = args.peer_dtype or ours_dtype
     print(f"punica-x serves {ours_dtype} (--dtype {args.dtype})", flush=True)
@@ -171,6 +190,9 @@ def main() -> None:
     if args.heap_objects:
         add_heap(rows, args, llm, prompts, names, sp)
     peer = add_vllm(rows, args, llm, prompts, paths, names, tmp) if args.peer == "vllm" else {}
+    inv_rows = []
+    if args.batch_invariant == "both":
+        inv_rows = invariance_table(args, model, prompts, paths, names, sp)
     if ours_dtype != "float32":  # the served dtype against our own float32, same run
         del llm
         model_dir = add_fp32(rows, prompts, paths, names, sp, model)
@@ -180,18 +202,25 @@ def main() -> None:
 
     summary = summarize(args, rows, peer, ours_backbone, hf_backbone, step["backbone"], ours_dtype)
     summary.update(paired)
+    summary["batch_invariant"] = invariant.batch_invariant
+    summary["batch_invariant_reason"] = invariant.batch_invariant_reason
     print_report(args, rows, summary, peer, read_bw, bandwidth)
-    write_results(args, rows, summary, bandwidths, reads)
+    if inv_rows:
+        title = f"batch_invariant on / off, {ours_dtype}: tok/s and time ratios (paired rounds)"
+        print_table(inv_rows, INVARIANCE_COLUMNS, title)
+    write_results(args, rows, summary, bandwidths, reads, inv_rows)
 
 
-def write_results(args, rows, summary: dict, bandwidths: list, reads: list) -> None:
+def write_results(args, rows, summary: dict, bandwidths: list, reads: list, inv_rows) -> None:
     """The JSON (with each round's copy and read bandwidth) and the PNG: float32 figures keep
-    their name, other dtypes and model shapes get their own files beside them."""
+    their name, other dtypes, model shapes and batch-invariant modes get their own files."""
     ours_dtype = summary["dtype"]
     bandwidth, read_bw = statistics.median(bandwidths), statistics.median(reads)
     name = "bench_generate" + ("" if ours_dtype == "float32" else f"_{ours_dtype}")
     if args.model in SHAPES:
         name += f"_{args.model.replace('.', '_')}"
+    if args.batch_invariant != "auto":
+        name += f"_invariant_{args.batch_invariant}"
     path = write_json(
         name,
         {
@@ -202,6 +231,7 @@ def write_results(args, rows, summary: dict, bandwidths: list, reads: list) -> N
             "read_bandwidth_rounds_GBps": [b / 1e9 for b in reads],
             "summary": summary,
             "rows": rows,
+            "batch_invariant_rows": inv_rows,
         },
     )
     plot(rows, summary, name)
@@ -330,6 +360,10 @@ def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidt
     print(
         f"identical step / backbone step = {ident['median']:.3f} (target <= 1.1; rounds "
         f"{ident['min']:.3f}-{ident['max']:.3f})"
+    )
+    print(
+        f"batch invariance (--batch-invariant {args.batch_invariant}): "
+        f"{summary['batch_invariant_reason']}"
     )
 
 

@@ -24,13 +24,18 @@ rarely flips a token); --quantization none serves the float weights.
 
 from __future__ import annotations
 
-import itertools
 import statistics
-import time
 
 import torch
 from common.args import add_dtype, add_engine_workload, parser
-from common.engine_timing import paired_ratio, start_decoding, stop_all, warm_up
+from common.engine_timing import warm_up
+from common.invariance_pairs import (
+    MODES,
+    cost,
+    invariance_rounds,
+    paired_decode,
+    paired_prefill,
+)
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.workload import load_adapters, make_adapters, make_prompts, workload_names
@@ -40,7 +45,6 @@ from punica_x.dtypes import dtype_name
 
 DECODE = ("distinct", "identical", "backbone")
 PREFILL = ("prefill_long", "prefill_batch")
-_SALTS = itertools.count()
 
 
 def parse_args():
@@ -59,42 +63,6 @@ def serve(args, mode: str) -> LLM:
     return LLM(dtype=args.dtype, quantization=args.quantization, batch_invariant=mode)
 
 
-def paired_decode(engines: dict, order, prompts, adapters, sp, args) -> dict[str, float]:
-    """{mode: median step seconds} once every request decodes on both engines, their steps
-    alternating in `order` (each pair of steps sees the same machine)."""
-    for mode in order:
-        start_decoding(engines[mode], prompts, adapters, sp)
-    times: dict[str, list[float]] = {mode: [] for mode in order}
-    for _ in range(args.decode_steps):
-        for mode in order:
-            t0 = time.perf_counter()
-            engines[mode].engine.step()
-            times[mode].append(time.perf_counter() - t0)
-    for llm in engines.values():
-        stop_all(llm)
-    return {mode: statistics.median(t) for mode, t in times.items()}
-
-
-def paired_prefill(engines: dict, order, prompts, adapters) -> dict[str, float]:
-    """{mode: prefill seconds}, measured in `order`."""
-    return {mode: prefill_time(engines[mode], prompts, adapters) for mode in order}
-
-
-def prefill_time(llm: LLM, prompts, adapters) -> float:
-    """Seconds until every prompt has its first token (a fresh cache salt each time, so no
-    prefix is reused)."""
-    engine = llm.engine
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    reqs = [
-        engine.add_request(p, sp, a, cache_salt=f"prefill-{next(_SALTS)}")
-        for p, a in zip(prompts, adapters)
-    ]
-    t0 = time.perf_counter()
-    while not all(r.finished for r in reqs):
-        engine.step()
-    return time.perf_counter() - t0
-
-
 def long_prompt(llm: LLM, tokens: int) -> list[int]:
     text = " ".join(["You are a careful assistant who answers briefly and precisely."] * 200)
     return llm.tokenizer(text).input_ids[:tokens]
@@ -106,7 +74,7 @@ def main() -> None:
     print(describe_machine(), flush=True)
     n = args.requests
     auto = serve(args, "auto").engine.describe()
-    engines = {mode: serve(args, mode) for mode in ("on", "off")}
+    engines = {mode: serve(args, mode) for mode in MODES}
     model_dir = engines["on"].engine.loaded.model_dir
     paths = make_adapters(model_dir, n, args.rank, scratch_dir("bench-invariance-"))
     for llm in engines.values():
@@ -118,17 +86,13 @@ def main() -> None:
         warm_up(llm, prompts)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     work = {
-        **{w: lambda order, w=w: paired_decode(engines, order, prompts, names[w], sp, args)
+        **{w: lambda order, w=w: paired_decode(
+               engines, order, prompts, names[w], sp, args.decode_steps)
            for w in DECODE},
         "prefill_long": lambda order: paired_prefill(engines, order, long, [None]),
         "prefill_batch": lambda order: paired_prefill(engines, order, prompts, names["distinct"]),
     }  # fmt: skip
-    per_round = {(w, m): [] for w in work for m in engines}
-    for r in range(args.rounds):  # on first in even rounds, off first in odd ones
-        order = ("on", "off") if r % 2 == 0 else ("off", "on")
-        for w, measure in work.items():
-            for m, seconds in measure(order).items():
-                per_round[(w, m)].append(seconds)
+    per_round = invariance_rounds(work, args.rounds)
     rows = [row(w, per_round) for w in work]
     summary = {
         "dtype": dtype_name(engines["on"].engine.dtype),
@@ -143,14 +107,14 @@ def main() -> None:
 
 def row(workload: str, per_round: dict) -> dict:
     on, off = per_round[(workload, "on")], per_round[(workload, "off")]
-    cost = paired_ratio(on, off)
+    ratio = cost(per_round, workload)
     return {
         "workload": workload,
         "off_ms": statistics.median(off) * 1e3,
         "on_ms": statistics.median(on) * 1e3,
-        "on_over_off": cost["median"],
-        "min": cost["min"],
-        "max": cost["max"],
+        "on_over_off": ratio["median"],
+        "min": ratio["min"],
+        "max": ratio["max"],
     }
 
 

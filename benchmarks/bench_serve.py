@@ -20,6 +20,11 @@ result files are named after both). --open-loop RATES (requests/s, e.g. 0.5,1,2,
 the closed loop with Poisson arrivals at each rate, the way vLLM's serving benchmark reports:
 TTFT and inter-token p50/p99 per rate, and the throughput achieved (see open_loop()).
 
+--batch-invariant auto|on|off serves (and runs the offline engine) in that mode
+(ModelConfig.batch_invariant; auto, the default, decides by its measured cost); both answers
+what the mode costs through the server instead: two servers, on and off, the same closed loop
+on each in every round, alternating (common/serve_invariance.py).
+
 --client vllm runs vLLM's own serving benchmark client against
 punica-x and against vLLM's OpenAI server instead: bench_serve_vllm.py.
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 from common.args import add_adapters, add_max_tokens, add_rank, add_requests, add_rounds, parser
 from common.report import describe_machine, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
+from common.serve_invariance import compare_servers, report_servers
 from common.server import bench_server
 from common.stream_clients import cpu_seconds, open_loop_rate, run_clients, run_raw_clients
 from common.timing import percentile
@@ -76,6 +82,12 @@ def parse_args():
         action="store_true",
         help="instead: what logprobs and JSON-schema requests cost the plain ones (see features)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        default="auto",
+        choices=["auto", "on", "off", "both"],
+        help="the servers' batch-invariant mode; both: its cost, servers on and off in turn",
+    )
     ap.add_argument("--runners", type=int, default=1)
     ap.add_argument("--runner-backend", default="thread", choices=["thread", "ray"])
     ap.add_argument(
@@ -104,6 +116,8 @@ def main() -> None:
     print(describe_machine(), flush=True)
     if args.features:
         features(args)
+    elif args.batch_invariant == "both":
+        invariance(args)
     elif args.open_loop:
         open_loop(args)
     else:
@@ -115,7 +129,7 @@ def closed_loop(args) -> None:
     machine's speed drifts over minutes); the server process idles while the offline engine
     runs in this one. Reports the round of the median ratio."""
     tmp = scratch_dir("bench-serve-")
-    llm = LLM()
+    llm = LLM(batch_invariant=args.batch_invariant)
     prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
 
     load_adapters(llm, paths)
@@ -233,12 +247,19 @@ def workload(args, tokenizer, model_dir: Path, tmp: Path):
 
 
 def runner_args(args) -> tuple[str, ...]:
-    return ("--runners", str(args.runners), "--runner-backend", args.runner_backend)
+    mode = (
+        ()
+        if args.batch_invariant in ("auto", "both")
+        else ("--batch-invariant", args.batch_invariant)
+    )
+    return ("--runners", str(args.runners), "--runner-backend", args.runner_backend, *mode)
 
 
 def result_name(base: str, args) -> str:
     """bench_serve for the default one thread runner, else e.g. bench_serve_ray_x2."""
     threads = f"_t{args.engine_threads}" if args.engine_threads else ""
+    if args.batch_invariant != "auto":
+        threads += f"_invariant_{args.batch_invariant}"
     if args.runners == 1 and args.runner_backend == "thread":
         return base + threads
     return f"{base}_{args.runner_backend}_x{args.runners}{threads}"
@@ -340,6 +361,22 @@ def features(args) -> None:
     )
     path = write_json("bench_serve_features", {"args": vars(args), "ratios": ratios, "row": row})
     print(f"wrote {path}")
+
+
+def invariance(args) -> None:
+    """The batch-invariant mode on against off through the server (serve_invariance), on the
+    closed loop's workload; what `auto` decides here, from an engine in this process."""
+    tmp = scratch_dir("bench-serve-invariance-")
+    llm = LLM()  # auto
+    auto = llm.engine.describe().batch_invariant_reason
+    prompts, paths, names = workload(args, llm.tokenizer, llm.engine.loaded.model_dir, tmp)
+    del llm
+
+    def jobs_of(model_id: str) -> list[tuple[str, str]]:
+        return [(n or model_id, p) for n, p in zip(names, prompts)]
+
+    rows, paired = compare_servers(args, tmp, paths, jobs_of, runner_args(args))
+    report_servers(args, rows, paired, auto, result_name("bench_serve", args))
 
 
 def plot(ttft, itl, name: str = "bench_serve") -> None:

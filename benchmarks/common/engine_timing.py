@@ -19,7 +19,8 @@ def run_ours(llm: LLM, prompts, adapters, sp) -> float:
 
 def warm_up(llm: LLM, prompts) -> None:
     """4 tokens for the first 4 prompts on the base model (kernels, pools, first steps)."""
-    run_ours(llm, prompts[:4], [None] * 4, SamplingParams(max_tokens=4, ignore_eos=True))
+    first = prompts[:4]
+    run_ours(llm, first, [None] * len(first), SamplingParams(max_tokens=4, ignore_eos=True))
 
 
 def decode_step_time(llm: LLM, prompts, adapters, sp, steps: int) -> float:

@@ -1,8 +1,9 @@
 """bench_generate's columns beside punica-x's own tok/s (vLLM's are common/vllm_rows.py's),
 each added to the rows of its workloads: HF transformers + PEFT on the --hf-workloads (a
 mixed-adapter batch and one adapter at a time, with the backbone's tok/s), a float32
-punica-x engine on the same workloads (when punica-x serves another dtype), and each
-workload's tok/s with --heap-objects more live Python objects (a grown server heap)."""
+punica-x engine on the same workloads (when punica-x serves another dtype), each
+workload's tok/s with --heap-objects more live Python objects (a grown server heap), and the
+batch-invariant mode's cost per workload (--batch-invariant both: invariance_table)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,50 @@ def add_hf(rows, args, model_dir: Path, paths, prompts, names) -> float:
         row["x_hf_mixed"] = row["ours_tok_s"] / row["hf_mixed_tok_s"]
         row["x_hf_one_at_a_time"] = row["ours_tok_s"] / row["hf_one_at_a_time_tok_s"]
     return hf_backbone
+
+
+INVARIANCE_COLUMNS = ["workload", "on_tok_s", "off_tok_s", "generate", "decode", "prefill"]
+
+
+def invariance_table(args, model, prompts, paths, names: dict, sp) -> list[dict]:
+    """--batch-invariant both: engines with the mode on and off (the served dtype and
+    weights), every workload and the backbone in each of --rounds rounds, the engines
+    alternating (common.invariance_pairs): generate end to end, the decode step once all
+    requests decode, and the batch's prefill (its first tokens). A row per workload: on's and
+    off's tok/s end to end (medians) and each time's on / off ratio paired by round (median;
+    the range in the JSON's *_range)."""
+    from common.invariance_pairs import (
+        MODES,
+        cost,
+        invariance_rounds,
+        paired_decode,
+        paired_generate,
+        paired_prefill,
+    )
+
+    engines = {
+        m: LLM(dtype=args.dtype, model=model, quantization=args.quantization, batch_invariant=m)
+        for m in MODES
+    }
+    for llm in engines.values():
+        load_adapters(llm, paths)
+        warm_up(llm, prompts)
+    work = {}
+    for w, adapters in {**names, "backbone": [None] * len(prompts)}.items():
+        work[f"{w}/generate"] = lambda o, a=adapters: paired_generate(engines, o, prompts, a, sp)
+        work[f"{w}/decode"] = lambda o, a=adapters: paired_decode(
+            engines, o, prompts, a, sp, args.decode_steps
+        )
+        work[f"{w}/prefill"] = lambda o, a=adapters: paired_prefill(engines, o, prompts, a)
+    per_round = invariance_rounds(work, args.rounds)
+    tokens = len(prompts) * sp.max_tokens
+    rows = []
+    for w in [*names, "backbone"]:
+        row = {"workload": w}
+        for m in MODES:
+            row[f"{m}_tok_s"] = tokens / statistics.median(per_round[(f"{w}/generate", m)])
+        for part in ("generate", "decode", "prefill"):
+            ratio = cost(per_round, f"{w}/{part}")
+            row[part], row[f"{part}_range"] = ratio["median"], [ratio["min"], ratio["max"]]
+        rows.append(row)
+    return rows
