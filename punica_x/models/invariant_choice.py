@@ -1,6 +1,7 @@
 """The batch-invariant mode's decision for a model being loaded (punica_x.ops.invariance):
 from ModelConfig.batch_invariant, the device and dtype, the dense and fused backends a user
-named, and for ``auto`` the dense backends' first-load timings on the model's own shapes."""
+named, and for ``auto`` the first-load timings of the dense backends and the SGMV kernels' two
+orders on the model's own shapes."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from punica_x.config import ModelConfig
 from punica_x.env import DENSE_BACKEND, FUSED_BACKEND
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.dense import tune_dense
-from punica_x.ops.invariance import Invariance, decide, dense_cost
+from punica_x.ops.invariance import Invariance, decide, relative_cost
 from punica_x.ops.registry import CPU_KERNEL_DTYPES
+from punica_x.ops.sgmv import order_timings
 
 log = logging.getLogger("punica_x.invariance")
 
@@ -30,12 +32,13 @@ def choose_invariance(
     }
     kernels = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and isa_mod.tuned()
 
-    def cost() -> float:
+    def cost() -> dict[str, float]:
         timings = []
         for (n, k, rows), count in Counter(model.float_dense_shapes()).items():
             tuned = tune_dense(device, dtype, n, k, rows)
             timings.append((count, tuned.timings_ms if tuned else {}))
-        return dense_cost(timings)
+        lora = order_timings(model.dims.lora_shapes(), dtype)
+        return {"dense projections": relative_cost(timings), "LoRA": relative_cost(lora)}
 
     invariance = decide(cfg.batch_invariant, device.type, kernels, named, cost)
     log.info("batch invariance: %s", invariance.reason)

@@ -21,11 +21,17 @@ sampling and logprobs are per row already.
 ``on``: these kernels (ValueError where they cannot run: off the CPU, an untuned CPU, float16,
 or a backend named that is not one of them). ``off``: the fastest per shape (autotune).
 ``auto`` (the default): on where it costs at most MAX_COST on this CPU's kernels, measured at
-first load from the dense backends' timings on the model's own shapes (what autotune times
-anyway: rows 8, 32 and 256 per projection, 8 and 32 for the LM head): the time of the ``cpu``
-GEMM over that of each shape's fastest backend, summed over the model's projections. The
-other kernels of the mode are the ones a decode step runs anyway. On CUDA auto is off and on
-is refused (no batch-invariant CUDA kernels yet).
+first load, part by part (relative_cost of each), the largest part counting (a step's cost is
+a weighted mean of its parts', so at most the largest):
+* dense projections: the dense backends' timings on the model's own shapes (what autotune
+  times anyway: rows 8, 32 and 256 per projection, 8 and 32 for the LM head), the time of the
+  ``cpu`` GEMM over that of each shape's fastest backend, summed over the projections;
+* LoRA: the SGMV cpu kernels in fixed order over their own (32 rows of 32 adapters and of
+  one, per LoRA shape), on the builds where the two differ (ops.sgmv.ORDER_DIFFERS; elsewhere
+  the orders are the same instructions, 0).
+The other kernels of the mode are the ones a decode step runs anyway (the paged attention
+takes decode rows with or without it; flash attention is for prompt chunks only). On CUDA
+auto is off and on is refused (no batch-invariant CUDA kernels yet).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 MODES = ("auto", "on", "off")
-MAX_COST = 0.05  # auto: the mode's measured cost, a fraction of the dense projections' time
+MAX_COST = 0.05  # auto: the largest measured cost fraction of a part (relative_cost)
 # the backend of each kind that computes batch-invariantly
 INVARIANT_BACKEND = "cpu"
 
@@ -60,12 +66,13 @@ def decide(
     device_type: str,
     kernels: bool,
     named: Mapping[str, str | None],
-    cost: Callable[[], float],
+    cost: Callable[[], Mapping[str, float]],
 ) -> Invariance:
     """The mode's decision. kernels: whether the compiled CPU kernels run this model here
     (a tuned x86 level, float32 or bfloat16); named: {kind: backend a user named} (None or ""
-    for none); cost(): the measured cost fraction, called only for auto. ValueError for `on`
-    where the mode cannot hold."""
+    for none); cost(): the measured cost fraction of each part ({"dense projections": 0.01,
+    "LoRA": 0.0}), called only for auto; the largest decides. ValueError for `on` where the
+    mode cannot hold."""
     check_mode(mode)
     if mode == "off":
         return Invariance(False, "batch_invariant=off")
@@ -76,11 +83,13 @@ def decide(
         return Invariance(False, f"auto: off, {blocker}")
     if mode == "on":
         return Invariance(True, "batch_invariant=on")
-    measured = cost()
+    parts = cost()
+    measured = max(parts.values(), default=0.0)
     verdict = "on" if measured <= MAX_COST else "off"
+    each = ", ".join(f"{part} {100 * c:.1f}%" for part, c in parts.items())
     reason = (
-        f"auto: {verdict}, its measured cost is {100 * measured:.1f}% of the dense projections' "
-        f"time on this CPU (on up to {100 * MAX_COST:.0f}%)"
+        f"auto: {verdict}, its measured cost is {100 * measured:.1f}% on this CPU's kernels "
+        f"({each or 'nothing to time'}; on up to {100 * MAX_COST:.0f}%)"
     )
     return Invariance(verdict == "on", reason, measured)
 
@@ -117,10 +126,11 @@ def backend_name(name: str | None, on: bool) -> str | None:
     return INVARIANT_BACKEND if on else name
 
 
-def dense_cost(timings: list[tuple[int, Mapping[str, float]]]) -> float:
-    """The mode's cost on the dense projections: (count, {backend: ms}) per weight shape, as
-    autotune timed the candidates; sum of count x the ``cpu`` GEMM's time over sum of count x
-    the fastest's, minus 1 (0 where every shape is fastest on ``cpu`` or had no timing)."""
+def relative_cost(timings: list[tuple[int, Mapping[str, float]]]) -> float:
+    """The mode's cost on one part: (count, {backend: ms}) per shape, as autotune timed the
+    candidates, the mode's own under INVARIANT_BACKEND; sum of count x its time over sum of
+    count x the fastest's, minus 1 (0 where every shape is fastest in the mode's or had no
+    timing)."""
     ours = best = 0.0
     for count, times in timings:
         if not times or INVARIANT_BACKEND not in times:

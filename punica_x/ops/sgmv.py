@@ -293,17 +293,52 @@ def choose_sgmv(
     return BACKENDS.get(device, dtype, tuned.name)
 
 
+# the builds whose cpu kernels run other instructions in fixed order (csrc/sgmv/sgmv.h: the
+# bf16 dot tiles for one-row segments too, never AMX tiles); elsewhere the orders are one
+ORDER_DIFFERS = ("avx512_bf16",)
+
+
+def order_timings(
+    lora_shapes: dict[str, tuple[int, int]], dtype: torch.dtype, force: bool = False
+) -> list[tuple[int, dict[str, float]]]:
+    """What the batch-invariant order costs the cpu kernels (ops.invariance's auto): per
+    distinct (h_in, h_out) a LoRA may target, (how many projections have it, {"cpu": ms in
+    fixed order, "cpu_any_order": ms in the kernels' own}) of TIMING_ROWS rows of as many
+    adapters and of one adapter at rank TIMING_RANK (_timing's launches), timed at first
+    load and cached. Empty where both orders run the same instructions (a build not in
+    ORDER_DIFFERS, timing off), unless `force` (tests time them anyway)."""
+    if not isa_mod.tuned() or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
+        return []
+    if not force and isa_mod.resolve() not in ORDER_DIFFERS:
+        return []
+    fixed, own = cpu_sgmv_fixed_order(), cpu_backend()
+    counts: dict[tuple[int, int], int] = {}
+    for shape in lora_shapes.values():
+        counts[shape] = counts.get(shape, 0) + 1
+    timings = []
+    for (h_in, h_out), count in counts.items():
+        key = f"{h_in}x{h_out} rank={TIMING_RANK} rows={TIMING_ROWS}" + autotune.dtype_suffix(dtype)
+        candidates = {
+            "cpu": _timing(fixed, h_in, h_out, dtype),
+            "cpu_any_order": _timing(own, h_in, h_out, dtype),
+        }
+        timings.append((count, autotune.choose("sgmv_order", key, candidates).timings_ms))
+    return timings
+
+
 def _timing(
-    name: str,
+    name: str | SgmvBackend,
     h_in: int,
     h_out: int,
     dtype: torch.dtype = torch.float32,
     weight_dtype: torch.dtype | None = None,
 ) -> autotune.Candidate:
+    """The timed launches of backend `name` (or that backend): TIMING_ROWS rows of as many
+    adapters, then of one adapter, each shrink and expand at rank TIMING_RANK."""
     w_dtype = weight_dtype or dtype
 
     def setup():
-        backend = BACKENDS.get("cpu", dtype, name)
+        backend = BACKENDS.get("cpu", dtype, name) if isinstance(name, str) else name
         r, t = TIMING_RANK, TIMING_ROWS
         a = [(torch.randn(1, r, h_in) * 0.01).to(w_dtype) for _ in range(t)]
         b = [(torch.randn(1, r * h_out) * 0.01).to(w_dtype) for _ in range(t)]

@@ -4,16 +4,19 @@ against hostile values, and what an engine chooses and says."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import tiny_llm
 
 from punica_x.config import ModelConfig
+from punica_x.ops import isa as isa_mod
 from punica_x.ops.invariance import (
     MAX_COST,
     Invariance,
     decide,
-    dense_cost,
+    relative_cost,
     with_engine_backends,
 )
+from punica_x.ops.sgmv import ORDER_DIFFERS, order_timings
 
 
 def never():
@@ -52,20 +55,29 @@ def test_on_is_refused_where_it_cannot_hold_and_auto_says_why_it_is_off(
 
 
 @pytest.mark.parametrize(("cost", "on"), [(0.0, True), (MAX_COST, True), (0.051, False)])
-def test_auto_is_on_up_to_the_measured_cost(cost, on):
-    choice = decide("auto", "cpu", True, {}, lambda: cost)
-    assert choice.on is on and choice.cost == cost
-    assert f"{100 * cost:.1f}%" in choice.reason and choice.reason.startswith(
-        f"auto: {'on' if on else 'off'}"
-    )
+@pytest.mark.parametrize("part", ["dense projections", "LoRA"])
+def test_auto_is_on_up_to_the_measured_cost_of_its_costliest_part(cost, on, part):
+    parts = {"dense projections": 0.01, "LoRA": 0.0, part: cost}
+    choice = decide("auto", "cpu", True, {}, lambda: parts)
+    assert choice.on is (on or parts[part] < 0.01) and choice.cost == max(parts.values())
+    assert f"{part} {100 * cost:.1f}%" in choice.reason
+    assert choice.reason.startswith(f"auto: {'on' if choice.on else 'off'}, its measured cost is")
 
 
-def test_dense_cost_weighs_each_shape_by_its_count():
+def test_auto_with_nothing_to_time_is_on_and_says_so():
+    choice = decide("auto", "cpu", True, {}, dict)
+    assert choice.on and choice.cost == 0.0 and "nothing to time" in choice.reason
+
+
+def test_relative_cost_weighs_each_shape_by_its_count():
     # shape A: cpu fastest; shape B (4 of them): onednn 10% faster than cpu
     timings = [(1, {"cpu": 2.0, "onednn": 3.0}), (4, {"cpu": 1.1, "onednn": 1.0})]
-    assert dense_cost(timings) == pytest.approx((2.0 + 4.4) / (2.0 + 4.0) - 1)
-    assert dense_cost([(3, {"cpu": 1.0})]) == 0.0  # a lone candidate
-    assert dense_cost([(2, {})]) == 0.0  # no timing (timing off, a lone candidate)
+    assert relative_cost(timings) == pytest.approx((2.0 + 4.4) / (2.0 + 4.0) - 1)
+    assert relative_cost([(3, {"cpu": 1.0})]) == 0.0  # a lone candidate
+    assert relative_cost([(2, {})]) == 0.0  # no timing (timing off, a lone candidate)
+    assert relative_cost([]) == 0.0  # nothing timed (SGMV where both orders are one)
+    # the SGMV orders: fixed ("cpu") 20% slower than the kernels' own on one shape
+    assert relative_cost([(2, {"cpu": 1.2, "cpu_any_order": 1.0})]) == pytest.approx(0.2)
 
 
 def test_engine_backends_named_turn_auto_off_and_refuse_on():
@@ -92,3 +104,19 @@ def test_an_engine_says_what_it_chose(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PUNICA_X_DENSE_BACKEND", "torch")
     with pytest.raises(ValueError, match="dense backend 'torch' named"):
         tiny_llm(tiny_model_dir, batch_invariant="on")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sgmv_orders_are_timed_per_lora_shape_where_they_differ(dtype):
+    shapes = {"q_proj": (64, 64), "o_proj": (64, 64), "gate_proj": (64, 96)}
+    timed = order_timings(shapes, dtype, force=True)
+    assert [count for count, _ in timed] == [2, 1]
+    for _, times in timed:
+        assert set(times) == {"cpu", "cpu_any_order"} and min(times.values()) > 0
+    differs = isa_mod.resolve() in ORDER_DIFFERS  # elsewhere both orders are one
+    assert bool(order_timings(shapes, dtype)) is differs
+
+
+def test_auto_says_what_each_part_costs(tiny_model_dir):
+    reason = tiny_llm(tiny_model_dir).engine.describe().batch_invariant_reason
+    assert reason.startswith("auto: ") and "dense projections " in reason and "LoRA " in reason
