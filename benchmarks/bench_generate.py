@@ -151,7 +151,10 @@ def parse_args():
         default="all,auto",
         help="vLLM thread binding(s): all (OpenMP on all --threads cores), auto (its default)",
     )
-    return check_gpu_args(ap, ap.parse_args())
+    args = check_gpu_args(ap, ap.parse_args())
+    if args.batch_invariant != "auto" and (args.device == "cuda" or args.dry_run):
+        ap.error("--batch-invariant is for CPU runs: CUDA has no batch-invariant kernels yet")
+    return args
 
 
 def main() -> None:
@@ -361,10 +364,7 @@ def print_report(args, rows, summary: dict, peer: dict, read_bw: float, bandwidt
         f"identical step / backbone step = {ident['median']:.3f} (target <= 1.1; rounds "
         f"{ident['min']:.3f}-{ident['max']:.3f})"
     )
-    print(
-        f"batch invariance (--batch-invariant {args.batch_invariant}): "
-        f"{summary['batch_invariant_reason']}"
-    )
+    print(f"batch invariance ({args.batch_invariant}): {summary['batch_invariant_reason']}")
 
 
 def plot(rows, summary, result_name: str = "bench_generate") -> None:

@@ -100,7 +100,12 @@ def parse_args():
         help="torch threads of the offline engine and of the server's runner (default: every "
         "core); fewer leaves cores to the server and the clients, as on a larger machine",
     )
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.batch_invariant == "both" and (args.features or args.open_loop):
+        ap.error(
+            "--batch-invariant both is a question of its own: not with --features or --open-loop"
+        )
+    return args
 
 
 def main() -> None:
@@ -247,11 +252,8 @@ def workload(args, tokenizer, model_dir: Path, tmp: Path):
 
 
 def runner_args(args) -> tuple[str, ...]:
-    mode = (
-        ()
-        if args.batch_invariant in ("auto", "both")
-        else ("--batch-invariant", args.batch_invariant)
-    )
+    on_off = args.batch_invariant in ("on", "off")
+    mode = ("--batch-invariant", args.batch_invariant) if on_off else ()
     return ("--runners", str(args.runners), "--runner-backend", args.runner_backend, *mode)
 
 

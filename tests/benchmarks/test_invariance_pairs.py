@@ -65,3 +65,16 @@ def test_the_generate_table_has_its_workloads_and_the_backbone(tmp_path):
 def test_a_bad_mode_is_refused(refused, script, bad):
     err = refused(script.parse_args, script.__file__, ["--batch-invariant", bad])
     assert "--batch-invariant" in err and "invalid choice" in err
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "says"),
+    [
+        (bench_generate, ["--device", "cuda", "--batch-invariant", "on"], "for CPU runs"),
+        (bench_generate, ["--dry-run", "--batch-invariant", "both"], "for CPU runs"),
+        (bench_serve, ["--batch-invariant", "both", "--features"], "not with --features"),
+        (bench_serve, ["--batch-invariant", "both", "--open-loop", "1"], "not with --features"),
+    ],
+)
+def test_a_mode_with_a_question_it_does_not_answer_is_refused(refused, script, flags, says):
+    assert says in refused(script.parse_args, script.__file__, flags)
