@@ -45,7 +45,7 @@ from common.scratch import scratch_dir
 from common.serve_invariance import compare_servers, report_servers
 from common.server import bench_server
 from common.stream_clients import cpu_seconds, open_loop_rate, run_clients, run_raw_clients
-from common.timing import percentile
+from common.timing import latency_ms
 from common.workload import load_adapters, make_adapters, make_prompts, with_base_model
 
 from punica_x import LLM, SamplingParams
@@ -200,10 +200,7 @@ def report_closed_loop(args, rounds: list[tuple]) -> None:
         "server_tok_s": server_tps,
         "offline_tok_s": offline_tps,
         "ratio": server_tps / offline_tps,
-        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
-        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
-        "itl_p50_ms": percentile(itl, 0.5) * 1e3,
-        "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+        **latency_ms(ttft, itl),
         "itl_mean_ms": statistics.fmean(itl) * 1e3 if itl else float("nan"),
         "client_cores": client_cores,
         "server_cores": server_cores,

@@ -15,7 +15,7 @@ from common.invariance_pairs import MODES
 from common.report import print_table, write_json
 from common.server import bench_server
 from common.stream_clients import run_clients
-from common.timing import percentile
+from common.timing import latency_ms
 
 COLUMNS = ["mode", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
 
@@ -58,10 +58,7 @@ def mode_row(mode: str, rounds: list[tuple]) -> dict:
     return {
         "mode": mode,
         "tok_s": tokens / elapsed,
-        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
-        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
-        "itl_p50_ms": percentile(itl, 0.5) * 1e3,
-        "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+        **latency_ms(ttft, itl),
         "elapsed_s_median": statistics.median(r[0] for r in rounds),
     }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from common.timing import percentile
+from common.timing import latency_ms
 
 
 async def run_clients(
@@ -156,8 +156,5 @@ async def open_loop_rate(
     return {
         "rate": rate,
         "tok_s": tokens[0] / elapsed,
-        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
-        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
-        "itl_p50_ms": percentile(itl, 0.5) * 1e3,
-        "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+        **latency_ms(ttft, itl),
     }

@@ -71,3 +71,13 @@ def percentile(values: list[float], q: float) -> float:
     """The q-quantile of the samples (the one at index q * n of the sorted list); nan if none."""
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def latency_ms(ttft: list[float], itl: list[float]) -> dict[str, float]:
+    """Streams' latencies in ms: {ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms} of times to
+    first token and inter-token gaps in seconds."""
+    return {
+        f"{name}_{label}_ms": percentile(values, q) * 1e3
+        for name, values in (("ttft", ttft), ("itl", itl))
+        for label, q in (("p50", 0.5), ("p99", 0.99))
+    }
