@@ -20,6 +20,18 @@ CPU_ISAS = [
         ),
     )
     for level in ("avx2", "avx512", "avx512_bf16")
+] + [  # and, in make test-long, the AVX-512 levels it cannot run, emulated (ops/isa.py)
+    pytest.param(
+        level,
+        marks=[
+            pytest.mark.long,
+            pytest.mark.skipif(
+                level not in isa_mod.emulated_levels(),
+                reason=f"{level}: this CPU runs the level itself, or SIMDe's headers are missing",
+            ),
+        ],
+    )
+    for level in isa_mod.EMULATED
 ]
 
 # Chat questions the real-model tests ask (bf16, GGUF, batch invariance)

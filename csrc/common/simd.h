@@ -19,7 +19,9 @@ namespace simd {
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kVecRegs = 32;
-#if defined(__AVX512BF16__)
+#if defined(PUNICA_X_EMULATE_AVX512)  // emulated_isa.h: a test build on an AVX2 CPU
+constexpr const char* kIsa = PUNICA_X_EMULATE_AVX512 >= 2 ? "avx512_bf16_emulated" : "avx512_emulated";
+#elif defined(__AVX512BF16__)
 constexpr const char* kIsa = "avx512_bf16";
 #else
 constexpr const char* kIsa = "avx512";

@@ -53,6 +53,7 @@ CSRC = CSRC_ROOT / "sgmv"
 # compiled for when no GPU is visible at build time (or PUNICA_X_CUDA_ARCHS says otherwise)
 CUDA_ARCHS = ("80", "90")
 COMMON_HEADERS = ("common/simd.h", "common/parallel.h", "common/prefetch.h", "common/dispatch.h")
+EMULATION_HEADER = "common/emulated_isa.h"  # the emulated levels' (isa.EMULATED) only
 # kind: (sources, headers), paths relative to csrc/
 EXTENSIONS = {
     "sgmv_cpu": (
@@ -103,12 +104,17 @@ def gencode_flags(archs: tuple[str, ...]) -> list[str]:
 
 
 def build_key(kind: str, isa: str) -> str:
-    """Hash of everything that makes a binary differ: sources, flags, torch, Python, CPU."""
+    """Hash of everything that makes a binary differ: sources, flags, torch, Python, CPU (and
+    an emulated level's emulation: its header and SIMDe's version)."""
     names, headers = EXTENSIONS[kind]
     h = hashlib.sha256()
-    for rel in sorted(names + headers + COMMON_HEADERS):
+    emulated = (EMULATION_HEADER,) if isa in isa_mod.EMULATED else ()
+    for rel in sorted(names + headers + COMMON_HEADERS + emulated):
         h.update(rel.encode())
         h.update((CSRC_ROOT / rel).read_bytes())
+    simde = Path(isa_mod.simde_root() or "/nonexistent") / "simde" / "simde-common.h"
+    if emulated and simde.is_file():
+        h.update(simde.read_bytes())
     for part in (
         torch.__version__,
         str(Path(torch.__file__).resolve().parent),
@@ -196,6 +202,8 @@ def _build(kind: str, isa: str, names, with_cuda: bool) -> ModuleType:
     # functions, and a process that loads two builds (tests do) must never bind one build's
     # calls to the other's definitions; only PyInit_* is exported.
     cflags = ["-O3", *isa_mod.cflags(isa), "-fopenmp", "-fvisibility=hidden"]
+    if isa in isa_mod.EMULATED:  # first in every translation unit (emulated_isa.h says why)
+        cflags += ["-O1", "-include", str(CSRC_ROOT / EMULATION_HEADER)]
     cuda_flags = ["-O3", "-Xcompiler", "-fvisibility=hidden"]
     if with_cuda:
         cflags.append("-DPUNICA_X_WITH_CUDA")

@@ -12,6 +12,11 @@ Levels (x86-64 micro-architecture levels, as GCC names them):
   the PyTorch paths are the default there (the kernels are tuned for the levels above)
 ``native`` (the default) is the best level this CPU runs (an AVX512-BF16 machine's native and
 avx512_bf16 builds are one build). A level this CPU cannot run is refused before anything loads.
+
+For tests: ``avx512_emulated`` and ``avx512_bf16_emulated`` compile those levels' code paths
+on an AVX2 CPU with the AVX-512 intrinsics emulated in software (csrc/common/emulated_isa.h,
+SIMDe's headers from Debian's libsimde-dev): many times slower, never chosen by ``native``,
+offered where this CPU lacks the level and the headers are installed (emulated_levels).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ _REQUIRED = {
     "avx2": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
 }
 _MARCH = {"avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3"}
+EMULATED = {"avx512_emulated": ("avx512", 1), "avx512_bf16_emulated": ("avx512_bf16", 2)}
+SIMDE_HEADER = "simde/x86/avx512.h"
+SIMDE_ROOTS = ("/usr/include", "/usr/local/include")
 
 
 @cache
@@ -69,11 +77,25 @@ def native() -> str:
     return runnable_levels()[0]
 
 
+def simde_root() -> str | None:
+    """The include folder holding SIMDe's AVX-512 header, None where it is not installed."""
+    return next((r for r in SIMDE_ROOTS if (Path(r) / SIMDE_HEADER).is_file()), None)
+
+
+def emulated_levels() -> tuple[str, ...]:
+    """The emulated levels offered here: those of a level this CPU cannot run, on an AVX2 CPU
+    with SIMDe's headers installed."""
+    runs = runnable_levels()
+    if "avx2" not in runs or simde_root() is None:
+        return ()
+    return tuple(name for name, (level, _) in EMULATED.items() if level not in runs)
+
+
 def resolve(isa: str | None = None) -> str:
     """`isa`, else $PUNICA_X_CPU_ISA, else native -> a concrete level. The process's level
     (no `isa`) below this CPU's own also holds torch's libraries to it (hold_libraries)."""
     choice = (isa or CPU_ISA.get() or "native").strip().lower()
-    if choice not in (*CHOICES, "generic"):
+    if choice not in (*CHOICES, "generic", *EMULATED):
         raise ValueError(f"PUNICA_X_CPU_ISA must be one of {CHOICES}, got {choice!r}")
     level = native() if choice == "native" else choice
     if isa is None and level in _HELD and level != native():
@@ -111,6 +133,14 @@ class KernelBuildError(RuntimeError):
 
 
 def check_runnable(isa: str) -> None:
+    if isa in EMULATED:
+        if isa not in emulated_levels():
+            raise KernelBuildError(
+                f"PUNICA_X_CPU_ISA={isa}: emulated builds need an AVX2 CPU without "
+                f"{EMULATED[isa][0]} and SIMDe's headers ({SIMDE_HEADER} under one of "
+                f"{', '.join(SIMDE_ROOTS)}: Debian's libsimde-dev)"
+            )
+        return
     if isa not in runnable_levels():
         missing = sorted(_REQUIRED.get(isa, set()) - cpu_flags())
         raise KernelBuildError(
@@ -120,7 +150,15 @@ def check_runnable(isa: str) -> None:
 
 
 def cflags(isa: str) -> list[str]:
-    """Compiler flags of a level; -mtune=native only schedules instructions for this CPU."""
+    """Compiler flags of a level; -mtune=native only schedules instructions for this CPU. An
+    emulated level is the avx2 target with csrc/common/emulated_isa.h's switch (the build
+    adds that header to every translation unit)."""
+    if isa in EMULATED:
+        return [
+            "-march=x86-64-v3",
+            "-mtune=native",
+            f"-DPUNICA_X_EMULATE_AVX512={EMULATED[isa][1]}",
+        ]
     if isa in _MARCH:
         flags = [f"-march={_MARCH[isa]}", "-mtune=native"]
         if isa.startswith("avx512"):
@@ -130,8 +168,9 @@ def cflags(isa: str) -> list[str]:
 
 
 def tuned() -> bool:
-    """Whether the hand-written CPU kernels are tuned for the native level (x86 AVX2/AVX-512)."""
-    return resolve() in _MARCH
+    """Whether the hand-written CPU kernels are tuned for the native level (x86 AVX2/AVX-512;
+    an emulated level's code is theirs, if slow)."""
+    return resolve() in _MARCH or resolve() in EMULATED
 
 
 def native_bf16() -> bool:

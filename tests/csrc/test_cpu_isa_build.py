@@ -18,6 +18,7 @@ KERNELS = (
     "attention/paged_attention_cpu.cpp",
     "layers/fused_cpu.cpp",
     "quant/quant_cpu.cpp",
+    "quant/quant_xq_cpu.cpp",
 )
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 LEVELS = ("avx2", "avx512", "avx512_bf16")
@@ -39,3 +40,55 @@ def test_kernels_compile_for_levels_this_cpu_cannot_run(tmp_path, isa):
         assert proc.returncode == 0, f"{source} for {isa}:\n{proc.stderr[-3000:]}"
         symbols = subprocess.run(["nm", "-C", str(out)], capture_output=True, text=True).stdout
         assert "punica_x::" in symbols, source
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("isa", isa_mod.EMULATED)
+def test_kernels_compile_with_avx512_emulated(tmp_path, isa):
+    """Every kernel compiles and links its intrinsics against the emulation (an intrinsic
+    SIMDe lacks fails here, where GCC cannot inline its AVX-512 version: emulated_isa.h
+    must provide it); make test-long then runs the kernels' tests on the emulated builds."""
+    from torch.utils.cpp_extension import include_paths
+
+    if isa not in isa_mod.emulated_levels():
+        pytest.skip(f"{isa}: this CPU runs the level itself, or SIMDe's headers are missing")
+    includes = [f"-isystem{p}" for p in include_paths()]
+    header = str(CSRC_ROOT / "common" / "emulated_isa.h")
+    flags = ["-std=c++20", "-O1", *isa_mod.cflags(isa), "-include", header]
+    for source in KERNELS:
+        out = tmp_path / (source.replace("/", "_") + ".o")
+        cmd = [CXX, *flags, "-fopenmp", *includes, "-c", str(CSRC_ROOT / source), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{source} emulated:\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize(
+    ("runs", "simde", "offered"),
+    [
+        (("avx2", "generic"), "/usr/include", ("avx512_emulated", "avx512_bf16_emulated")),
+        (("avx512", "avx2", "generic"), "/usr/include", ("avx512_bf16_emulated",)),
+        (("avx512_bf16", "avx512", "avx2", "generic"), "/usr/include", ()),
+        (("avx2", "generic"), None, ()),  # no SIMDe headers
+        (("generic",), "/usr/include", ()),  # no AVX2 to emulate on
+    ],
+)
+def test_emulated_levels_are_offered_only_where_they_can_run(monkeypatch, runs, simde, offered):
+    monkeypatch.setattr(isa_mod, "runnable_levels", lambda: runs)
+    monkeypatch.setattr(isa_mod, "simde_root", lambda: simde)
+    assert isa_mod.emulated_levels() == offered
+    assert isa_mod.native() == runs[0]  # never an emulated level
+    for level in isa_mod.EMULATED:
+        assert isa_mod.resolve(level) == level
+        if level not in offered:
+            with pytest.raises(isa_mod.KernelBuildError, match="libsimde-dev"):
+                isa_mod.check_runnable(level)
+        else:
+            isa_mod.check_runnable(level)
+
+
+def test_an_emulated_level_builds_for_avx2_with_its_switch():
+    flags = isa_mod.cflags("avx512_bf16_emulated")
+    assert "-march=x86-64-v3" in flags and "-DPUNICA_X_EMULATE_AVX512=2" in flags
+    assert "-DPUNICA_X_EMULATE_AVX512=1" in isa_mod.cflags("avx512_emulated")
+    with pytest.raises(ValueError, match="PUNICA_X_CPU_ISA must be one of"):
+        isa_mod.resolve("avx512_bf16_emulated_not")
