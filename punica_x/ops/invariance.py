@@ -99,8 +99,11 @@ def with_engine_backends(
 ) -> Invariance:
     """`invariance` (decided at load for the model's kernels) held against the attention and
     SGMV backends the engine's config or environment names: ValueError for `on` with one
-    that is not batch-invariant; `auto` turns off, saying why."""
-    blocker = _blocker("cpu", True, named) if invariance.on else ""
+    that is not batch-invariant; `auto` turns off, saying why. A backend named is the reason
+    given also where auto's measured cost had turned it off already (the reason that holds
+    on every CPU, not a timing's); a load-time blocker (device, dtype) stays the reason."""
+    measured = invariance.on or invariance.cost is not None
+    blocker = _blocker("cpu", True, named) if measured else ""
     if not blocker:
         return invariance
     if mode == "on":

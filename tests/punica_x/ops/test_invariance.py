@@ -87,6 +87,14 @@ def test_engine_backends_named_turn_auto_off_and_refuse_on():
     assert not off.on and "attention backend 'torch' named" in off.reason and off.cost == 0.01
     with pytest.raises(ValueError, match="SGMV backend 'torch_ref' named"):
         with_engine_backends(Invariance(True, "batch_invariant=on"), "on", {"SGMV": "torch_ref"})
+    # auto off by its measured cost: the backend named is the reason, whatever the timing
+    costly = Invariance(False, "auto: off, its measured cost is 10.5% ...", 0.105)
+    named = with_engine_backends(costly, "auto", {"attention": "torch"})
+    assert "attention backend 'torch' named" in named.reason and named.cost == 0.105
+    assert with_engine_backends(costly, "auto", {"attention": None}) is costly
+    # off at load (the device or dtype): that reason stays
+    cuda = Invariance(False, "auto: off, no batch-invariant kernels on cuda yet")
+    assert with_engine_backends(cuda, "auto", {"attention": "flashinfer"}) is cuda
 
 
 def test_an_engine_says_what_it_chose(tiny_model_dir, monkeypatch):
