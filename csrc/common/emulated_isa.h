@@ -27,30 +27,18 @@
 
 // What SIMDe 0.7.4 lacks, element by element (masked loads and stores touch only the
 // selected elements, as the instructions' fault suppression does)
-static inline simde__m512i punica_emu_cvtepu16_epi32(simde__m256i a) {
-  uint16_t in[16]; int32_t out[16]; simde__m512i r;
-  memcpy(in, &a, sizeof in);
-  for (int i = 0; i < 16; i++) out[i] = in[i];
-  memcpy(&r, out, sizeof r); return r;
-}
-static inline simde__m512i punica_emu_cvtepu8_epi32(simde__m128i a) {
-  uint8_t in[16]; int32_t out[16]; simde__m512i r;
-  memcpy(in, &a, sizeof in);
-  for (int i = 0; i < 16; i++) out[i] = in[i];
-  memcpy(&r, out, sizeof r); return r;
-}
-static inline simde__m512i punica_emu_cvtepi8_epi32(simde__m128i a) {
-  int8_t in[16]; int32_t out[16]; simde__m512i r;
-  memcpy(in, &a, sizeof in);
-  for (int i = 0; i < 16; i++) out[i] = in[i];
-  memcpy(&r, out, sizeof r); return r;
-}
-static inline simde__m512 punica_emu_cvtepi32_ps(simde__m512i a) {
-  int32_t in[16]; float out[16]; simde__m512 r;
-  memcpy(in, &a, sizeof in);
-  for (int i = 0; i < 16; i++) out[i] = (float)in[i];
-  memcpy(&r, out, sizeof r); return r;
-}
+// 16 lanes converted one by one: `in_t` lanes of a `arg_t` into `out_t` lanes of a `ret_t`
+#define PUNICA_EMU_CONVERT(name, ret_t, arg_t, in_t, out_t) \
+  static inline ret_t name(arg_t a) {                         \
+    in_t in[16]; out_t out[16]; ret_t r;                      \
+    memcpy(in, &a, sizeof in);                                \
+    for (int i = 0; i < 16; i++) out[i] = (out_t)in[i];       \
+    memcpy(&r, out, sizeof r); return r;                      \
+  }
+PUNICA_EMU_CONVERT(punica_emu_cvtepu16_epi32, simde__m512i, simde__m256i, uint16_t, int32_t)
+PUNICA_EMU_CONVERT(punica_emu_cvtepu8_epi32, simde__m512i, simde__m128i, uint8_t, int32_t)
+PUNICA_EMU_CONVERT(punica_emu_cvtepi8_epi32, simde__m512i, simde__m128i, int8_t, int32_t)
+PUNICA_EMU_CONVERT(punica_emu_cvtepi32_ps, simde__m512, simde__m512i, int32_t, float)
 static inline simde__m512i punica_emu_cvtps_epi32(simde__m512 a) {
   float in[16]; int32_t out[16]; simde__m512i r;
   memcpy(in, &a, sizeof in);
@@ -82,30 +70,19 @@ static inline float punica_emu_reduce_max_ps(simde__m512 a) {
   for (int i = 1; i < 16; i++) m = in[i] > m ? in[i] : m;
   return m;
 }
-static inline simde__m512 punica_emu_maskz_loadu_ps(uint16_t k, const void* p) {
-  float out[16]; simde__m512 r;
-  for (int i = 0; i < 16; i++) {
-    out[i] = 0.0f;
-    if (k >> i & 1) memcpy(&out[i], (const char*)p + 4 * i, 4);
+// `n` lanes of `elem_t` loaded where mask bit i is set, 0 elsewhere
+#define PUNICA_EMU_MASKZ_LOAD(name, ret_t, mask_t, elem_t, n)                          \
+  static inline ret_t name(mask_t k, const void* p) {                                  \
+    elem_t out[n]; ret_t r;                                                            \
+    for (int i = 0; i < n; i++) {                                                      \
+      out[i] = 0;                                                                      \
+      if (k >> i & 1) memcpy(&out[i], (const char*)p + sizeof(elem_t) * i, sizeof(elem_t)); \
+    }                                                                                  \
+    memcpy(&r, out, sizeof r); return r;                                               \
   }
-  memcpy(&r, out, sizeof r); return r;
-}
-static inline simde__m512i punica_emu_maskz_loadu_epi16(uint32_t k, const void* p) {
-  uint16_t out[32]; simde__m512i r;
-  for (int i = 0; i < 32; i++) {
-    out[i] = 0;
-    if (k >> i & 1) memcpy(&out[i], (const char*)p + 2 * i, 2);
-  }
-  memcpy(&r, out, sizeof r); return r;
-}
-static inline simde__m256i punica_emu_mm256_maskz_loadu_epi16(uint16_t k, const void* p) {
-  uint16_t out[16]; simde__m256i r;
-  for (int i = 0; i < 16; i++) {
-    out[i] = 0;
-    if (k >> i & 1) memcpy(&out[i], (const char*)p + 2 * i, 2);
-  }
-  memcpy(&r, out, sizeof r); return r;
-}
+PUNICA_EMU_MASKZ_LOAD(punica_emu_maskz_loadu_ps, simde__m512, uint16_t, float, 16)
+PUNICA_EMU_MASKZ_LOAD(punica_emu_maskz_loadu_epi16, simde__m512i, uint32_t, uint16_t, 32)
+PUNICA_EMU_MASKZ_LOAD(punica_emu_mm256_maskz_loadu_epi16, simde__m256i, uint16_t, uint16_t, 16)
 static inline void punica_emu_mm256_mask_storeu_epi16(void* p, uint16_t k, simde__m256i a) {
   uint16_t in[16]; memcpy(in, &a, sizeof in);
   for (int i = 0; i < 16; i++)

@@ -203,7 +203,7 @@ def _build(kind: str, isa: str, names, with_cuda: bool) -> ModuleType:
     # calls to the other's definitions; only PyInit_* is exported.
     cflags = ["-O3", *isa_mod.cflags(isa), "-fopenmp", "-fvisibility=hidden"]
     if isa in isa_mod.EMULATED:  # first in every translation unit (emulated_isa.h says why)
-        cflags += ["-O1", "-include", str(CSRC_ROOT / EMULATION_HEADER)]
+        cflags += ["-include", str(CSRC_ROOT / EMULATION_HEADER)]
     cuda_flags = ["-O3", "-Xcompiler", "-fvisibility=hidden"]
     if with_cuda:
         cflags.append("-DPUNICA_X_WITH_CUDA")

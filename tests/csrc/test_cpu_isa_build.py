@@ -54,7 +54,7 @@ def test_kernels_compile_with_avx512_emulated(tmp_path, isa):
         pytest.skip(f"{isa}: this CPU runs the level itself, or SIMDe's headers are missing")
     includes = [f"-isystem{p}" for p in include_paths()]
     header = str(CSRC_ROOT / "common" / "emulated_isa.h")
-    flags = ["-std=c++20", "-O1", *isa_mod.cflags(isa), "-include", header]
+    flags = ["-std=c++20", *isa_mod.cflags(isa), "-include", header]
     for source in KERNELS:
         out = tmp_path / (source.replace("/", "_") + ".o")
         cmd = [CXX, *flags, "-fopenmp", *includes, "-c", str(CSRC_ROOT / source), "-o", str(out)]
@@ -90,5 +90,6 @@ def test_an_emulated_level_builds_for_avx2_with_its_switch():
     flags = isa_mod.cflags("avx512_bf16_emulated")
     assert "-march=x86-64-v3" in flags and "-DPUNICA_X_EMULATE_AVX512=2" in flags
     assert "-DPUNICA_X_EMULATE_AVX512=1" in isa_mod.cflags("avx512_emulated")
-    with pytest.raises(ValueError, match="PUNICA_X_CPU_ISA must be one of"):
+    assert flags[0] == "-O1"  # after the build's -O3
+    with pytest.raises(ValueError, match="PUNICA_X_CPU_ISA must be one of .*avx512_emulated"):
         isa_mod.resolve("avx512_bf16_emulated_not")
