@@ -48,9 +48,9 @@ def gguf_files(hf_dir) -> dict:
 
 
 def tensor_bytes(path) -> int:
-    from gguf import GGUFReader
+    from punica_x.models import gguf_header
 
-    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    return sum(gguf_header.nbytes(t) for t in gguf_header.read_header(path).tensors)
 
 
 # --model SHAPE: a random-weight model of that shape in Q4_0 (llama-quantize), both servers

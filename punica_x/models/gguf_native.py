@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from punica_x.models import kquants
+from punica_x.models import gguf_header, kquants
 from punica_x.models.cache_entry import building
 from punica_x.ops.quant_dense import FORMAT_BY_TYPE, QuantBlocks
 
@@ -55,62 +54,11 @@ _FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
 def architecture(path: Path) -> str:
-    """The file's general.architecture ("" where it has none), read from the header's
-    key-value pairs up to it (llama.cpp's writer puts it first; a gguf.GGUFReader would parse
-    the whole vocabulary first, seconds for a 49k-token one). ValueError naming the file for
-    a header that is not GGUF version 2 or 3 or is cut short."""
-    try:
-        return _header_architecture(Path(path))
-    except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
-        raise ValueError(f"{Path(path).name}: a malformed GGUF header ({e})") from None
-
-
-# GGUF (version 2 and 3) value types: their sizes; 8 is a string, 9 an array
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def _header_architecture(path: Path) -> str:
-    with path.open("rb") as f:
-        magic, version, _tensors, pairs = struct.unpack("<4sIQQ", f.read(24))
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError("not a GGUF version 2 or 3 header")
-        for _ in range(pairs):
-            key = _read_string(f)
-            (kind,) = struct.unpack("<I", f.read(4))
-            if key == "general.architecture" and kind == _STRING:
-                return _read_string(f)
-            _skip_value(f, kind)
-    return ""
-
-
-def _read_string(f) -> str:
-    (n,) = struct.unpack("<Q", f.read(8))
-    if n > 1 << 20:
-        raise ValueError("a GGUF header string of more than 1 MiB")
-    data = f.read(n)
-    if len(data) != n:
-        raise struct.error("the header ends inside a string")
-    return data.decode()
-
-
-def _skip_value(f, kind: int, depth: int = 0) -> None:
-    if depth > 4:
-        raise ValueError("arrays nested more than 4 deep")
-    if kind in _SCALAR_BYTES:
-        f.seek(_SCALAR_BYTES[kind], 1)
-    elif kind == _STRING:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(n, 1)
-    elif kind == _ARRAY:
-        item, count = struct.unpack("<IQ", f.read(12))
-        if item in _SCALAR_BYTES:
-            f.seek(_SCALAR_BYTES[item] * count, 1)
-        else:
-            for _ in range(count):
-                _skip_value(f, item, depth + 1)
-    else:
-        raise ValueError(f"GGUF value type {kind}")
+    """The file's general.architecture ("" where it has none), from its header
+    (models.gguf_header). ValueError naming the file for a header that is not GGUF version 2
+    or 3, is cut short or is malformed."""
+    values = gguf_header.read_header(path, ("general.architecture",)).values
+    return str(values.get("general.architecture", ""))
 
 
 def is_native(path: Path) -> bool:
@@ -139,20 +87,21 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 def read_tensors(path: Path, heads: int, kv_heads: int) -> Iterator[tuple[str, object]]:
     """(HF name, torch tensor or QuantBlocks) for every tensor of the file the model takes.
     ValueError naming the tensor for an unknown name or a malformed tensor."""
-    from gguf import GGMLQuantizationType, GGUFReader, quants
+    from gguf import GGMLQuantizationType, quants
 
-    reader = GGUFReader(str(path))
+    header = gguf_header.read_header(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     dequantized: dict[str, int] = {}
     repacked: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name in _SKIPPED:
             continue
         name = hf_name(t.name)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in {path.name}")
-        kind = GGMLQuantizationType(t.tensor_type)
-        data = np.asarray(t.data)
-        cols = int(t.shape[0])  # ggml order: ne[0] is the row length (in)
+        kind = GGMLQuantizationType(t.ggml_type)
+        data = gguf_header.tensor_data(mapped, t)
+        cols = t.dims[0]  # ggml order: ne[0] is the row length (in)
         if ".attn_q." in t.name or ".attn_k." in t.name:
             data = unpermute_rows(data, heads if ".attn_q." in t.name else kv_heads)
         if kind.name in _FLOATS or kind == GGMLQuantizationType.BF16:

@@ -6,6 +6,7 @@ in tests/punica_x (the `cpu_isa` fixture)."""
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,6 +26,23 @@ LEVELS = ("avx2", "avx512", "avx512_bf16")
 NOT_RUNNABLE = [lvl for lvl in LEVELS if lvl not in isa_mod.runnable_levels()]
 
 
+def compile_each(flags: list[str], folder, what: str) -> list[tuple[str, object]]:
+    """Every source of KERNELS compiled (-c) with `flags` into `folder`, as many at once as
+    this machine has cores (each compiler is one thread); (source, object) of each, or the
+    failure of the first that did not compile."""
+    outs = [folder / (source.replace("/", "_") + ".o") for source in KERNELS]
+
+    def run(source, out):
+        cmd = [CXX, *flags, "-c", str(CSRC_ROOT / source), "-o", str(out)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        procs = list(pool.map(run, KERNELS, outs))
+    for source, proc in zip(KERNELS, procs, strict=True):
+        assert proc.returncode == 0, f"{source} {what}:\n{proc.stderr[-3000:]}"
+    return list(zip(KERNELS, outs, strict=True))
+
+
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 @pytest.mark.skipif(not NOT_RUNNABLE, reason="this CPU runs every level: they are tested for real")
 @pytest.mark.parametrize("isa", NOT_RUNNABLE or ["none"])
@@ -32,12 +50,8 @@ def test_kernels_compile_for_levels_this_cpu_cannot_run(tmp_path, isa):
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{p}" for p in include_paths()]
-    flags = ["-std=c++20", "-O2", *isa_mod.cflags(isa), "-fopenmp"]
-    for source in KERNELS:
-        out = tmp_path / (source.replace("/", "_") + ".o")
-        cmd = [CXX, *flags, *includes, "-c", str(CSRC_ROOT / source), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{source} for {isa}:\n{proc.stderr[-3000:]}"
+    flags = ["-std=c++20", "-O2", *isa_mod.cflags(isa), "-fopenmp", *includes]
+    for source, out in compile_each(flags, tmp_path, f"for {isa}"):
         symbols = subprocess.run(["nm", "-C", str(out)], capture_output=True, text=True).stdout
         assert "punica_x::" in symbols, source
 
@@ -54,12 +68,8 @@ def test_kernels_compile_with_avx512_emulated(tmp_path, isa):
         pytest.skip(f"{isa}: this CPU runs the level itself, or SIMDe's headers are missing")
     includes = [f"-isystem{p}" for p in include_paths()]
     header = str(CSRC_ROOT / "common" / "emulated_isa.h")
-    flags = ["-std=c++20", *isa_mod.cflags(isa), "-include", header]
-    for source in KERNELS:
-        out = tmp_path / (source.replace("/", "_") + ".o")
-        cmd = [CXX, *flags, "-fopenmp", *includes, "-c", str(CSRC_ROOT / source), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{source} emulated:\n{proc.stderr[-3000:]}"
+    flags = ["-std=c++20", *isa_mod.cflags(isa), "-include", header, "-fopenmp", *includes]
+    compile_each(flags, tmp_path, "emulated")
 
 
 @pytest.mark.parametrize(

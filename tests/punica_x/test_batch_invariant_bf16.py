@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from helpers import CHAT_QUESTIONS, make_peft_adapter
+from helpers import CHAT_QUESTIONS, hf_default_model, make_peft_adapter
 
 from punica_x import LLM, SamplingParams
 from punica_x.attention.cpu import FLASH_MIN_WORK
-from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +29,7 @@ SP = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()
-    base = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    base = hf_default_model()
     root = tmp_path_factory.mktemp("invariant-adapters")
     specs = {"r8": (8, ["q_proj", "v_proj", "o_proj"]), "r16": (16, ["gate_proj", "up_proj"])}
     return {

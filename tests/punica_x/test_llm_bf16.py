@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CHAT_QUESTIONS, chat_prompts, llm_with_adapters, make_peft_adapter
+from helpers import (
+    CHAT_QUESTIONS,
+    chat_prompts,
+    hf_default_model,
+    llm_with_adapters,
+    make_peft_adapter,
+)
 
 from punica_x import SamplingParams
-from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +44,7 @@ GREEDY_FLOOR = 0.5  # fraction of tokens equal before the first difference
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()
-    base32 = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    base32 = hf_default_model()
     root = tmp_path_factory.mktemp("bf16-adapters")
     adapters = {
         name: make_peft_adapter(base32, root / name, rank, targets, seed=20 + i, alpha=rank / 2)

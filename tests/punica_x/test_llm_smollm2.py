@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chat_prompts, llm_with_adapters, make_peft_adapter
+from helpers import chat_prompts, hf_default_model, llm_with_adapters, make_peft_adapter
 
 from punica_x import SamplingParams
-from punica_x.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +34,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 @pytest.fixture(scope="module")
 def hf_base():
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_model_path()  # loaded by transformers straight from the GGUF file
-    return AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    return hf_default_model()  # transformers' own reading of the GGUF file
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
+from helpers import write_gguf
 
 from punica_x.models import gguf_native, kquants
 from punica_x.ops.quant_dense import QuantBlocks, dequantize_blocks
@@ -89,22 +90,9 @@ def test_malformed_k_quant_tensors_are_refused_naming_them():
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "Q4_1"), ("Q6_K", "Q8_0"), ("Q5_0", "Q8_0")])
-def test_the_reader_hands_repacked_tensors_over_as_blocks(kind, fmt, tmp_path, monkeypatch):
+def test_the_reader_hands_repacked_tensors_over_as_blocks(kind, fmt, tmp_path):
     rows = random_rows(kind)
-
-    class T:
-        name, tensor_type, shape, data = (
-            "blk.0.ffn_down.weight",
-            GGMLQuantizationType[kind],
-            [K, N],
-            rows,
-        )
-
-    class Reader:
-        def __init__(self, _):
-            self.tensors = [T()]
-
-    monkeypatch.setattr("gguf.GGUFReader", Reader)
-    ((name, value),) = gguf_native.read_tensors(tmp_path / "x.gguf", 1, 1)
+    tensors = {"blk.0.ffn_down.weight": (rows, GGMLQuantizationType[kind])}
+    ((name, value),) = gguf_native.read_tensors(write_gguf(tmp_path / "x.gguf", tensors), 1, 1)
     assert name == "model.layers.0.mlp.down_proj.weight"
     assert isinstance(value, QuantBlocks) and value.format == fmt and (value.n, value.k) == (N, K)
