@@ -16,14 +16,14 @@ serve: $(STAMP)
 	$(VENV)/bin/punica-x serve $(SERVE_ARGS)
 
 test: $(STAMP)
-	./scripts/test-deps.sh
+	./scripts/test-deps.sh $(VENV)
 	$(PY) -m punica_x.prepare --all-isas
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The long runs left out of make test (20 SIGKILLs of Ray runner processes, ...).
 test-long: $(STAMP)
-	./scripts/test-deps.sh
+	./scripts/test-deps.sh $(VENV)
 	$(PY) -m punica_x.prepare --all-isas
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
 	FUZZ_LONG=1 $(PY) -m pytest tests/frontend/test_openapi.py $(PYTEST_ARGS)

@@ -9,11 +9,13 @@ phase ends and again on SIGTERM), a step that fails does not stop the next, and 
 is written after every step.
 
 Steps: env (the GPU, torch, the carried packages), build (punica-x prepare: the host's CPU
-kernels and sgmv_cuda), gpu_tests (pytest -m gpu, junit XML), bench_generate (--device cuda,
+kernels and sgmv_cuda), gpu_tests (pytest -m "gpu or triton", junit XML; the Triton
+kernels' tests run on the GPU), bench_generate (--device cuda,
 the Llama-3-8B shape, 32 and 128 requests, CUDA graphs on and off), bench_sgmv (the SGMV
 kernels alone over the adapter-popularity workloads, the split-K shrink beside the write-once
 one), serve (punica-x serve on
-the GPU through HTTP: bench_serve_cuda.py).
+the GPU through HTTP: bench_serve_cuda.py), invariance (bench_generate again with
+--batch-invariant on: the mode's Triton kernels, their decode step over bench_generate's).
 
 What it writes into --results (default: $OUT where the device tool sets it, else
 ./gpu_check_out): gpu_check.json (every step: status, seconds, the log's tail, the figures
@@ -159,7 +161,8 @@ def steps_for(args, work: Path) -> list[Step]:
         "'gpu': gpu, 'modules': found}))\n"
     )
     junit = work / "junit.xml"
-    pytest_argv = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE"]
+    pytest_argv = [py, "-m", "pytest", "-m", "gpu or triton", "-q", "-p", "no:cacheprovider"]
+    pytest_argv += ["-rfE"]
     pytest_argv += ["--junitxml", str(junit), "--continue-on-collection-errors"]
     if importlib.util.find_spec("pytest_timeout") is not None:  # one hung test, not the step
         pytest_argv += ["--timeout", str(int(args.test_timeout_s))]
@@ -188,6 +191,7 @@ def steps_for(args, work: Path) -> list[Step]:
         Step("bench_generate", bench, args.bench_timeout_s, results_env),
         Step("bench_sgmv", sgmv, args.sgmv_timeout_s, results_env),
         Step("serve", serve, args.serve_timeout_s, results_env),
+        Step("invariance", [*bench, "--batch-invariant", "on"], args.bench_timeout_s, results_env),
     ]
 
 
@@ -205,13 +209,15 @@ def chosen_steps(steps: list[Step], only: str) -> list[Step]:
 
 
 def gpu_test_files() -> list[str]:
-    """The test files with gpu-marked tests: collecting the whole suite would import modules
-    whose packages a lent machine lacks (ray, selenium, ...), and a collection error there
-    would cost the GPU tests their run."""
+    """The test files with gpu- or triton-marked tests (the batch-invariant Triton kernels
+    run on the GPU there): collecting the whole suite would import modules whose packages a
+    lent machine lacks (ray, selenium, ...), and a collection error there would cost the GPU
+    tests their run."""
+    marks = ("pytest.mark.gpu", "pytest.mark.triton")
     return sorted(
         str(p.relative_to(ROOT))
         for p in (ROOT / "tests").rglob("test_*.py")
-        if "pytest.mark.gpu" in p.read_text(errors="replace")
+        if any(m in p.read_text(errors="replace") for m in marks)
     )
 
 
@@ -224,8 +230,12 @@ def figures_of(result: StepResult, work: Path) -> dict:
                 return read_json_text(line)
     if result.name == "gpu_tests":
         return junit_counts(work / "junit.xml")
-    if result.name == "bench_generate":
-        found = sorted(results.glob("*/bench_generate_cuda_*.json"))
+    if result.name in ("bench_generate", "invariance"):
+        found = [
+            p
+            for p in sorted(results.glob("*/bench_generate_cuda_*.json"))
+            if p.stem.endswith("_invariant_on") == (result.name == "invariance")
+        ]
         data = read_json(found[-1]) if found else {}
         return {"summary": data.get("summary", {}), "rows": data.get("rows", [])}
     if result.name == "bench_sgmv":
@@ -276,10 +286,36 @@ def markdown(report: dict) -> str:
             lines += ["", "## bench_sgmv", "", _table(figs["rows"])]
         if s["name"] == "serve" and figs.get("summary"):
             lines += ["", "## serve", "", _table([_scalars(figs["summary"])])]
+        if s["name"] == "invariance" and figs.get("rows"):
+            lines += ["", "## invariance (batch_invariant=on)", "", _table(figs["rows"])]
+            lines += _invariance_cost(report["steps"], figs["rows"])
         if s["status"] != "ok":
             lines += ["", f"### {s['name']}: {s['status']} (last lines)", "", "```"]
             lines += s["tail"][-10:] + ["```"]
     return "\n".join(lines) + "\n"
+
+
+def _invariance_cost(steps: list[dict], on_rows: list[dict]) -> list[str]:
+    """The mode's cost per workload: its decode step over bench_generate's (the mode off, the
+    same shape and counts, an earlier step of the same run)."""
+    off = next((s.get("figures") or {} for s in steps if s["name"] == "bench_generate"), {})
+    base = {(r["requests"], r["workload"]): r for r in off.get("rows", []) if r.get("step_ms")}
+    rows = [
+        {
+            "requests": r["requests"],
+            "workload": r["workload"],
+            "on_step_ms": r["step_ms"],
+            "off_step_ms": base[key]["step_ms"],
+            "cost": r["step_ms"] / base[key]["step_ms"] - 1,
+        }
+        for r in on_rows
+        if r.get("step_ms") and (key := (r["requests"], r["workload"])) in base
+    ]
+    return (
+        ["", "The mode's decode cost (its step over the default run's)", "", _table(rows)]
+        if rows
+        else []
+    )
 
 
 def _scalars(d: dict) -> dict:

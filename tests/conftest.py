@@ -2,10 +2,14 @@
 `long` ones (minutes each: the 20-kill Ray run) only when asked for, `-m long` or
 `make test-long`."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton's kernels run in its interpreter (triton_interpreter)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from helpers import CPU_ISAS, make_peft_adapter, make_tiny_llama
 
 
@@ -15,7 +19,10 @@ def pytest_collection_modifyitems(config, items):
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[i for i in items if "long" in i.keywords])
             items[:] = kept
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the Triton kernels' tests run on the GPU, with -m gpu too
+        for item in items:
+            if "triton" in item.keywords:
+                item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

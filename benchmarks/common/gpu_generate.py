@@ -12,6 +12,9 @@ each round. Beside them in the same run: HF transformers
 and HF + PEFT with a mixed-adapter batch (adapter_names=) on --hf-workloads at the smallest
 request count. Then the first token of an adapter nobody has loaded yet: registration (read,
 validated, placed) plus the first request's first token, on an idle engine.
+--batch-invariant on: the same with the batch-invariant mode's kernels (ops.invariance: the
+Triton GEMM, norms and attention, eager decode steps), its own JSON; its cost is its step
+time over the default run's.
 
 The HF columns are common/gpu_hf.py's, the kernel time in a step common/gpu_kernels.py's."""
 
@@ -192,6 +195,7 @@ def _load(args, counts) -> tuple[LLM, dict]:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        batch_invariant=args.batch_invariant,
         max_batch_size=max(counts),
         max_batched_tokens=max(2048, 64 * max(counts)),
         **(
@@ -206,6 +210,7 @@ def _load(args, counts) -> tuple[LLM, dict]:
         "dtype": dtype_name(engine.dtype),
         "attention": engine.planner.attention.name,
         "sgmv": engine.sgmv.name,
+        "batch_invariant": engine.invariance.reason,
         "load_s": time.perf_counter() - t0,
         "kv_blocks": engine.cache.kv.shape[0],
     }
@@ -299,6 +304,8 @@ def _report(args, rows, summary) -> None:
 def _save(args, rows, summary) -> None:
     """JSON and PNG in benchmarks/results/cuda/ (again at each call: the latest wins)."""
     name = "bench_generate_cuda_" + Path(_model_name(args)).name.replace(".", "_")
+    if args.batch_invariant != "auto":  # the mode's own file beside the default run's
+        name += f"_invariant_{args.batch_invariant}"
     path = write_json(name, {"args": vars(args), "summary": summary, "rows": rows}, "cuda")
     _plot(rows, summary, name)
     _log(f"wrote {path} and {path.with_suffix('.png')}")

@@ -159,7 +159,6 @@ void shrink(torch::Tensor v, torch::Tensor x, torch::Tensor w_ptr, torch::Tensor
     });
     return;
   }
-  CHECK_ARG(!fixed_order, "fixed_order (batch-invariant SGMV) has no CUDA kernel yet");
 #ifdef PUNICA_X_WITH_CUDA
   const c10::cuda::CUDAGuard guard(x.device());
   const punica_x::DType dtype = cuda_dtype(x.scalar_type());
@@ -218,7 +217,6 @@ void sgmv_expand(torch::Tensor y, torch::Tensor v, torch::Tensor w_ptr, torch::T
     });
     return;
   }
-  CHECK_ARG(!fixed_order, "fixed_order (batch-invariant SGMV) has no CUDA kernel yet");
 #ifdef PUNICA_X_WITH_CUDA
   const c10::cuda::CUDAGuard guard(y.device());
   const bool ok = punica_x::sgmv_expand_cuda(

@@ -27,7 +27,8 @@ struct SgmvSegments {
   // whatever its segment's size. Off, a bf16 segment of several rows may take other
   // arithmetic than a one-row segment (the avx512_bf16 build's dot tiles, AMX tiles); on,
   // every segment takes the one path a segment of any size can (the dot tiles for every
-  // bf16 segment on avx512_bf16, never AMX tiles).
+  // bf16 segment on avx512_bf16, never AMX tiles). CUDA: the shrink's split of K is fixed by
+  // h_in alone (sgmv_cuda.cu).
   bool fixed_order = false;
 };
 

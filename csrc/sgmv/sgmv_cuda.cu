@@ -15,6 +15,12 @@
 //           and of y (the distinct-adapter decode case, and every CUDA-graph decode step).
 // Row tiles let one long segment (the identical-adapter case) spread over many blocks instead
 // of one block walking all its rows in turn.
+// Batch-invariant order (SgmvSegments::fixed_order): a row's sums must not depend on the batch.
+// The write-once shrink then takes its W warps per rank row from h_in alone (not from how many
+// segments and rows keep the GPU busy), the split-K shrink one K chunk (no split by the block
+// count); the row tile R changes only how many rows share a load of A, never the order of a
+// row's own additions. Expand needs nothing: each output element is acc += v[i] * B[i][c] over
+// i = 0..r-1 then y + acc, alike in its one-row and its tiled kernel.
 // Plain CUDA: no torch headers, so `nvcc -c` alone builds it (tests do, for sm_80 and sm_90).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -329,7 +335,7 @@ void launch_shrink_rows(float* v, int64_t vs, const T* x, int64_t xs, int h_in,
   while (r < kRowTile && r < max_rows) r *= 2;
   const int tiles = (max_rows + r - 1) / r;
   const int64_t units = int64_t(p.num_segments) * tiles * max_rank;
-  const int64_t want = int64_t(multiprocessors()) * 16;
+  const int64_t want = p.fixed_order ? INT64_MAX : int64_t(multiprocessors()) * 16;
   int w = 1;
   while (w < 8 && units * w < want && 2 * w * kWarp * kVec <= h_in) w *= 2;
   const int per_block = kThreads / kWarp / w;
@@ -350,7 +356,7 @@ void launch_shrink(float* v, int64_t vs, const T* x, int64_t xs, int h_in, const
     return;
   }
   const int tiles = row_tiles(max_rows);
-  const int splits = split_k(h_in, p.num_segments * tiles);
+  const int splits = p.fixed_order ? 1 : split_k(h_in, p.num_segments * tiles);
   const int k_chunk = (h_in + splits - 1) / splits;
   const dim3 grid(p.num_segments, splits, tiles);
   shrink_kernel<T><<<grid, kThreads, 0, stream>>>(v, vs, x, xs, h_in, p, k_chunk);

@@ -3,7 +3,8 @@
 A backend's plan(spans, block_size, device) is made once per step; the plan's
 write_kv(kv, layer, k, v) and attend(q, kv, layer, scale) -> (out, lse) run per layer.
 Backends: "cpu" (compiled kernel, float32 or bfloat16, default on CPU), "torch" (pure PyTorch
-reference, any device and dtype), "flashinfer" (CUDA float16 / bfloat16, the [gpu] extra)."""
+reference, any device and dtype), "flashinfer" (CUDA float16 / bfloat16, the [gpu] extra),
+"triton" (CUDA, the batch-invariant mode's: attention.triton_paged)."""
 
 from __future__ import annotations
 
@@ -38,14 +39,21 @@ def _flashinfer():
     return FlashInferAttention()
 
 
+def _triton():
+    from punica_x.attention.triton_paged import TritonAttention
+
+    return TritonAttention()
+
+
 BACKENDS = Registry(
     "attention",
     ATTENTION_BACKEND,
-    {"cpu": _cpu, "torch": _torch, "flashinfer": _flashinfer},
+    {"cpu": _cpu, "torch": _torch, "flashinfer": _flashinfer, "triton": _triton},
     default=lambda device, dtype: _default(device, dtype, None),
     needs={
         "cpu": ("cpu", CPU_KERNEL_DTYPES),
         "flashinfer": ("cuda", (torch.float16, torch.bfloat16)),
+        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
     },
 )
 

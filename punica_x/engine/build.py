@@ -20,8 +20,8 @@ from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 from punica_x.lora.peft_checks import LoraTarget
-from punica_x.ops.invariance import INVARIANT_BACKEND, Invariance, with_engine_backends
-from punica_x.ops.sgmv import choose_sgmv, cpu_sgmv_fixed_order
+from punica_x.ops.invariance import Invariance, invariant_backend, with_engine_backends
+from punica_x.ops.sgmv import choose_sgmv, sgmv_fixed_order
 
 log = logging.getLogger("punica_x.engine.engine")
 
@@ -85,7 +85,8 @@ def engine_invariance(loaded: Invariance, config: EngineConfig) -> Invariance:
         "attention": config.attention_backend or ATTENTION_BACKEND.get() or None,
         "SGMV": config.sgmv_backend or SGMV_BACKEND.get() or None,
     }
-    invariance = with_engine_backends(loaded, config.model.batch_invariant, named)
+    device_type = config.model.torch_device().type
+    invariance = with_engine_backends(loaded, config.model.batch_invariant, named, device_type)
     if invariance is not loaded:
         log.info("batch invariance: %s", invariance.reason)
     return invariance
@@ -93,9 +94,9 @@ def engine_invariance(loaded: Invariance, config: EngineConfig) -> Invariance:
 
 def build_sgmv(config: EngineConfig, dims, device, dtype, lora_dtype, fixed_order: bool):
     """The SGMV backend (config.sgmv_backend chooses), in batch-invariant order where
-    fixed_order (the cpu kernels: ops.invariance)."""
+    fixed_order (the device's compiled kernels: ops.invariance)."""
     if fixed_order:
-        return cpu_sgmv_fixed_order()
+        return sgmv_fixed_order(torch.device(device))
     return choose_sgmv(device, dtype, dims.lora_shapes(), config.sgmv_backend, lora_dtype)
 
 
@@ -103,9 +104,11 @@ def build_attention(
     config: EngineConfig, dims, device: torch.device, dtype: torch.dtype, fixed_order=False
 ):
     """The paged attention backend for the device (config.attention_backend chooses; the
-    cpu kernel without flash attention where fixed_order: ops.invariance)."""
+    cpu kernel without flash attention, or the triton one on CUDA, where fixed_order:
+    ops.invariance)."""
     if fixed_order:
-        return get_attention_backend(device, INVARIANT_BACKEND, dtype).fixed_order()
+        name = invariant_backend(torch.device(device).type, "attention")
+        return get_attention_backend(device, name, dtype).fixed_order()
     attention = choose_attention(
         device,
         dtype,

@@ -5,6 +5,7 @@ orders on the model's own shapes."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import Counter
 
@@ -19,6 +20,9 @@ from punica_x.ops.registry import CPU_KERNEL_DTYPES
 from punica_x.ops.sgmv import order_timings
 
 log = logging.getLogger("punica_x.invariance")
+# what the Triton kernels of the mode take on CUDA (ops.triton_gemm, ops.triton_norm,
+# attention.triton_paged)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def choose_invariance(
@@ -30,7 +34,10 @@ def choose_invariance(
         "dense": cfg.dense_backend or DENSE_BACKEND.get() or None,
         "fused": cfg.fused_backend or FUSED_BACKEND.get() or None,
     }
-    kernels = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and isa_mod.tuned()
+    if device.type == "cuda":
+        kernels = importlib.util.find_spec("triton") is not None and dtype in TRITON_DTYPES
+    else:
+        kernels = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and isa_mod.tuned()
 
     def cost() -> dict[str, float]:
         timings = []

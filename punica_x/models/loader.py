@@ -291,10 +291,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if quantization in ON_LOAD:
         quantize_on_load(model, quantization)
     invariance = choose_invariance(cfg, model, device, dtype)  # ops.invariance
-    dense_name = backend_name(cfg.dense_backend, invariance.on)
+    dense_name = backend_name(cfg.dense_backend, invariance.on, device.type, "dense")
+    fused_name = backend_name(cfg.fused_backend, invariance.on, device.type, "fused")
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, dense_name),
-        choose_fused(device, dtype, dims, backend_name(cfg.fused_backend, invariance.on)),
+        choose_fused(device, dtype, dims, fused_name),
         lambda fmt, n, k, rows: choose_quant(
             fmt, device, dtype, n, k, rows, X_BITS[cfg.quant_activations], invariance.on
         ),

@@ -8,6 +8,7 @@ Backends (each converts W once, at load, into the layout its forward() reads):
   torch's CPU freezing path); float32 on CPU where torch has oneDNN.
 * ``torch``: W stored transposed, [K, N] contiguous, and ``x @ W_t`` (any device/dtype; on
   CPU this layout is itself ~2.5x faster than F.linear's x @ W^T for small M).
+* ``triton``: the batch-invariant GEMM on CUDA (ops.triton_gemm; ops.invariance).
 MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) is measured in benchmarks/bench_dense.py
 but not offered: it uses its pack only at the one batch size it was packed for.
 
@@ -125,12 +126,22 @@ class OneDnnDense:
         return self._linear(x.contiguous(), prepared, bias, "none", [], "")
 
 
+def _triton() -> DenseBackend:
+    from punica_x.ops.triton_gemm import TritonDense
+
+    return TritonDense()
+
+
 BACKENDS: Registry[DenseBackend] = Registry(
     "dense",
     DENSE_BACKEND,
-    {"cpu": PackedCpuDense, "onednn": OneDnnDense, "torch": TorchDense},
+    {"cpu": PackedCpuDense, "onednn": OneDnnDense, "torch": TorchDense, "triton": _triton},
     default=cpu_kernels_else_torch,
-    needs={"cpu": ("cpu", CPU_KERNEL_DTYPES), "onednn": ("cpu", CPU_KERNEL_DTYPES)},
+    needs={
+        "cpu": ("cpu", CPU_KERNEL_DTYPES),
+        "onednn": ("cpu", CPU_KERNEL_DTYPES),
+        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+    },
 )
 
 

@@ -4,7 +4,8 @@ GeLU(tanh)-and-mul (Gemma).
 Two implementations with one interface: ``cpu`` (csrc/layers, float32 or bfloat16 on CPU,
 float32 arithmetic: one pass and
 one call per layer instead of 5-16 PyTorch ops, which also keeps the engine thread off the
-GIL) and ``torch`` (the reference, any device and dtype). Shapes: rows are tokens [T, ...].
+GIL), ``torch`` (the reference, any device and dtype) and ``triton`` (the batch-invariant
+norms on CUDA: ops.triton_norm). Shapes: rows are tokens [T, ...].
 choose_fused: a named backend, else $PUNICA_X_FUSED_BACKEND, else on CPU (float32 or
 bfloat16) the faster
 on the model's shapes by a timing at first load (punica_x.ops.autotune), else torch.
@@ -82,12 +83,21 @@ class CpuFused:
         return self.ext.gelu_tanh_and_mul(gate_up.contiguous())
 
 
+def _triton():
+    from punica_x.ops.triton_norm import TritonFused
+
+    return TritonFused()
+
+
 BACKENDS: Registry = Registry(
     "fused",
     FUSED_BACKEND,
-    {"cpu": CpuFused, "torch": TorchFused},
+    {"cpu": CpuFused, "torch": TorchFused, "triton": _triton},
     default=cpu_kernels_else_torch,
-    needs={"cpu": ("cpu", CPU_KERNEL_DTYPES)},
+    needs={
+        "cpu": ("cpu", CPU_KERNEL_DTYPES),
+        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+    },
 )
 
 

@@ -30,8 +30,14 @@ a weighted mean of its parts', so at most the largest):
   one, per LoRA shape), on the builds where the two differ (ops.sgmv.ORDER_DIFFERS; elsewhere
   the orders are the same instructions, 0).
 The other kernels of the mode are the ones a decode step runs anyway (the paged attention
-takes decode rows with or without it; flash attention is for prompt chunks only). On CUDA
-auto is off and on is refused (no batch-invariant CUDA kernels yet).
+takes decode rows with or without it; flash attention is for prompt chunks only).
+
+On CUDA the mode is opt-in (``on``; ``auto`` is off there until its cost is measured on a
+GPU): the dense projections and the LM head through a Triton GEMM whose tiles are fixed per
+weight, never chosen by the row count (ops.triton_gemm; cuBLAS picks kernel and split-K by
+M); RMSNorm one row per program (ops.triton_norm); a Triton paged attention with one program
+per row and KV head, walking the keys block by block from the first (attention.triton_paged);
+SGMV with its split of K fixed by the weight's width alone (csrc/sgmv/sgmv_cuda.cu).
 """
 
 from __future__ import annotations
@@ -41,8 +47,12 @@ from dataclasses import dataclass
 
 MODES = ("auto", "on", "off")
 MAX_COST = 0.05  # auto: the largest measured cost fraction of a part (relative_cost)
-# the backend of each kind that computes batch-invariantly
+# the backend of each kind that computes batch-invariantly on a CPU
 INVARIANT_BACKEND = "cpu"
+# ... and on CUDA, by kind (the SGMV kernels take the fixed order themselves)
+CUDA_INVARIANT_BACKENDS = {"SGMV": "cuda"}
+CUDA_INVARIANT_BACKEND = "triton"
+CUDA_AUTO = "auto: off on cuda, where the mode is opt-in (on) until its cost is measured there"
 
 
 @dataclass(frozen=True)
@@ -68,11 +78,11 @@ def decide(
     named: Mapping[str, str | None],
     cost: Callable[[], Mapping[str, float]],
 ) -> Invariance:
-    """The mode's decision. kernels: whether the compiled CPU kernels run this model here
-    (a tuned x86 level, float32 or bfloat16); named: {kind: backend a user named} (None or ""
-    for none); cost(): the measured cost fraction of each part ({"dense projections": 0.01,
-    "LoRA": 0.0}), called only for auto; the largest decides. ValueError for `on` where the
-    mode cannot hold."""
+    """The mode's decision. kernels: whether the batch-invariant kernels run this model here
+    (CPU: a tuned x86 level, float32 or bfloat16; CUDA: Triton importable, a float dtype);
+    named: {kind: backend a user named} (None or "" for none); cost(): the measured cost
+    fraction of each part ({"dense projections": 0.01, "LoRA": 0.0}), called only for auto
+    on a CPU; the largest decides. ValueError for `on` where the mode cannot hold."""
     check_mode(mode)
     if mode == "off":
         return Invariance(False, "batch_invariant=off")
@@ -83,6 +93,8 @@ def decide(
         return Invariance(False, f"auto: off, {blocker}")
     if mode == "on":
         return Invariance(True, "batch_invariant=on")
+    if device_type == "cuda":
+        return Invariance(False, CUDA_AUTO)
     parts = cost()
     measured = max(parts.values(), default=0.0)
     verdict = "on" if measured <= MAX_COST else "off"
@@ -95,7 +107,7 @@ def decide(
 
 
 def with_engine_backends(
-    invariance: Invariance, mode: str, named: Mapping[str, str | None]
+    invariance: Invariance, mode: str, named: Mapping[str, str | None], device_type: str = "cpu"
 ) -> Invariance:
     """`invariance` (decided at load for the model's kernels) held against the attention and
     SGMV backends the engine's config or environment names: ValueError for `on` with one
@@ -103,7 +115,7 @@ def with_engine_backends(
     given also where auto's measured cost had turned it off already (the reason that holds
     on every CPU, not a timing's); a load-time blocker (device, dtype) stays the reason."""
     measured = invariance.on or invariance.cost is not None
-    blocker = _blocker("cpu", True, named) if measured else ""
+    blocker = _blocker(device_type, True, named) if measured else ""
     if not blocker:
         return invariance
     if mode == "on":
@@ -111,22 +123,39 @@ def with_engine_backends(
     return Invariance(False, f"auto: off, {blocker}", invariance.cost)
 
 
+def invariant_backend(device_type: str, kind: str) -> str:
+    """The backend of `kind` ("dense", "fused", "attention", "SGMV") that computes
+    batch-invariantly on `device_type`."""
+    if device_type == "cuda":
+        return CUDA_INVARIANT_BACKENDS.get(kind, CUDA_INVARIANT_BACKEND)
+    return INVARIANT_BACKEND
+
+
 def _blocker(device_type: str, kernels: bool, named: Mapping[str, str | None]) -> str:
-    if device_type != "cpu":
+    if device_type not in ("cpu", "cuda"):
         return f"no batch-invariant kernels on {device_type} yet"
     if not kernels:
+        if device_type == "cuda":
+            return "the Triton kernels do not run this model here (Triton missing, or the dtype)"
         return "the compiled CPU kernels do not run this model here (untuned CPU or dtype)"
-    others = {kind: name for kind, name in named.items() if name and name != INVARIANT_BACKEND}
-    if others:
-        listed = ", ".join(f"{kind} backend {name!r}" for kind, name in sorted(others.items()))
-        return f"{listed} named, not the batch-invariant {INVARIANT_BACKEND!r}"
-    return ""
+    others = {
+        kind: name
+        for kind, name in named.items()
+        if name and name != invariant_backend(device_type, kind)
+    }
+    return ", ".join(
+        f"{kind} backend {name!r} named, not the batch-invariant "
+        f"{invariant_backend(device_type, kind)!r}"
+        for kind, name in sorted(others.items())
+    )
 
 
-def backend_name(name: str | None, on: bool) -> str | None:
+def backend_name(
+    name: str | None, on: bool, device_type: str = "cpu", kind: str = ""
+) -> str | None:
     """The backend of a kind to ask for: the batch-invariant one where the mode is on, else
     `name` (the one named, or None to choose)."""
-    return INVARIANT_BACKEND if on else name
+    return invariant_backend(device_type, kind) if on else name
 
 
 def relative_cost(timings: list[tuple[int, Mapping[str, float]]]) -> float:

@@ -74,7 +74,7 @@ class CompiledBackend:
     """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
 
     def __init__(self, name: str, module, fixed_order: bool = False) -> None:
-        """fixed_order: batch-invariant order (csrc/sgmv/sgmv.h, ops.invariance), CPU only."""
+        """fixed_order: batch-invariant order (csrc/sgmv/sgmv.h, ops.invariance)."""
         self.name = name
         self.module = module
         self.fixed_order = fixed_order
@@ -175,6 +175,14 @@ def cpu_sgmv_fixed_order(isa: str | None = None) -> CompiledBackend:
     """The compiled CPU kernels in batch-invariant order (ops.invariance): a row's result is
     the same bits whatever the size of its segment."""
     return CompiledBackend("cpu", cpu_backend(isa).module, fixed_order=True)
+
+
+def sgmv_fixed_order(device: torch.device) -> CompiledBackend:
+    """The compiled kernels of `device` (CPU or CUDA) in batch-invariant order: a row's result
+    is the same bits whatever its segment's size and the batch's."""
+    if device.type == "cuda":
+        return CompiledBackend("cuda", BACKENDS.get(device, None, "cuda").module, fixed_order=True)
+    return cpu_sgmv_fixed_order()
 
 
 BACKENDS: Registry[SgmvBackend] = Registry(

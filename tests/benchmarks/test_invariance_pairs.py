@@ -70,7 +70,7 @@ def test_a_bad_mode_is_refused(refused, script, bad):
 @pytest.mark.parametrize(
     ("script", "flags", "says"),
     [
-        (bench_generate, ["--device", "cuda", "--batch-invariant", "on"], "for CPU runs"),
+        (bench_generate, ["--device", "cuda", "--batch-invariant", "both"], "for CPU runs"),
         (bench_generate, ["--dry-run", "--batch-invariant", "both"], "for CPU runs"),
         (bench_serve, ["--batch-invariant", "both", "--features"], "not with --features"),
         (bench_serve, ["--batch-invariant", "both", "--open-loop", "1"], "not with --features"),
@@ -78,3 +78,12 @@ def test_a_bad_mode_is_refused(refused, script, bad):
 )
 def test_a_mode_with_a_question_it_does_not_answer_is_refused(refused, script, flags, says):
     assert says in refused(script.parse_args, script.__file__, flags)
+
+
+def test_a_cuda_run_takes_the_mode_on_or_off(monkeypatch):
+    """On CUDA the mode's kernels (Triton) run with --batch-invariant on, into a file of its
+    own beside the default run's."""
+    for mode in ("on", "off"):
+        argv = ["bench_generate.py", "--device", "cuda", "--batch-invariant", mode]
+        monkeypatch.setattr("sys.argv", argv)
+        assert bench_generate.parse_args().batch_invariant == mode

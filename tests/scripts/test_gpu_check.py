@@ -43,7 +43,8 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     assert "where the minutes went" in proc.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["env", "build", "gpu_tests", "bench_generate", "bench_sgmv", "serve"]
+    names = ["env", "build", "gpu_tests", "bench_generate", "bench_sgmv", "serve", "invariance"]
+    assert list(steps) == names
     assert all(s["status"] == "ok" and s["seconds"] > 0 for s in steps.values())
     assert steps["env"]["figures"]["gpu"] is None  # no CUDA here
     tests = steps["gpu_tests"]["figures"]
@@ -56,8 +57,12 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     assert all(r["sgmv_ms"] > 0 for r in sgmv)
     serve = steps["serve"]["figures"]["summary"]
     assert serve["distinct_tok_s"] > 0 and serve["new_first_token_s"] > 0
+    invariant = steps["invariance"]["figures"]
+    assert invariant["summary"]["batch_invariant"] == "batch_invariant=on"
+    assert {r["workload"] for r in invariant["rows"]} == {r["workload"] for r in rows}
     md = (out / "gpu_check.md").read_text()
     assert "| bench_generate | ok |" in md and "## serve" in md
+    assert "The mode's decode cost" in md
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
     assert any(n.endswith(".json") and "bench_generate_cuda" in n for n in names)

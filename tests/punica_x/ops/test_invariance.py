@@ -3,6 +3,8 @@ against hostile values, and what an engine chooses and says."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import tiny_llm
@@ -10,9 +12,11 @@ from helpers import tiny_llm
 from punica_x.config import ModelConfig
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.invariance import (
+    CUDA_AUTO,
     MAX_COST,
     Invariance,
     decide,
+    invariant_backend,
     relative_cost,
     with_engine_backends,
 )
@@ -39,7 +43,11 @@ def test_off_and_on_need_no_measurement():
 @pytest.mark.parametrize(
     ("device", "kernels", "named", "says"),
     [
-        ("cuda", True, {}, "no batch-invariant kernels on cuda yet"),
+        ("mps", True, {}, "no batch-invariant kernels on mps yet"),
+        ("cuda", False, {}, "the Triton kernels do not run this model here"),
+        ("cuda", True, {"attention": "flashinfer"}, "'flashinfer' named, not .* 'triton'"),
+        ("cuda", True, {"SGMV": "torch_ref", "dense": "triton"}, "'torch_ref' named, not .*"),
+        ("cuda", True, {"dense": "torch"}, "dense backend 'torch' named"),
         ("cpu", False, {}, "compiled CPU kernels do not run this model"),
         ("cpu", True, {"dense": "onednn"}, "dense backend 'onednn' named"),
         ("cpu", True, {"fused": "torch", "dense": "cpu"}, "fused backend 'torch' named"),
@@ -51,7 +59,23 @@ def test_on_is_refused_where_it_cannot_hold_and_auto_says_why_it_is_off(
     with pytest.raises(ValueError, match=f"batch_invariant=on cannot hold: .*{says}"):
         decide("on", device, kernels, named, never)
     auto = decide("auto", device, kernels, named, never)
-    assert not auto.on and says in auto.reason and auto.cost is None
+    assert not auto.on and re.search(says, auto.reason) and auto.cost is None
+
+
+def test_on_cuda_the_mode_is_opt_in_and_names_its_kernels():
+    named = {"dense": "triton", "fused": None, "attention": "triton", "SGMV": "cuda"}
+    assert decide("on", "cuda", True, named, never) == Invariance(True, "batch_invariant=on")
+    auto = decide("auto", "cuda", True, {}, never)  # not measured there: off, saying so
+    assert auto == Invariance(False, CUDA_AUTO) and "opt-in" in auto.reason
+    assert invariant_backend("cuda", "dense") == "triton" == invariant_backend("cuda", "fused")
+    assert invariant_backend("cuda", "attention") == "triton"
+    assert invariant_backend("cuda", "SGMV") == "cuda" and invariant_backend("cpu", "SGMV") == "cpu"
+    on = Invariance(True, "batch_invariant=on")
+    assert with_engine_backends(on, "on", {"attention": "triton", "SGMV": "cuda"}, "cuda") is on
+    with pytest.raises(ValueError, match="attention backend 'flashinfer' named"):
+        with_engine_backends(on, "on", {"attention": "flashinfer"}, "cuda")
+    with pytest.raises(ValueError, match="SGMV backend 'cpu' named, not .* 'cuda'"):
+        with_engine_backends(on, "on", {"SGMV": "cpu"}, "cuda")
 
 
 @pytest.mark.parametrize(("cost", "on"), [(0.0, True), (MAX_COST, True), (0.051, False)])
@@ -92,9 +116,9 @@ def test_engine_backends_named_turn_auto_off_and_refuse_on():
     named = with_engine_backends(costly, "auto", {"attention": "torch"})
     assert "attention backend 'torch' named" in named.reason and named.cost == 0.105
     assert with_engine_backends(costly, "auto", {"attention": None}) is costly
-    # off at load (the device or dtype): that reason stays
-    cuda = Invariance(False, "auto: off, no batch-invariant kernels on cuda yet")
-    assert with_engine_backends(cuda, "auto", {"attention": "flashinfer"}) is cuda
+    # off at load (the device, the dtype, CUDA's opt-in): that reason stays
+    cuda = Invariance(False, CUDA_AUTO)
+    assert with_engine_backends(cuda, "auto", {"attention": "flashinfer"}, "cuda") is cuda
 
 
 def test_an_engine_says_what_it_chose(tiny_model_dir, monkeypatch):

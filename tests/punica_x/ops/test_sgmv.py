@@ -523,3 +523,44 @@ def test_sgmv_cuda_shrink_writes_every_value_expand_reads(dtype, h_in, layout, l
     v_ref = sgmv_shrink(x, w, 1, backend=REF)
     v_our = sgmv_shrink(x, w, 1, backend=get_backend(dev))  # public shrink: v zeroed around
     torch.testing.assert_close(v_our, v_ref, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h_in", [4096, 136])
+@pytest.mark.parametrize("layout", ["aligned", "x-unaligned"])
+def test_sgmv_cuda_fixed_order_rows_do_not_depend_on_the_batch(dtype, h_in, layout):
+    """The batch-invariant order (ops.invariance, sgmv_fixed_order): a row of a segment of 1,
+    2, 5, 9 or 40 rows among others gives the bits it gives alone in a one-row segment, where
+    the kernels' own order spreads K over more warps or chunks for a small batch. x out of
+    16-byte units takes the split-K shrink, in one chunk."""
+    from punica_x.ops.sgmv import sgmv_fixed_order
+
+    gen, _ = fresh_generator()
+    dev = torch.device("cuda")
+    h_out, rank, layers = [256, 64, 64], 16, 2
+    lens = [9, 1, 2, 5, 40]  # rows per segment; the second is the base model's
+    ranks = [[rank] * 3 for _ in lens]
+    ranks[1] = [0, 0, 0]
+    a = [(0.1 * torch.randn(layers, 3 * rank, h_in, generator=gen)).to(dev, dtype) for _ in lens]
+    b = [(0.1 * torch.randn(layers, rank * sum(h_out), generator=gen)).to(dev, dtype) for _ in lens]
+    a[1] = b[1] = None
+    seg = [0]
+    for n in lens:
+        seg.append(seg[-1] + n)
+    rows = seg[-1]
+    width = h_in + (layout == "x-unaligned")
+    x = torch.randn(rows, width, generator=gen).to(dev, dtype)[:, width - h_in :]
+    y0 = torch.randn(rows, sum(h_out), generator=gen).to(dev, dtype)
+    backend = sgmv_fixed_order(dev)
+    assert backend.name == "cuda" and backend.fixed_order
+
+    def run(seg_, a_, b_, ranks_, rows_x, rows_y):
+        w = SgmvWeights.build(seg_, a_, b_, ranks_, h_out, dev)
+        return add_lora_sgmv(rows_y.clone(), rows_x, w, 1, backend=backend)
+
+    batch = run(seg, a, b, ranks, x, y0)
+    for s, n in enumerate(lens):
+        for t in range(seg[s], seg[s] + n):
+            alone = run([0, 1], [a[s]], [b[s]], [ranks[s]], x[t : t + 1], y0[t : t + 1])
+            assert torch.equal(alone[0], batch[t]), (s, n, t)

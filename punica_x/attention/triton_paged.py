@@ -1,0 +1,176 @@
+"""The batch-invariant paged attention on CUDA, in Triton (ops.invariance): one kernel for a
+decode row, a prompt chunk and a whole prompt, a row's keys always in the same tiles.
+
+Each program is one query row and one KV head (its G = H_q / N_kv query heads together): it
+walks the row's visible keys one KV-cache block (P keys) at a time, in position order from
+the first visible block, with an online softmax in float32 (scores and P @ V as float32
+sums of a fixed shape). Nothing of it depends on the other rows of the step: not how many
+there are, not whether they are the same prompt's (a chunk, a whole prompt and a decode row
+compute a position's output alike), not the block table's padded width (the torch
+backend's decode reduces over it; FlashInfer splits the KV by the batch). The plan is made
+per step; decode steps run eagerly (the CUDA graphs take the torch backend's plan only).
+
+Semantics as the torch reference (attention.paged): causal rows, a sliding window of W keys
+(HF's sliding_window), Gemma 2's soft-capping before the mask, and the natural-log
+log-sum-exp of each row's scores returned beside the output. kv: [num_blocks, L, 2, N_kv,
+P, D]; P a power of two (the cache's block size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from punica_x.attention.paged import SeqSpan
+from punica_x.ops.triton_env import tl, triton
+
+NUM_WARPS = 4
+
+
+# one compiled kernel for every step, layer and window (no variants by their divisibility)
+@triton.jit(do_not_specialize=["table_width", "layer_off", "window"])
+def _attend_kernel(
+    q,
+    kv,
+    out,
+    lse,
+    row_pos,
+    row_seq,
+    tables,
+    table_width,
+    layer_off,
+    s_blk,
+    s_kv,
+    s_head,
+    s_pos,
+    scale,
+    softcap,
+    window,
+    hq,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """q: [T, hq, D] contiguous; out likewise; lse: [T, hq] float32; row_pos / row_seq: [T]
+    int32 (a row's position, its sequence's row of `tables` [S, table_width] int32)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    pos = tl.load(row_pos + t)
+    seq = tl.load(row_seq + t).to(tl.int64)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    heads = head * G + g
+    q_at = t.to(tl.int64) * hq * D + heads[:, None] * D + d[None, :]
+    q_keep = (g[:, None] < G) & (d[None, :] < D)
+    qv = tl.load(q + q_at, q_keep, 0.0).to(tl.float32)
+    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    m = tl.full((BG,), float("-inf"), tl.float32)
+    denom = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, BD), tl.float32)
+    offs = tl.arange(0, P)
+    kv_at = offs[:, None] * s_pos + d[None, :]
+    for page in range(start // P, pos // P + 1):
+        blk = tl.load(tables + seq * table_width + page).to(tl.int64)
+        base = kv + layer_off + blk * s_blk + head * s_head
+        kt = tl.load(base + kv_at, d[None, :] < D, 0.0).to(tl.float32)  # [P, BD]
+        vt = tl.load(base + s_kv + kv_at, d[None, :] < D, 0.0).to(tl.float32)
+        s = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BG, P]
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        keys = page * P + offs
+        s = tl.where(((keys <= pos) & (keys >= start))[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+        m = m_new
+    o = acc / denom[:, None]
+    tl.store(out + q_at, o.to(out.dtype.element_ty), q_keep)
+    tl.store(lse + t.to(tl.int64) * hq + heads, m + tl.log(denom), g < G)
+
+
+@dataclass(frozen=True)
+class TritonAttentionPlan:
+    """A step's plan: slot_blocks / slot_offsets [T] (where each row's new K/V goes, as the
+    torch plan's), row_pos / row_seq [T] int32 and tables [S, width] int32 (the kernel's)."""
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    row_pos: torch.Tensor
+    row_seq: torch.Tensor
+    tables: torch.Tensor
+
+    def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, N_kv, D] into kv [num_blocks, L, 2, N_kv, P, D] (copies: exact)."""
+        kv[self.slot_blocks, layer, 0, :, self.slot_offsets] = k
+        kv[self.slot_blocks, layer, 1, :, self.slot_offsets] = v
+
+    def attend(self, q, kv, layer: int, scale: float, window: int = 0, softcap: float = 0.0):
+        """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32)."""
+        return attend(q, kv, layer, self, scale, window, softcap)
+
+
+def attend(q, kv, layer, plan: TritonAttentionPlan, scale, window=0, softcap=0.0):
+    t, hq, d = q.shape
+    nkv, p = kv.shape[3], kv.shape[4]
+    if kv.stride(5) != 1 or p & (p - 1):
+        raise ValueError(
+            f"the triton attention needs a contiguous head dim and a power-of-two "
+            f"block size, got strides {kv.stride()} and P={p}"
+        )
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    group = hq // nkv
+    _attend_kernel[(t, nkv)](
+        q, kv, out, lse, plan.row_pos, plan.row_seq, plan.tables, plan.tables.shape[1],
+        layer * kv.stride(1), kv.stride(0), kv.stride(2), kv.stride(3), kv.stride(4),
+        float(scale), float(softcap or 1.0), int(window), hq,
+        G=group, D=d, P=p, BG=max(2, triton.next_power_of_2(group)),
+        BD=triton.next_power_of_2(d), SOFTCAP=bool(softcap), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out, lse
+
+
+class TritonAttention:
+    """The attention backend of the batch-invariant mode on CUDA (attention's interface)."""
+
+    name = "triton"
+
+    def fixed_order(self) -> TritonAttention:
+        """Batch-invariant already: this backend."""
+        return self
+
+    def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device):
+        rows = max((sp.row_start + sp.num_rows for sp in spans), default=0)
+        slot_blocks, slot_offsets = [0] * rows, [0] * rows
+        row_pos, row_seq = [0] * rows, [0] * rows
+        tables = []
+        for i, sp in enumerate(spans):
+            nb = -(-sp.kv_len // block_size)
+            tables.append(sp.block_ids[:nb])
+            for j in range(sp.num_rows):
+                pos = sp.kv_len - sp.num_rows + j
+                r = sp.row_start + j
+                slot_blocks[r], slot_offsets[r] = sp.block_ids[pos // block_size], pos % block_size
+                row_pos[r], row_seq[r] = pos, i
+        width = max((len(tb) for tb in tables), default=1)
+        padded = [tb + [0] * (width - len(tb)) for tb in tables] or [[0]]
+
+        def ints(xs, dtype=torch.int64):
+            return torch.tensor(xs, dtype=dtype, device=device)
+
+        return TritonAttentionPlan(
+            ints(slot_blocks),
+            ints(slot_offsets),
+            ints(row_pos, torch.int32),
+            ints(row_seq, torch.int32),
+            ints(padded, torch.int32),
+        )

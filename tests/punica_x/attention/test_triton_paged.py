@@ -1,0 +1,79 @@
+"""The batch-invariant Triton paged attention (attention.triton_paged): the torch
+reference's values (GQA, sliding window, soft-capping, log-sum-exp), and a position's bits
+the same as a decode row, in a chunk or in a whole prompt, alone or beside other sequences.
+Through Triton's interpreter on a CPU."""
+
+import pytest
+import torch
+from triton_interpreter import device, mended, skip_without_triton
+
+pytestmark = pytest.mark.triton
+skip_without_triton()
+from punica_x.attention.paged import SeqSpan, TorchAttention  # noqa: E402
+from punica_x.attention.triton_paged import TritonAttention  # noqa: E402
+
+P, NKV, HQ, D, BLOCKS = 4, 2, 6, 16, 24
+
+
+def _cache(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(BLOCKS, 1, 2, NKV, P, D, generator=g).to(dtype).to(device())
+    return kv, g
+
+
+def _q(rows, dtype, g):
+    return torch.randn(rows, HQ, D, generator=g).to(dtype).to(device())
+
+
+def _run(backend, spans, q, kv, **kw):
+    plan = backend.plan(spans, P, kv.device)
+    with mended():
+        return plan.attend(q, kv, 0, 0.3, **kw)
+
+
+SEQ_A = list(range(0, 6))  # 6 blocks: up to 24 keys
+SEQ_B = [10, 7, 12, 20, 21]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 2.0}])
+def test_matches_the_torch_reference(dtype, kw):
+    kv, g = _cache(dtype)
+    spans = [SeqSpan(0, 9, 14, SEQ_A), SeqSpan(9, 1, 17, SEQ_B), SeqSpan(10, 1, 3, [23])]
+    q = _q(11, dtype, g)
+    out, lse = _run(TritonAttention(), spans, q, kv, **kw)
+    ref, ref_lse = TorchAttention().plan(spans, P, kv.device).attend(q, kv, 0, 0.3, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 5}])
+def test_a_position_has_the_same_bits_however_it_is_batched(kw):
+    kv, g = _cache(torch.bfloat16, seed=1)
+    q = _q(20, torch.bfloat16, g)  # the 20 positions of sequence A
+    attn = TritonAttention()
+    whole, whole_lse = _run(attn, [SeqSpan(0, 20, 20, SEQ_A)], q, kv, **kw)
+    for lo, hi in ((0, 7), (7, 15), (15, 20)):  # chunked prefill
+        part, part_lse = _run(attn, [SeqSpan(0, hi - lo, hi, SEQ_A)], q[lo:hi], kv, **kw)
+        assert torch.equal(part, whole[lo:hi]) and torch.equal(part_lse, whole_lse[lo:hi])
+    other = _q(3, torch.bfloat16, g)
+    for pos in (0, 3, 4, 19):  # a decode row, alone and after another sequence's rows
+        alone, _ = _run(attn, [SeqSpan(0, 1, pos + 1, SEQ_A)], q[pos : pos + 1], kv, **kw)
+        assert torch.equal(alone[0], whole[pos])
+        spans = [SeqSpan(0, 3, 17, SEQ_B), SeqSpan(3, 1, pos + 1, SEQ_A)]
+        mixed, _ = _run(attn, spans, torch.cat([other, q[pos : pos + 1]]), kv, **kw)
+        assert torch.equal(mixed[3], whole[pos])
+
+
+def test_the_plan_writes_each_row_where_the_torch_plan_does():
+    kv, g = _cache(torch.float32)
+    spans = [SeqSpan(0, 3, 9, SEQ_A), SeqSpan(3, 1, 5, SEQ_B)]
+    k, v = torch.randn(4, NKV, D, generator=g), torch.randn(4, NKV, D, generator=g)
+    ours, ref = kv.clone(), kv.clone()
+    TritonAttention().plan(spans, P, kv.device).write_kv(ours, 0, k, v)
+    TorchAttention().plan(spans, P, kv.device).write_kv(ref, 0, k, v)
+    assert torch.equal(ours, ref) and not torch.equal(ours, kv)
+    empty = TritonAttention().plan([], P, kv.device)
+    out, lse = empty.attend(q := torch.empty(0, HQ, D), kv, 0, 0.3)
+    assert out.shape == q.shape and lse.shape == (0, HQ)
