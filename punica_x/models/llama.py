@@ -156,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ropes = [self.ropes[t] for t in types]
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
         self.embed_from_head = False  # tied: the embedding read from the head's layout
+        # the batch-invariant mode (ops.invariance): the edge LoRA deltas a row at a time
+        self.fixed_order = False
         # an untied embedding kept quantized: its rows are dequantized per step (rows())
         self.embed_table: Dense | None = None
         self.edge_digests: dict[str, str] = {}  # the loader's (lora.adapter.edge_digest)
@@ -245,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             residual = self.lm_head.rows(ids) if self.embed_from_head else self.embed_tokens(ids)
         if batch.lora is not None and batch.lora.embed:
-            _add_embed_lora(residual, ids, batch.lora.embed)
+            _add_embed_lora(residual, ids, batch.lora.embed, self.fixed_order)
         if self.dims.embed_scale != 1.0:  # Gemma: the scale in the serving dtype, as HF
             residual.mul_(torch.tensor(self.dims.embed_scale, dtype=residual.dtype))
         layers, fused = list(self.layers), self.fused
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         x = normed[rows]
         logits = self.lm_head.dense(x).float()
         if batch.lora is not None and batch.lora.head:
-            _add_head_lora(logits, x, rows, batch.lora.head)
+            _add_head_lora(logits, x, rows, batch.lora.head, self.fixed_order)
         cap = self.dims.final_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
@@ -276,19 +278,30 @@ def _pin_submodules(root: nn.Module) -> None:
                 module.__dict__[name] = child
 
 
-def _add_embed_lora(residual, ids, segments) -> None:
+def _products(x: torch.Tensor, mats: list[torch.Tensor], fixed_order: bool) -> torch.Tensor:
+    """x @ mats[0] @ mats[1] ... ([rows, k] -> [rows, n]); fixed_order (the batch-invariant
+    mode): a row at a time, each row's sums those of a one-row product whatever the row count
+    (a GEMM library blocks a product by its rows)."""
+    parts = [x[i : i + 1] for i in range(x.shape[0])] if fixed_order else [x]
+    for m in mats:
+        parts = [p @ m for p in parts]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def _add_embed_lora(residual, ids, segments, fixed_order: bool = False) -> None:
     """PEFT's LoRA on an embedding, in place: rows [lo, hi) += A^T[ids] @ B^T (scaled B),
     computed in float32. Gemma's embedding scale, applied after, scales it as PEFT does."""
     for lo, hi, a_t, b_t in segments:
-        delta = a_t[ids[lo:hi]].float() @ b_t.float()  # [rows, r] @ [r, hidden]
+        delta = _products(a_t[ids[lo:hi]].float(), [b_t.float()], fixed_order)  # [rows, hidden]
         residual[lo:hi] += delta.to(residual.dtype)
 
 
-def _add_head_lora(logits, x, rows, segments) -> None:
+def _add_head_lora(logits, x, rows, segments, fixed_order: bool = False) -> None:
     """PEFT's LoRA on the LM head, in place on the float32 logits of `rows` (row indices into
     the step, x = their hidden states): each logit row whose step row lies in [lo, hi) gets
     (x @ A^T) @ B^T of that segment's adapter, before any final soft-capping."""
     for lo, hi, a_t, b_t in segments:
         picked = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)
         if picked.numel():
-            logits[picked] += (x[picked].float() @ a_t.float()) @ b_t.float()
+            mats = [a_t.float(), b_t.float()]
+            logits[picked] += _products(x[picked].float(), mats, fixed_order)

@@ -2,8 +2,7 @@
 
 A GGUF file is converted once, through transformers' GGUF reader, into a plain HF
 directory in the punica-x cache (keyed by the file's SHA-256); later loads read safetensors
-directly (seconds instead of ~30 s of dequantisation). Pickle checkpoints are never loaded.
-"""
+directly (seconds instead of ~30 s of dequantisation). Pickle checkpoints are never loaded."""
 
 from __future__ import annotations
 
@@ -293,6 +292,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     invariance = choose_invariance(cfg, model, device, dtype)  # ops.invariance
     dense_name = backend_name(cfg.dense_backend, invariance.on, device.type, "dense")
     fused_name = backend_name(cfg.fused_backend, invariance.on, device.type, "fused")
+    model.fixed_order = invariance.on
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, dense_name),
         choose_fused(device, dtype, dims, fused_name),

@@ -95,7 +95,7 @@ def test_only_batches_with_edge_lora_pay_for_it(edge_model, monkeypatch):
 
     def count(kind, real):
         def wrapper(*args):
-            calls[kind].append(len(args[-1]))
+            calls[kind].append(len(args[2 if kind == "embed" else 3]))  # the segments
             return real(*args)
 
         return wrapper
@@ -171,3 +171,24 @@ def test_edge_modules_are_named_in_target_modules(edge_model, tmp_path):
     )
     with pytest.raises(AdapterError, match="not in target_modules"):
         llm.load_adapter("undeclared", str(dst))
+
+
+def test_the_batch_invariant_mode_holds_for_adapters_on_the_edges(edge_model):
+    """batch_invariant=on: a request on an adapter of the embedding or the head gives the
+    same tokens and logprob bits alone as beside the others (the deltas' products one row at
+    a time: a GEMM library blocks a [rows, hidden] product by its row count). float32, where
+    a changed order of additions shows in every logprob."""
+    _, folder, adapters = edge_model
+    llm = tiny_llm(folder, batch_invariant="on")
+    for name in TARGETS:
+        llm.load_adapter(name, str(adapters[name]))
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+
+    def result(out):
+        return out.token_ids, [(lp.logprob, lp.top) for lp in out.logprobs]
+
+    combos = [(p, a) for p in range(len(PROMPTS)) for a in ADAPTERS]
+    alone = {c: result(llm.generate([PROMPTS[c[0]]], [c[1]], sp)[0]) for c in combos}
+    batch = llm.generate([PROMPTS[p] for p, _ in combos], [a for _, a in combos], sp)
+    for c, out in zip(combos, batch):
+        assert result(out) == alone[c], c
