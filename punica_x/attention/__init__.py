@@ -40,7 +40,7 @@ def _flashinfer():
 
 
 def _triton():
-    from punica_x.attention.triton_paged import TritonAttention
+    from punica_x.attention.triton_plan import TritonAttention
 
     return TritonAttention()
 

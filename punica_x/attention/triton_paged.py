@@ -7,8 +7,8 @@ the first visible block, with an online softmax in float32 (scores and P @ V as 
 sums of a fixed shape). Nothing of it depends on the other rows of the step: not how many
 there are, not whether they are the same prompt's (a chunk, a whole prompt and a decode row
 compute a position's output alike), not the block table's padded width (the torch
-backend's decode reduces over it; FlashInfer splits the KV by the batch). The plan is made
-per step; decode steps run eagerly (the CUDA graphs take the torch backend's plan only).
+backend's decode reduces over it; FlashInfer splits the KV by the batch). The backend and
+its per-step plan: attention.triton_plan.
 
 Semantics as the torch reference (attention.paged): causal rows, a sliding window of W keys
 (HF's sliding_window), Gemma 2's soft-capping before the mask, and the natural-log
@@ -18,11 +18,8 @@ P, D]; P a power of two (the cache's block size).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from punica_x.attention.paged import SeqSpan
 from punica_x.ops.triton_env import tl, triton
 
 NUM_WARPS = 4
@@ -94,28 +91,9 @@ def _attend_kernel(
     tl.store(lse + t.to(tl.int64) * hq + heads, m + tl.log(denom), g < G)
 
 
-@dataclass(frozen=True)
-class TritonAttentionPlan:
-    """A step's plan: slot_blocks / slot_offsets [T] (where each row's new K/V goes, as the
-    torch plan's), row_pos / row_seq [T] int32 and tables [S, width] int32 (the kernel's)."""
-
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
-    row_pos: torch.Tensor
-    row_seq: torch.Tensor
-    tables: torch.Tensor
-
-    def write_kv(self, kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, N_kv, D] into kv [num_blocks, L, 2, N_kv, P, D] (copies: exact)."""
-        kv[self.slot_blocks, layer, 0, :, self.slot_offsets] = k
-        kv[self.slot_blocks, layer, 1, :, self.slot_offsets] = v
-
-    def attend(self, q, kv, layer: int, scale: float, window: int = 0, softcap: float = 0.0):
-        """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32)."""
-        return attend(q, kv, layer, self, scale, window, softcap)
-
-
-def attend(q, kv, layer, plan: TritonAttentionPlan, scale, window=0, softcap=0.0):
+def attend(q, kv, layer, plan, scale, window=0, softcap=0.0):
+    """q: [T, H_q, D] -> (out [T, H_q, D], lse [T, H_q] float32) over `plan`'s rows
+    (attention.triton_plan.TritonAttentionPlan)."""
     t, hq, d = q.shape
     nkv, p = kv.shape[3], kv.shape[4]
     if kv.stride(5) != 1 or p & (p - 1):
@@ -137,40 +115,3 @@ def attend(q, kv, layer, plan: TritonAttentionPlan, scale, window=0, softcap=0.0
         BD=triton.next_power_of_2(d), SOFTCAP=bool(softcap), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, lse
-
-
-class TritonAttention:
-    """The attention backend of the batch-invariant mode on CUDA (attention's interface)."""
-
-    name = "triton"
-
-    def fixed_order(self) -> TritonAttention:
-        """Batch-invariant already: this backend."""
-        return self
-
-    def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device):
-        rows = max((sp.row_start + sp.num_rows for sp in spans), default=0)
-        slot_blocks, slot_offsets = [0] * rows, [0] * rows
-        row_pos, row_seq = [0] * rows, [0] * rows
-        tables = []
-        for i, sp in enumerate(spans):
-            nb = -(-sp.kv_len // block_size)
-            tables.append(sp.block_ids[:nb])
-            for j in range(sp.num_rows):
-                pos = sp.kv_len - sp.num_rows + j
-                r = sp.row_start + j
-                slot_blocks[r], slot_offsets[r] = sp.block_ids[pos // block_size], pos % block_size
-                row_pos[r], row_seq[r] = pos, i
-        width = max((len(tb) for tb in tables), default=1)
-        padded = [tb + [0] * (width - len(tb)) for tb in tables] or [[0]]
-
-        def ints(xs, dtype=torch.int64):
-            return torch.tensor(xs, dtype=dtype, device=device)
-
-        return TritonAttentionPlan(
-            ints(slot_blocks),
-            ints(slot_offsets),
-            ints(row_pos, torch.int32),
-            ints(row_seq, torch.int32),
-            ints(padded, torch.int32),
-        )

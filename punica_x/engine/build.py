@@ -14,6 +14,7 @@ from punica_x.batching.batcher_mlfq import MLFQBatcher
 from punica_x.config import EngineConfig
 from punica_x.dtypes import dtype_name
 from punica_x.engine.cuda_graphs import DecodeGraphs
+from punica_x.engine.graph_attention import BUFFERS as GRAPH_BUFFERS
 from punica_x.env import ATTENTION_BACKEND, SGMV_BACKEND
 from punica_x.kv.blocks import KVCache, KVCacheSpec
 from punica_x.kv.head_split import HeadSplitKV
@@ -157,7 +158,7 @@ def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:
         log.info("CUDA graphs: off (a mixture of experts groups its rows by expert each step)")
         return None
     attention = engine.planner.attention.name
-    if attention != "torch":
+    if attention not in GRAPH_BUFFERS:
         log.info("CUDA graphs: off (the %s attention backend runs eagerly)", attention)
         return None
     graphs = DecodeGraphs(
@@ -171,6 +172,7 @@ def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:
         config.batch.max_batch_size,
         config.lora.max_lora_rank,
         engine.device,
+        attention=attention,
     )
     graphs.capture_start()
     return graphs

@@ -17,7 +17,8 @@ without any adapter replays a graph without the LoRA launches (the backbone's ow
 Graphs for every batch bucket at the smallest width are captured when the engine starts
 (logged); a wider one is captured the first time a step needs it. Steps the graphs do not
 cover run eagerly, as they would without graphs: prefill or mixed steps, prompt logprobs,
-LoRA on the embedding or the LM head, DistKV, an attention backend other than "torch" (the
+LoRA on the embedding or the LM head, DistKV, an attention backend other than "torch" or
+the batch-invariant "triton" (engine/graph_attention.py: their plans' fixed buffers; the
 FlashInfer backend plans its own buffers per step), more rows than the largest bucket, a
 rank above the engine's max_lora_rank, or a capture that failed (logged once, counted).
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from punica_x.attention.paged import AttentionMeta
+from punica_x.engine.graph_attention import BUFFERS, TorchDecodeBuffers, put
 from punica_x.ops.sgmv_weights import SgmvWeights
 from punica_x.runtime import Batch, LoraBatchMeta
 
@@ -106,21 +107,12 @@ class _Graph:
     Holds the fixed input buffers the forward reads and the logits it writes."""
 
     def __init__(self, owner: DecodeGraphs, rows: int, width: int, lora: bool) -> None:
-        dev, p = owner.device, owner.block_size
+        dev = owner.device
         self.rows, self.width = rows, width
-
-        def ints(*shape, fill=0):
-            return torch.full(shape, fill, dtype=torch.int64, device=dev)
-
-        self.ids, self.positions = ints(rows), ints(rows)
-        self.slot_blocks, self.slot_offsets, self.lens = ints(rows), ints(rows), ints(rows, fill=1)
-        self.blocks = ints(rows, width)
-        self.keys = torch.arange(width * p, device=dev)
-        self.bias = torch.zeros(rows, width * p, device=dev)
+        self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.attention = owner.buffers(rows, width, owner.block_size, dev)
         sample = torch.arange(rows, device=dev)
-        meta = AttentionMeta(
-            self.slot_blocks, self.slot_offsets, (), sample, self.blocks, self.bias, self.lens
-        )
         self.groups: dict[str, SgmvWeights] = {}
         lora_meta = None
         if lora:
@@ -129,12 +121,11 @@ class _Graph:
             width_v = max(w.max_rank for w in self.groups.values())
             workspace = torch.zeros(rows, width_v, dtype=torch.float32, device=dev)
             lora_meta = LoraBatchMeta(self.groups, workspace)
-        self.batch = Batch(self.ids, self.positions, meta, lora_meta, sample)
+        self.batch = Batch(self.ids, self.positions, self.attention.meta, lora_meta, sample)
         model, kv, sgmv = owner.model, owner.kv, owner.sgmv
 
         def forward() -> torch.Tensor:
-            self.bias.zero_()
-            self.bias.masked_fill_(self.keys[None, :] >= self.lens[:, None], float("-inf"))
+            self.attention.prepare()
             return model(self.batch, kv, sgmv)
 
         self.forward = forward
@@ -145,19 +136,9 @@ class _Graph:
         """Copy a decode-only batch of T <= rows rows into the buffers (rows past T repeat
         row T - 1); row_segment: [rows] int64, each row's segment in batch.lora's tables."""
         t = batch.input_ids.shape[0]
-        meta = batch.attention
-        for dst, src in (
-            (self.ids, batch.input_ids),
-            (self.positions, batch.positions),
-            (self.slot_blocks, meta.slot_blocks),
-            (self.slot_offsets, meta.slot_offsets),
-            (self.lens, meta.decode_lens),
-        ):
-            _put(dst, src, t)
-        w = meta.decode_blocks.shape[1]
-        if w < self.width:
-            self.blocks[:, w:].zero_()
-        _put(self.blocks[:, :w], meta.decode_blocks, t)
+        put(self.ids, batch.input_ids, t)
+        put(self.positions, batch.positions, t)
+        self.attention.load(batch.attention, t)
         given = batch.lora.groups if batch.lora is not None else {}
         for g, static in self.groups.items():
             w_g = given.get(g)
@@ -169,13 +150,6 @@ class _Graph:
             torch.index_select(w_g.a_ptr, 0, row_segment, out=static.a_ptr)
             torch.index_select(w_g.b_ptr, 0, row_segment, out=static.b_ptr)
             torch.index_select(w_g.ranks, 0, row_segment, out=static.ranks)
-
-
-def _put(dst: torch.Tensor, src: torch.Tensor, t: int) -> None:
-    """dst[:t] = src; the rows of dst past t repeat src's last row."""
-    dst[:t].copy_(src)
-    if dst.shape[0] > t:
-        dst[t:].copy_(src[t - 1 : t].expand(dst.shape[0] - t, *src.shape[1:]))
 
 
 def _static_weights(rows: int, h_out: tuple[int, ...], max_rank: int, dev) -> SgmvWeights:
@@ -214,8 +188,11 @@ class DecodeGraphs:
         max_rank: int,
         device: torch.device,
         capture: Capture = cuda_capture,
+        attention: str = "torch",
     ) -> None:
+        """attention: the engine's attention backend (graph_attention.BUFFERS' names)."""
         self.model, self.kv, self.sgmv, self.allocator = model, kv, sgmv, allocator
+        self.buffers = BUFFERS[attention]
         self.h_out, self.block_size, self.max_rank = h_out, block_size, max_rank
         self.device, self.capture = device, capture
         top = bucket(max_batch_size, BATCH_BUCKETS) or BATCH_BUCKETS[-1]
@@ -242,7 +219,7 @@ class DecodeGraphs:
         )
 
     def run(self, batch: Batch) -> torch.Tensor | None:
-        if not self.enabled or not _decode_only(batch):
+        if not self.enabled or not _decode_only(batch, self.buffers):
             return None
         key = self._key(batch)
         graph = None if key is None else self._graph(*key)
@@ -257,7 +234,7 @@ class DecodeGraphs:
 
     def _key(self, batch: Batch) -> tuple[int, int, bool] | None:
         rows = bucket(batch.input_ids.shape[0], self.batch_sizes)
-        width = bucket(batch.attention.decode_blocks.shape[1], self.widths)
+        width = bucket(self.buffers.width(batch.attention), self.widths)
         lora = batch.lora
         if rows is None or width is None:
             return None
@@ -296,8 +273,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         try:
             graph = _Graph(self, rows, width, lora)
-            graph.slot_blocks.fill_(scratch)
-            graph.blocks.fill_(scratch)
+            graph.attention.point_at(scratch)
             graph.replay, graph.logits = self.capture(graph.forward, self.pool, self.device)
         except Exception as exc:  # noqa: BLE001 - this shape runs eagerly instead
             self.stats.failures += 1
@@ -320,13 +296,12 @@ class DecodeGraphs:
         return graph
 
 
-def _decode_only(batch: Batch) -> bool:
-    """Every row a decode of the torch attention backend's plan, every row sampled."""
-    meta = batch.attention
+def _decode_only(batch: Batch, buffers=TorchDecodeBuffers) -> bool:
+    """Every row a decode in the plan of the graphs' attention backend, every row sampled."""
+    rows = batch.input_ids.shape[0]
     return (
-        isinstance(meta, AttentionMeta)
-        and not meta.prefills
+        rows > 0
+        and buffers.covers(batch.attention, rows)
         and batch.logit_rows is None
-        and meta.decode_rows.shape[0] == batch.input_ids.shape[0] > 0
-        and batch.sample_rows.shape[0] == batch.input_ids.shape[0]
+        and batch.sample_rows.shape[0] == rows
     )

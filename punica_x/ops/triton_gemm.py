@@ -45,8 +45,8 @@ def _gemm_kernel(
     """x: [m, k] row-major; w: [n, k] row-major; y: [m, n] = x @ w^T (+ bias [n])."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # offsets past 2^31 (a 256k vocab)
+    cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, k, BK):
         ks = k0 + tl.arange(0, BK)

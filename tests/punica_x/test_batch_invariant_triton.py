@@ -21,8 +21,10 @@ pytestmark = pytest.mark.triton
 skip_without_triton()
 from punica_x import SamplingParams  # noqa: E402
 from punica_x.attention import BACKENDS as ATTENTION  # noqa: E402
+from punica_x.engine.cuda_graphs import DecodeGraphs, replay_capture  # noqa: E402
 from punica_x.ops.dense import BACKENDS as DENSE  # noqa: E402
 from punica_x.ops.fused import BACKENDS as FUSED  # noqa: E402
+from punica_x.ops.sgmv import sgmv_fixed_order  # noqa: E402
 
 NAMES = ("r4", "r8", "r16")
 MODELS = [None, *NAMES]
@@ -47,6 +49,8 @@ def on_device(monkeypatch):
 
 def serve(model_dir, adapters, where, dtype, **kwargs):
     llm = tiny_llm(model_dir, dtype=dtype, **where, **kwargs)
+    if interpreted():  # what batch_invariant=on takes on CUDA: SGMV in its fixed order
+        llm.engine.sgmv = sgmv_fixed_order(llm.engine.device)
     for name in NAMES:
         llm.load_adapter(name, str(adapters[name]))
     return llm
@@ -91,3 +95,23 @@ def test_alone_equals_every_position_of_a_batch_and_chunks_equal_the_whole(
     outs = chunked.generate(PROMPTS[:3], ["r8"] * 3, SP)
     for p, out in enumerate(outs):
         assert result(out) == alone[(p, "r8")], p
+
+
+def test_decode_graphs_replay_the_triton_plan_bit_for_bit(tiny_model_dir, tiny_adapters, on_device):
+    """Decode steps replayed from graphs (engine/graph_attention.py's triton buffers: padded
+    rows, each row its own block table) give eager's tokens and logprob bits. On a CPU the
+    graphs "replay" by running the forward again on their fixed buffers (replay_capture)."""
+    kw = dict(prefix_caching=False, max_batch_size=8, block_size=4)
+    want = serve(tiny_model_dir, tiny_adapters, on_device, "float32", cuda_graphs=False, **kw)
+    want = [result(o) for o in want.generate(PROMPTS, MODELS, SP)]
+    llm = serve(tiny_model_dir, tiny_adapters, on_device, "float32", **kw)
+    e = llm.engine
+    if interpreted():
+        e.graphs = DecodeGraphs(
+            e.model, e.cache.kv, e.sgmv, e.cache.allocator, e.planner.lora.h_out,
+            e.config.cache.block_size, e.max_model_len, 8, e.config.lora.max_lora_rank,
+            e.device, capture=replay_capture, attention="triton",
+        )  # fmt: skip
+    got = [result(o) for o in llm.generate(PROMPTS, MODELS, SP)]
+    assert e.graphs.stats.replays > 0 and e.graphs.stats.failures == 0
+    assert got == want

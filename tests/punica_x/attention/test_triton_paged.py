@@ -10,7 +10,7 @@ from triton_interpreter import device, mended, skip_without_triton
 pytestmark = pytest.mark.triton
 skip_without_triton()
 from punica_x.attention.paged import SeqSpan, TorchAttention  # noqa: E402
-from punica_x.attention.triton_paged import TritonAttention  # noqa: E402
+from punica_x.attention.triton_plan import TritonAttention  # noqa: E402
 
 P, NKV, HQ, D, BLOCKS = 4, 2, 6, 16, 24
 
