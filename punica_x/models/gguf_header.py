@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-# value types: their sizes; 8 is a string, 9 an array
-SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# scalar value types: their struct codes (little-endian) and sizes; 8 is a string, 9 an array
 _SCALAR_FORMAT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q"}
 _SCALAR_FORMAT |= {11: "q", 12: "d"}
+SCALAR_BYTES = {kind: struct.calcsize("<" + code) for kind, code in _SCALAR_FORMAT.items()}
 STRING, ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
 MAX_STRING = 1 << 20  # a key, a tensor name or a kept value longer than this is malformed
@@ -82,9 +82,9 @@ class _Cursor:
         self.pos += packed.size
         return values
 
-    def string(self, limit: int = MAX_STRING) -> str:
+    def string(self) -> str:
         (n,) = self.take("Q")
-        if n > limit:
+        if n > MAX_STRING:
             raise ValueError(f"a GGUF header string of {n} bytes")
         self.skip(n)
         return bytes(self.buf[self.pos - n : self.pos]).decode()
@@ -105,6 +105,11 @@ def read_header(path: Path, keys: tuple[str, ...] = ("general.alignment",)) -> G
         return _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns, frozenset(keys))
     except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{path.name}: a malformed GGUF header ({e})") from None
+
+
+def clear_cache() -> None:
+    """Forget the headers read so far (a benchmark times a read, not a cached header)."""
+    _read.cache_clear()
 
 
 @lru_cache(maxsize=8)  # a load reads it up to three times (architecture, then the tensors)

@@ -20,8 +20,9 @@ The mode holds every kernel a token passes through to one reduction order per ro
   (LlamaForCausalLM.fixed_order);
 sampling and logprobs are per row already.
 
-``on``: these kernels (ValueError where they cannot run: off the CPU, an untuned CPU, float16,
-or a backend named that is not one of them). ``off``: the fastest per shape (autotune).
+``on``: these kernels (ValueError where they cannot run: a device other than a CPU or CUDA,
+an untuned CPU, float16 on a CPU, CUDA without Triton, or a backend named that is not one of
+them). ``off``: the fastest per shape (autotune).
 ``auto`` (the default): on where it costs at most MAX_COST on this CPU's kernels, measured at
 first load, part by part (relative_cost of each), the largest part counting (a step's cost is
 a weighted mean of its parts', so at most the largest):
@@ -39,7 +40,10 @@ GPU): the dense projections and the LM head through a Triton GEMM whose tiles ar
 weight, never chosen by the row count (ops.triton_gemm; cuBLAS picks kernel and split-K by
 M); RMSNorm one row per program (ops.triton_norm); a Triton paged attention with one program
 per row and KV head, walking the keys block by block from the first (attention.triton_paged);
-SGMV with its split of K fixed by the weight's width alone (csrc/sgmv/sgmv_cuda.cu).
+SGMV with its split of K fixed by the weight's width alone (csrc/sgmv/sgmv_cuda.cu); decode
+graphs replay the Triton plan (engine/graph_attention.py). RoPE, the activations, sampling and
+the logprobs stay torch's: element-wise, or softmax kernels sized by the vocabulary alone, a
+row per block (the GPU-marked tests compare the logprobs' bits alone and in a batch).
 """
 
 from __future__ import annotations
