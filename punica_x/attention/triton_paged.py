@@ -2,8 +2,9 @@
 decode row, a prompt chunk and a whole prompt, a row's keys always in the same tiles.
 
 Each program is one query row and one KV head (its G = H_q / N_kv query heads together): it
-walks the row's visible keys one KV-cache block (P keys) at a time, in position order from
-the first visible block, with an online softmax in float32 (scores and P @ V as float32
+walks the row's visible keys 16 at a time (a KV-cache block's P keys where P < 16), in
+position order from the tile of the first visible key, tiles aligned to positions, with an
+online softmax in float32 (scores and P @ V as float32
 sums of a fixed shape). Nothing of it depends on the other rows of the step: not how many
 there are, not whether they are the same prompt's (a chunk, a whole prompt and a decode row
 compute a position's output alike), not the block table's padded width (the torch
@@ -23,6 +24,7 @@ import torch
 from punica_x.ops.triton_env import tl, triton
 
 NUM_WARPS = 4
+KEY_TILE = 16  # keys a step of the walk takes (fewer for a smaller cache block)
 
 
 # one compiled kernel for every step, layer and window (no variants by their divisibility)
@@ -48,6 +50,7 @@ def _attend_kernel(
     G: tl.constexpr,
     D: tl.constexpr,
     P: tl.constexpr,
+    KT: tl.constexpr,
     BG: tl.constexpr,
     BD: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -68,17 +71,18 @@ def _attend_kernel(
     m = tl.full((BG,), float("-inf"), tl.float32)
     denom = tl.zeros((BG,), tl.float32)
     acc = tl.zeros((BG, BD), tl.float32)
-    offs = tl.arange(0, P)
-    kv_at = offs[:, None] * s_pos + d[None, :]
-    for page in range(start // P, pos // P + 1):
-        blk = tl.load(tables + seq * table_width + page).to(tl.int64)
+    offs = tl.arange(0, KT)
+    for tile in range(start // KT, pos // KT + 1):  # KT keys at a time, KT dividing P
+        first = tile * KT
+        blk = tl.load(tables + seq * table_width + first // P).to(tl.int64)
         base = kv + layer_off + blk * s_blk + head * s_head
-        kt = tl.load(base + kv_at, d[None, :] < D, 0.0).to(tl.float32)  # [P, BD]
+        kv_at = ((first % P) + offs)[:, None] * s_pos + d[None, :]
+        kt = tl.load(base + kv_at, d[None, :] < D, 0.0).to(tl.float32)  # [KT, BD]
         vt = tl.load(base + s_kv + kv_at, d[None, :] < D, 0.0).to(tl.float32)
-        s = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BG, P]
+        s = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BG, KT]
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        keys = page * P + offs
+        keys = first + offs
         s = tl.where(((keys <= pos) & (keys >= start))[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -111,7 +115,7 @@ def attend(q, kv, layer, plan, scale, window=0, softcap=0.0):
         q, kv, out, lse, plan.row_pos, plan.row_seq, plan.tables, plan.tables.shape[1],
         layer * kv.stride(1), kv.stride(0), kv.stride(2), kv.stride(3), kv.stride(4),
         float(scale), float(softcap or 1.0), int(window), hq,
-        G=group, D=d, P=p, BG=max(2, triton.next_power_of_2(group)),
+        G=group, D=d, P=p, KT=min(p, KEY_TILE), BG=max(2, triton.next_power_of_2(group)),
         BD=triton.next_power_of_2(d), SOFTCAP=bool(softcap), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, lse

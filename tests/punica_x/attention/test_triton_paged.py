@@ -77,3 +77,27 @@ def test_the_plan_writes_each_row_where_the_torch_plan_does():
     empty = TritonAttention().plan([], P, kv.device)
     out, lse = empty.attend(q := torch.empty(0, HQ, D), kv, 0, 0.3)
     assert out.shape == q.shape and lse.shape == (0, HQ)
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 20}])
+def test_blocks_larger_than_a_key_tile_walk_in_tiles_of_16(kw):
+    """A cache block of 32 or 64 keys is walked 16 keys at a time (the tile a program holds):
+    the reference's values, and a position's bits the same alone or in a whole prompt."""
+    for p in (32, 64):
+        g = torch.Generator().manual_seed(p)
+        kv = torch.randn(6, 1, 2, NKV, p, D, generator=g).to(device())
+        q = _q(40, torch.float32, g)
+        seq = [4, 1]
+        spans = [SeqSpan(0, 40, 40, seq)]
+        plan = TritonAttention().plan(spans, p, kv.device)
+        with mended():
+            out, lse = plan.attend(q, kv, 0, 0.3, **kw)
+            alone, _ = (
+                TritonAttention()
+                .plan([SeqSpan(0, 1, 38, seq)], p, kv.device)
+                .attend(q[37:38], kv, 0, 0.3, **kw)
+            )
+        ref, ref_lse = TorchAttention().plan(spans, p, kv.device).attend(q, kv, 0, 0.3, **kw)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        assert torch.equal(alone[0], out[37])
