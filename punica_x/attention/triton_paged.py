@@ -57,21 +57,16 @@ def _attend_kernel(
 ):
     """q: [T, hq, D] contiguous; out likewise; lse: [T, hq] float32; row_pos / row_seq: [T]
     int32 (a row's position, its sequence's row of `tables` [S, table_width] int32)."""
-    t = tl.program_id(0)
-    head = tl.program_id(1)
-    pos = tl.load(row_pos + t)
-    seq = tl.load(row_seq + t).to(tl.int64)
-    g = tl.arange(0, BG)
-    d = tl.arange(0, BD)
+    t, head = tl.program_id(0), tl.program_id(1)
+    pos, seq = tl.load(row_pos + t), tl.load(row_seq + t).to(tl.int64)
+    g, d = tl.arange(0, BG), tl.arange(0, BD)
     heads = head * G + g
     q_at = t.to(tl.int64) * hq * D + heads[:, None] * D + d[None, :]
     q_keep = (g[:, None] < G) & (d[None, :] < D)
     qv = tl.load(q + q_at, q_keep, 0.0).to(tl.float32)
     start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-    m = tl.full((BG,), float("-inf"), tl.float32)
-    denom = tl.zeros((BG,), tl.float32)
-    acc = tl.zeros((BG, BD), tl.float32)
-    offs = tl.arange(0, KT)
+    m, denom = tl.full((BG,), float("-inf"), tl.float32), tl.zeros((BG,), tl.float32)
+    acc, offs = tl.zeros((BG, BD), tl.float32), tl.arange(0, KT)
     for tile in range(start // KT, pos // KT + 1):  # KT keys at a time, KT dividing P
         first = tile * KT
         blk = tl.load(tables + seq * table_width + first // P).to(tl.int64)
