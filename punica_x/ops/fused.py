@@ -86,7 +86,7 @@ class CpuFused:
 def _triton():
     from punica_x.ops.triton_norm import TritonFused
 
-    return TritonFused()
+    return TritonFused(TorchFused())
 
 
 BACKENDS: Registry = Registry(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from punica_x.ops.fused import TorchFused
 from punica_x.ops.triton_env import tl, triton
 
 NUM_WARPS = 8
@@ -66,11 +65,17 @@ def rms_norm(
     return out
 
 
-class TritonFused(TorchFused):
+class TritonFused:
     """The fused backend of the batch-invariant mode on CUDA (ops.fused's interface): the
-    norms in Triton, RoPE and the activations as the torch reference."""
+    norms in Triton, RoPE and the activations those of `elementwise` (the torch reference,
+    ops.fused.TorchFused, handed in: this module does not import ops.fused, which makes it)."""
 
     name = "triton"
+
+    def __init__(self, elementwise) -> None:
+        self.rope_ = elementwise.rope_
+        self.silu_and_mul = elementwise.silu_and_mul
+        self.gelu_tanh_and_mul = elementwise.gelu_tanh_and_mul
 
     def rms_norm(self, x, w, eps):
         return rms_norm(x, w, eps)
