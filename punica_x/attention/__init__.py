@@ -16,7 +16,7 @@ import torch
 from punica_x.env import ATTENTION_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, TRITON_DTYPES, Registry
 
 log = logging.getLogger("punica_x.attention")
 
@@ -53,7 +53,7 @@ BACKENDS = Registry(
     needs={
         "cpu": ("cpu", CPU_KERNEL_DTYPES),
         "flashinfer": ("cuda", (torch.float16, torch.bfloat16)),
-        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+        "triton": ("cuda", TRITON_DTYPES),
     },
 )
 

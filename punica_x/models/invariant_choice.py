@@ -16,13 +16,10 @@ from punica_x.env import DENSE_BACKEND, FUSED_BACKEND
 from punica_x.ops import isa as isa_mod
 from punica_x.ops.dense import tune_dense
 from punica_x.ops.invariance import Invariance, decide, relative_cost
-from punica_x.ops.registry import CPU_KERNEL_DTYPES
+from punica_x.ops.registry import CPU_KERNEL_DTYPES, TRITON_DTYPES
 from punica_x.ops.sgmv import order_timings
 
 log = logging.getLogger("punica_x.invariance")
-# what the Triton kernels of the mode take on CUDA (ops.triton_gemm, ops.triton_norm,
-# attention.triton_paged)
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def choose_invariance(

@@ -30,7 +30,12 @@ import torch
 from punica_x.env import DENSE_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry, cpu_kernels_else_torch
+from punica_x.ops.registry import (
+    CPU_KERNEL_DTYPES,
+    TRITON_DTYPES,
+    Registry,
+    cpu_kernels_else_torch,
+)
 
 # Rows a projection sees: decode steps (8, 32 requests) and a prefill chunk (256 tokens).
 PROJECTION_ROWS = (8, 32, 256)
@@ -140,7 +145,7 @@ BACKENDS: Registry[DenseBackend] = Registry(
     needs={
         "cpu": ("cpu", CPU_KERNEL_DTYPES),
         "onednn": ("cpu", CPU_KERNEL_DTYPES),
-        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+        "triton": ("cuda", TRITON_DTYPES),
     },
 )
 

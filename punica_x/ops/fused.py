@@ -19,7 +19,12 @@ from torch.nn import functional as F
 from punica_x.env import FUSED_BACKEND
 from punica_x.ops import autotune
 from punica_x.ops import isa as isa_mod
-from punica_x.ops.registry import CPU_KERNEL_DTYPES, Registry, cpu_kernels_else_torch
+from punica_x.ops.registry import (
+    CPU_KERNEL_DTYPES,
+    TRITON_DTYPES,
+    Registry,
+    cpu_kernels_else_torch,
+)
 
 TIMING_ROWS = 32  # a decode step of 32 requests
 
@@ -96,7 +101,7 @@ BACKENDS: Registry = Registry(
     default=cpu_kernels_else_torch,
     needs={
         "cpu": ("cpu", CPU_KERNEL_DTYPES),
-        "triton": ("cuda", (torch.float32, torch.float16, torch.bfloat16)),
+        "triton": ("cuda", TRITON_DTYPES),
     },
 )
 

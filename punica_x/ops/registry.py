@@ -19,6 +19,9 @@ Rule = Callable[[torch.device, "torch.dtype | None"], str]
 
 # The dtypes the compiled CPU kernels (csrc: dense, SGMV, attention, fused layers) take.
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# ... and the batch-invariant Triton kernels on CUDA (ops.triton_gemm, ops.triton_norm,
+# attention.triton_paged)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def cpu_kernels_else_torch(device: torch.device, dtype: torch.dtype | None) -> str:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from punica_x.ops.registry import TRITON_DTYPES
 from punica_x.ops.triton_env import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -68,7 +68,7 @@ def _gemm_kernel(
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] (same dtype and device) -> [M, N] in x's dtype, batch-invariant."""
-    if x.dtype not in DTYPES or w.dtype != x.dtype:
+    if x.dtype not in TRITON_DTYPES or w.dtype != x.dtype:
         raise ValueError(
             f"the triton GEMM takes float32/float16/bfloat16 x and W of one dtype, "
             f"got {x.dtype} and {w.dtype}"
