@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import torch
 
+from punica_x.ops.per_row import products
 from punica_x.ops.sgmv import add_lora_sgmv
 from punica_x.ops.sgmv_weights import SgmvWeights
 
 Runs = tuple[tuple[int, int, dict], ...]  # LoraBatchMeta.experts
 
 
-def add_router_lora(logits: torch.Tensor, x: torch.Tensor, runs: Runs, layer: int) -> None:
+def add_router_lora(
+    logits: torch.Tensor, x: torch.Tensor, runs: Runs, layer: int, fixed_order: bool = False
+) -> None:
     """logits [T, E] float32 += (x @ A^T) @ B^T (scaled) on the rows of each run whose adapter
-    has LoRA on the router, in float32."""
+    has LoRA on the router, in float32; fixed_order (the batch-invariant mode): a row at a
+    time."""
     for lo, hi, groups in runs:
         router = groups.get("gate")
         if router is not None:
             a, b = router  # [L, r, hidden], [L, r, E]
-            logits[lo:hi] += (x[lo:hi].float() @ a[layer].float().t()) @ b[layer].float()
+            mats = [a[layer].float().t(), b[layer].float()]
+            logits[lo:hi] += products(x[lo:hi].float(), mats, fixed_order)
 
 
 class ExpertSegments:

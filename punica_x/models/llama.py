@@ -21,6 +21,7 @@ from punica_x.models.dims import ACTIVATIONS, LlamaDims  # noqa: F401  (LlamaDim
 from punica_x.models.moe import MoeBlock
 from punica_x.models.registry import SUPPORTED_ARCHITECTURES  # noqa: F401
 from punica_x.ops.dense import HEAD_ROWS, PROJECTION_ROWS, DenseBackend, has_rows
+from punica_x.ops.per_row import products
 from punica_x.ops.sgmv import SgmvBackend
 from punica_x.runtime import Batch
 
@@ -157,10 +158,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Dense(d.hidden_size, (d.vocab_size,), False, dtype, device)
         self.embed_from_head = False  # tied: the embedding read from the head's layout
         # the batch-invariant mode (ops.invariance): the edge LoRA deltas a row at a time
-        self.fixed_order = False
+        self.fixed_order = False  # set by hold_fixed_order
         # an untied embedding kept quantized: its rows are dequantized per step (rows())
         self.embed_table: Dense | None = None
         self.edge_digests: dict[str, str] = {}  # the loader's (lora.adapter.edge_digest)
+
+    def hold_fixed_order(self, on: bool) -> None:
+        """The batch-invariant mode (ops.invariance) in the torch parts the model computes
+        itself: the edge LoRA deltas, and a mixture of experts' router LoRA and shared expert
+        gate, a row at a time (ops.per_row)."""
+        self.fixed_order = on
+        for module in self.modules():
+            if isinstance(module, MoeBlock):
+                module.fixed_order = on
 
     def load_quantized_embedding(self, blocks) -> None:
         """The embedding as quantized blocks (ops.quant_dense.QuantBlocks, [vocab, hidden]):
@@ -278,21 +288,11 @@ def _pin_submodules(root: nn.Module) -> None:
                 module.__dict__[name] = child
 
 
-def _products(x: torch.Tensor, mats: list[torch.Tensor], fixed_order: bool) -> torch.Tensor:
-    """x @ mats[0] @ mats[1] ... ([rows, k] -> [rows, n]); fixed_order (the batch-invariant
-    mode): a row at a time, each row's sums those of a one-row product whatever the row count
-    (a GEMM library blocks a product by its rows)."""
-    parts = [x[i : i + 1] for i in range(x.shape[0])] if fixed_order else [x]
-    for m in mats:
-        parts = [p @ m for p in parts]
-    return torch.cat(parts) if len(parts) != 1 else parts[0]
-
-
 def _add_embed_lora(residual, ids, segments, fixed_order: bool = False) -> None:
     """PEFT's LoRA on an embedding, in place: rows [lo, hi) += A^T[ids] @ B^T (scaled B),
     computed in float32. Gemma's embedding scale, applied after, scales it as PEFT does."""
     for lo, hi, a_t, b_t in segments:
-        delta = _products(a_t[ids[lo:hi]].float(), [b_t.float()], fixed_order)  # [rows, hidden]
+        delta = products(a_t[ids[lo:hi]].float(), [b_t.float()], fixed_order)  # [rows, hidden]
         residual[lo:hi] += delta.to(residual.dtype)
 
 
@@ -304,4 +304,4 @@ def _add_head_lora(logits, x, rows, segments, fixed_order: bool = False) -> None
         picked = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)
         if picked.numel():
             mats = [a_t.float(), b_t.float()]
-            logits[picked] += _products(x[picked].float(), mats, fixed_order)
+            logits[picked] += products(x[picked].float(), mats, fixed_order)

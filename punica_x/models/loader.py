@@ -292,7 +292,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     invariance = choose_invariance(cfg, model, device, dtype)  # ops.invariance
     dense_name = backend_name(cfg.dense_backend, invariance.on, device.type, "dense")
     fused_name = backend_name(cfg.fused_backend, invariance.on, device.type, "fused")
-    model.fixed_order = invariance.on
+    model.hold_fixed_order(invariance.on)
     model.finish_loading(
         lambda n, k, rows: choose_dense(device, dtype, n, k, rows, dense_name),
         choose_fused(device, dtype, dims, fused_name),

@@ -12,7 +12,12 @@ Per layer and step, for the step's T rows x [T, hidden]:
 4. each pair's output times its weight, summed into its row (index_add).
 
 A shared expert (Qwen2-MoE) runs for every row, weighted by sigmoid(x @ shared_gate^T).
-The routing is computed anew every step and layer, never cached."""
+The routing is computed anew every step and layer, never cached.
+
+Batch-invariant (`fixed_order`, ops.invariance): the GEMMs are the mode's dense backend's and
+the expert LoRA its SGMV's; the router's LoRA products and the shared expert's [rows, 1]
+sigmoid run a row at a time (ops.per_row); the softmax and top-k are per row, and a row's k
+weighted outputs are added in expert order whatever the other rows."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from torch import nn
 from punica_x.layers.linear import Dense
 from punica_x.models.dims import ACTIVATIONS, LlamaDims
 from punica_x.models.expert_lora import ExpertSegments, add_router_lora
+from punica_x.ops.per_row import rows as per_row
 
 
 class MoeBlock(nn.Module):
@@ -42,6 +48,7 @@ class MoeBlock(nn.Module):
         self.experts_down = nn.ModuleList(Dense(i, (h,), False, dtype, device) for _ in range(e))
         self.act_and_mul = ACTIVATIONS[d.activation]  # the fused layers' method
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
+        self.fixed_order = False  # the batch-invariant mode (LlamaForCausalLM.hold_fixed_order)
         if spec.shared_size:
             s = spec.shared_size
             self.shared_gate_up = Dense(h, (s, s), False, dtype, device)
@@ -60,7 +67,7 @@ class MoeBlock(nn.Module):
         runs = batch.lora.experts if batch.lora is not None else ()
         logits = self.gate.dense(x).float()
         if runs:
-            add_router_lora(logits, x, runs, layer)
+            add_router_lora(logits, x, runs, layer, self.fixed_order)
         weights, experts = route(logits, self.top_k, self.norm_topk)
         if not self.float_weights:
             weights = weights.to(x.dtype)
@@ -79,7 +86,8 @@ class MoeBlock(nn.Module):
         out = torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
         if self.shared_gate_up is not None:
             shared = self.shared_down.dense(act(self.shared_gate_up.dense(x)))
-            out += torch.sigmoid(self.shared_expert_gate.dense(x)) * shared
+            gate = per_row(torch.sigmoid, self.shared_expert_gate.dense(x), self.fixed_order)
+            out += gate * shared
         return out
 
 

@@ -16,8 +16,9 @@ The mode holds every kernel a token passes through to one reduction order per ro
   of a segment of any size);
 * attention: the paged kernel for every chunk, no flash attention (attention/cpu.py);
 * fused RMSNorm, RoPE and activations: the ``cpu`` kernels (one row at a time);
-* LoRA on the embedding and the LM head: its torch products a row at a time
-  (LlamaForCausalLM.fixed_order);
+* LoRA on the embedding and the LM head, a mixture of experts' router LoRA and shared
+  expert gate: their torch products and sigmoid a row at a time (ops.per_row,
+  LlamaForCausalLM.hold_fixed_order);
 sampling and logprobs are per row already.
 
 ``on``: these kernels (ValueError where they cannot run: a device other than a CPU or CUDA,
