@@ -3,6 +3,7 @@ of the KV lives on peers.
 
     python benchmarks/bench_distkv.py [--blocks 32] [--context 2048] [--decode 32]
                                       [--rounds 3] [--model PATH]
+                                      [--batch-invariant auto|on|off|both]
 
 1. Longest context: 1, 2 and 4 runners of --blocks KV blocks each (thread runners in one
    process sharing the weights, DistKV through scheduler/distkv/network.py). The longest prompt the
@@ -11,7 +12,11 @@ of the KV lives on peers.
    local), 50% (one creditor) and 75% (three creditors, 25% each) of its KV on peers, the
    remote micro-attention overlapping the local part or not (--no-overlap rows). Every
    configuration runs --rounds times, interleaved; medians. Target: <= 1.25x all-local at
-   75% remote.
+   75% remote. --batch-invariant (the model's mode, ModelConfig.batch_invariant; auto, as
+   served, by default): in the mode the parts run one after another in key order, each
+   going on from the one before's state (attention/dist.py), never overlapping, so its rows
+   are the no-overlap ones; both: the model loaded in each mode, every configuration of
+   both in each round, each mode against its own all-local run.
 3. With --ray: the same request over 2 Ray runners (actors in their own processes, behind
    the Scheduler, on a local Ray): all local (runners big enough) against about half of its
    KV on the other process, over each data plane (transport socket: scheduler/distkv/channel.py;
@@ -24,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,9 +51,10 @@ def engines(loaded, model: str, sizes: list[int], overlap: bool = True) -> list[
     """One engine per size (blocks), all in one DistKV network: engine 0 is the debtor."""
     net = KVNetwork()
     out = []
+    mode = "on" if loaded.invariance.on else "off"
     for i, n in enumerate(sizes):
         config = EngineConfig(
-            model=ModelConfig(model=model),
+            model=ModelConfig(model=model, batch_invariant=mode),
             cache=CacheConfig(block_size=BLOCK, num_blocks=n),
             batch=BatchConfig(max_batched_tokens=512),
         )
@@ -92,11 +99,11 @@ def decode_time(
     sizes = [local] + [-(-(peer + 2) * 10 // 9)] * creditors  # lend cap 90%
     debtor = engines(loaded, model, sizes, overlap)[0]
     prompt = [(13 * i) % 20000 + 100 for i in range(context)]
-    debtor.add_request(
+    req = debtor.add_request(
         prompt, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True)
     )
-    while not any(o.token_ids for o in debtor.step()):  # prefill
-        pass
+    while not req.output_token_ids:  # prefill (an output's text may hold tokens back)
+        debtor.step()
     t0 = time.perf_counter()
     steps = 0
     while debtor.has_unfinished():
@@ -209,13 +216,28 @@ def longest_section(args, loaded, model: str) -> list[dict]:
     return lengths
 
 
-def decode_section(args, loaded, model: str) -> tuple[list[dict], dict[str, list[float]]]:
-    """Section 2: decode time per token at each CONFIGS entry, --rounds rounds interleaved;
-    returns (rows of medians, every round's seconds per config)."""
-    times: dict[str, list[float]] = {c[0]: [] for c in CONFIGS}
-    decode_time(loaded, model, 256, 0.5, 1, True, 4)  # warm-up
+def mode_configs(loads: dict[str, object]) -> list[tuple[str, object, tuple]]:
+    """(label, loaded model, CONFIGS entry) to time: every entry per mode, labelled with
+    the mode where there are two; in the batch-invariant mode the parts never overlap, so
+    only its no-overlap entries (and all local)."""
+    out = []
+    for mode, loaded in loads.items():
+        for c in CONFIGS:
+            if loaded.invariance.on and c[1] and c[3]:
+                continue
+            out.append((f"{mode}: {c[0]}" if len(loads) > 1 else c[0], loaded, c))
+    return out
+
+
+def decode_section(args, loads: dict, model: str) -> tuple[list[dict], dict[str, list[float]]]:
+    """Section 2: decode time per token at each configuration of each mode (mode_configs),
+    --rounds rounds interleaved; returns (rows of medians, every round's seconds each)."""
+    configs = mode_configs(loads)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+    for loaded in loads.values():
+        decode_time(loaded, model, 256, 0.5, 1, False, 4)  # warm-up
     for r in range(args.rounds):
-        for label, remote, creditors, overlap in CONFIGS:
+        for label, loaded, (_, remote, creditors, overlap) in configs:
             times[label].append(
                 decode_time(loaded, model, args.context, remote, creditors, overlap, args.decode)
             )
@@ -223,21 +245,32 @@ def decode_section(args, loaded, model: str) -> tuple[list[dict], dict[str, list
             f"  round {r + 1}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in times.items()),
             flush=True,
         )
-    base = statistics.median(times["all local"])
-    decode = [
-        {
-            "config": label,
-            "ms_per_token": 1e3 * statistics.median(times[label]),
-            "vs_all_local": statistics.median(times[label]) / base,
-        }
-        for label, *_ in CONFIGS
-    ]
+    decode = []
+    for label, loaded, _ in configs:
+        base = next(lb for lb, ld, cc in configs if ld is loaded and not cc[1])  # all local
+        decode.append(
+            {
+                "config": label,
+                "batch_invariant": loaded.invariance.on,
+                "ms_per_token": 1e3 * statistics.median(times[label]),
+                "vs_all_local": statistics.median(times[label]) / statistics.median(times[base]),
+            }
+        )
     print_table(
         decode,
-        ["config", "ms_per_token", "vs_all_local"],
+        ["config", "batch_invariant", "ms_per_token", "vs_all_local"],
         f"decode, {args.context} tokens of context",
     )
     return decode, times
+
+
+def load_modes(mc: ModelConfig, mode: str) -> dict:
+    """{mode label: the model loaded in it}: one load (its decision the label) or, for
+    both, one per mode."""
+    if mode != "both":
+        loaded = load_model(replace(mc, batch_invariant=mode))
+        return {"on" if loaded.invariance.on else "off": loaded}
+    return {m: load_model(replace(mc, batch_invariant=m)) for m in ("off", "on")}
 
 
 def main() -> None:
@@ -249,6 +282,12 @@ def main() -> None:
     add_model(ap)
     ap.add_argument("--ray", action="store_true", help="also time decode over 2 Ray runners")
     ap.add_argument("--ray-only", action="store_true", help="only the Ray runners' section")
+    ap.add_argument(
+        "--batch-invariant",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="the model's batch-invariant mode (decode section); both: on and off side by side",
+    )
     args = ap.parse_args()
     machine = describe_machine()
     print(machine)
@@ -260,10 +299,13 @@ def main() -> None:
         write_json("bench_distkv_ray", {"machine": machine, "args": vars(args), "ray": ray_rows})
         plot_ray(ray_rows, args.context)
         return
-    loaded = load_model(mc)
+    loads = load_modes(mc, args.batch_invariant)
+    loaded = next(iter(loads.values()))
+    for mode, each in loads.items():
+        print(f"batch invariance ({mode}): {each.invariance.reason}")
     model = mc.model
     lengths = longest_section(args, loaded, model)
-    decode, times = decode_section(args, loaded, model)
+    decode, times = decode_section(args, loads, model)
     ray_rows = ray_section(args, model) if args.ray else None
     if ray_rows:
         plot_ray(ray_rows, args.context)

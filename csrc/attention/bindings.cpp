@@ -182,6 +182,51 @@ void write_kv(torch::Tensor kv, int64_t layer, torch::Tensor k, torch::Tensor v,
   });
 }
 
+// state [T, H_q, D + 2] float32 goes on over q's keys in this call (see paged_attention.h):
+// paged_attention that starts from each (row, head)'s state and leaves it there.
+void paged_attention_state(torch::Tensor state, torch::Tensor q, torch::Tensor kv, int64_t layer,
+                           torch::Tensor seqs, torch::Tensor table_start, torch::Tensor block_table, double scale,
+                           int64_t window, double softcap) {
+  const punica_x::KvLayout kvl = layout(kv, layer);
+  check_cpu(q, "q", kv.scalar_type());
+  check_cpu(state, "state", at::kFloat);
+  CHECK_ARG(q.dim() == 3 && q.size(2) == kvl.head_dim, "q must be [T, H_q, ", kvl.head_dim, "], got ", q.sizes());
+  check_heads(q.size(1), kvl, window, softcap);
+  CHECK_ARG(state.dim() == 3 && state.size(0) == q.size(0) && state.size(1) == q.size(1) &&
+                state.size(2) == kvl.head_dim + 2,
+            "state must be [T, H_q, D + 2] for q ", q.sizes(), ", got ", state.sizes());
+  const punica_x::PagedSeqs ps = check_seqs(seqs, table_start, block_table, q.size(0), kv, kvl);
+  pybind11::gil_scoped_release no_gil;
+  const int hq = static_cast<int>(q.size(1));
+  const punica_x::AttnParams ap{static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap)};
+  dispatch(kv.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    punica_x::paged_attention_cpu(static_cast<T*>(nullptr), nullptr, ptr<const T>(q), hq, kvl, ps, ap,
+                                  state.data_ptr<float>());
+  });
+}
+
+// out [T, H, D], lse [T, H] of the states [T, H, D + 2], bit for bit as the kernel's own.
+void finish_state(torch::Tensor out, torch::Tensor lse, torch::Tensor state) {
+  const auto dtype = out.scalar_type();
+  CHECK_ARG(dtype == at::kFloat || dtype == at::kBFloat16, "out must be float32 or bfloat16, got ", dtype);
+  check_cpu(out, "out", dtype);
+  check_cpu(lse, "lse", at::kFloat);
+  check_cpu(state, "state", at::kFloat);
+  CHECK_ARG(out.dim() == 3 && state.dim() == 3 && state.size(0) == out.size(0) && state.size(1) == out.size(1) &&
+                state.size(2) == out.size(2) + 2,
+            "state must be [T, H, D + 2] for out ", out.sizes(), ", got ", state.sizes());
+  CHECK_ARG(lse.dim() == 2 && lse.size(0) == out.size(0) && lse.size(1) == out.size(1), "lse must be [T, H]");
+  const int64_t pairs = out.size(0) * out.size(1);
+  const int dim = static_cast<int>(out.size(2));
+  pybind11::gil_scoped_release no_gil;
+  if (dtype == at::kFloat)
+    punica_x::finish_state_cpu(out.data_ptr<float>(), lse.data_ptr<float>(), state.data_ptr<float>(), pairs, dim);
+  else
+    punica_x::finish_state_cpu(static_cast<bf16*>(out.data_ptr()), lse.data_ptr<float>(), state.data_ptr<float>(),
+                               pairs, dim);
+}
+
 // Row dst[i] of (out, lse) absorbs row src[i] of (o, s): see merge_rows_cpu.
 void merge_rows(torch::Tensor out, torch::Tensor lse, torch::Tensor o, torch::Tensor s, torch::Tensor dst,
                 torch::Tensor src) {
@@ -224,4 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store K/V rows into their cache slots (CPU)");
   m.def("rope_write_attend", &rope_write_attend, "RoPE, K/V store and paged attention of a fused qkv (CPU)");
   m.def("merge_rows", &merge_rows, "merge partial attention (out, lse) rows in place (CPU)");
+  m.def("paged_attention_state", &paged_attention_state,
+        "paged attention going on from each row's online-softmax state (CPU)");
+  m.def("finish_state", &finish_state, "out and lse of online-softmax states (CPU)");
 }

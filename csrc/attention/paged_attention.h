@@ -39,9 +39,18 @@ struct AttnParams {
 
 // T: float or simd::bf16 for q, out and the cache (scores, softmax and sums in float32, lse
 // float32 over the capped scores); instantiated for both.
+// state (or null): float32 [T, H_q, D + 2], each (row, head)'s online-softmax state (the
+// weighted sum of values [D], the running max, the running sum; an empty one: 0, -inf, 0).
+// The kernel then starts from it and leaves it there instead of writing out / lse: a
+// sequence's keys split into parts held apart (DistKV) and attended part after part, in key
+// order, give the bits one call over all of them gives (finish_state_cpu writes them).
 template <typename T>
 void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
-                         const PagedSeqs& seqs, const AttnParams& params);
+                         const PagedSeqs& seqs, const AttnParams& params, float* state = nullptr);
+
+// out [pairs, D], lse [pairs] of the states [pairs, D + 2], as the kernel finishes its own.
+template <typename T>
+void finish_state_cpu(T* out, float* lse, const float* state, int64_t pairs, int head_dim);
 
 // kv[block[t], layer, 0/1, :, offset[t], :] = k[t] / v[t] for every row t (k, v: [T, N_kv, D]).
 template <typename T>

@@ -81,13 +81,22 @@ struct Item {
   int seq, head, row0, rows;
 };
 
+// A (row, head)'s output and lse from its online-softmax state (acc [d], max m, sum l).
+template <typename T>
+inline void finish_pair(T* o, float* lse, const float* acc, float m, float l, int d) {
+  const float inv = 1.f / l;
+  for (int e = 0; e < d; ++e) o[e] = narrow<T>(acc[e] * inv);
+  *lse = m + std::log(l);
+}
+
 // Attention of `rows` consecutive query rows x G heads against the keys they may see, one
 // KV block at a time: scores of the block for every (row, head), then a block-wise online
 // softmax update (one rescale per block instead of one per key). Blocks wholly before the
-// tile's first row's window are not read.
+// tile's first row's window are not read. state (or null): each pair's online-softmax state
+// [T, H_q, D + 2] (acc, m, l) to start from and to leave, instead of out / lse.
 template <typename T>
 void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, const PagedSeqs& seqs,
-                 const Item& it, const AttnParams& ap) {
+                 const Item& it, const AttnParams& ap, float* state) {
   const float scale = ap.scale, cap = ap.softcap;
   const int d = kv.head_dim, p = kv.block_size;
   const int g = hq / kv.num_kv_heads;
@@ -108,6 +117,12 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
     for (int e = 0; e < d; ++e) qt[i * d + e] = f32(src[e]) * scale;
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
+    if (state) {  // go on from the keys before these blocks (DistKV's chained parts)
+      const float* st = state + (int64_t(seqs.row_start[s] + it.row0 + r) * hq + h) * (d + 2);
+      std::memcpy(acc + i * d, st, sizeof(float) * d);
+      m[i] = st[d];
+      l[i] = st[d + 1];
+    }
   }
   const int num_keys = first_pos + it.row0 + it.rows;  // the tile's last row sees keys < this
   // the lowest key row r of the tile sees (position first_pos + row0 + r)
@@ -184,10 +199,14 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
   for (int i = 0; i < n; ++i) {
     const int r = i / g, h = it.head * g + i % g;
     const int64_t row = seqs.row_start[s] + it.row0 + r;
-    T* o = out + (row * hq + h) * d;
-    const float inv = 1.f / l[i];
-    for (int e = 0; e < d; ++e) o[e] = narrow<T>(acc[i * d + e] * inv);
-    lse[row * hq + h] = m[i] + std::log(l[i]);
+    if (state) {
+      float* st = state + (row * hq + h) * (d + 2);
+      std::memcpy(st, acc + i * d, sizeof(float) * d);
+      st[d] = m[i];
+      st[d + 1] = l[i];
+    } else {
+      finish_pair(out + (row * hq + h) * d, lse + row * hq + h, acc + i * d, m[i], l[i], d);
+    }
   }
 }
 
@@ -195,15 +214,24 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
 
 template <typename T>
 void paged_attention_cpu(T* out, float* lse, const T* q, int num_q_heads, const KvLayout& kv,
-                         const PagedSeqs& seqs, const AttnParams& params) {
+                         const PagedSeqs& seqs, const AttnParams& params, float* state) {
   std::vector<Item> items;
   for (int s = 0; s < seqs.num_seqs; ++s)
     for (int h = 0; h < kv.num_kv_heads; ++h)
       for (int r0 = 0; r0 < seqs.num_rows[s]; r0 += kRowBlock)
         items.push_back({s, h, r0, std::min(kRowBlock, seqs.num_rows[s] - r0)});
   parallel_items(int64_t(items.size()), [&](int64_t i) {
-    attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], params);
+    attend_tile(out, lse, q, num_q_heads, kv, seqs, items[i], params, state);
   });
+}
+
+template <typename T>
+void finish_state_cpu(T* out, float* lse, const float* state, int64_t pairs, int head_dim) {
+  const int d = head_dim;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float* st = state + i * (d + 2);
+    finish_pair(out + i * d, lse + i, st, st[d], st[d + 1], d);
+  }
 }
 
 template <typename T>
@@ -247,9 +275,11 @@ template void merge_rows_cpu<float>(float*, float*, const float*, const float*, 
 template void merge_rows_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, const float*, int,
                                           int, const int64_t*, const int64_t*, int);
 template void paged_attention_cpu<float>(float*, float*, const float*, int, const KvLayout&,
-                                          const PagedSeqs&, const AttnParams&);
+                                          const PagedSeqs&, const AttnParams&, float*);
 template void paged_attention_cpu<simd::bf16>(simd::bf16*, float*, const simd::bf16*, int,
-                                               const KvLayout&, const PagedSeqs&, const AttnParams&);
+                                               const KvLayout&, const PagedSeqs&, const AttnParams&, float*);
+template void finish_state_cpu<float>(float*, float*, const float*, int64_t, int);
+template void finish_state_cpu<simd::bf16>(simd::bf16*, float*, const float*, int64_t, int);
 template void write_kv_cpu<float>(float*, const KvLayout&, const float*, const float*, int,
                                    const int64_t*, const int64_t*);
 template void write_kv_cpu<simd::bf16>(simd::bf16*, const KvLayout&, const simd::bf16*,

@@ -127,6 +127,18 @@ class CpuAttentionPlan:
                 flash_prefill(q, kvl, seq, scale, out, lse, mask)
         return out, lse
 
+    def attend_state(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, state):
+        """The kernel over every sequence (never flash), going on from `state` float32
+        [T, H_q, D + 2] (each (row, head)'s online softmax: acc [D], max, sum; empty_state) and
+        leaving it there: a request's keys attended part after part, in key order, give the
+        bits of one attend() over all of them (finish_state). DistKV's chain (attention.dist)."""
+        ks = self.every if self.every is not None else self.short
+        if ks.seqs.shape[1]:
+            self.ext.paged_attention_state(
+                state, q.contiguous(), kv, layer, *ks.args(), scale, 0, 0.0
+            )
+        return state
+
 
 def causal_mask(seq: PrefillSeq) -> torch.Tensor | None:
     """The additive mask of a chunk after a cached part (row i sees keys up to first + i:
@@ -180,6 +192,14 @@ class CpuAttention:
         """This backend in batch-invariant mode (no flash attention)."""
         return CpuAttention(self.isa, flash=False)
 
+    def finish_state(self, state: torch.Tensor, dtype: torch.dtype):
+        """(out [T, H, D] of `dtype`, lse [T, H] float32) of online-softmax states [T, H, D + 2]
+        (CpuAttentionPlan.attend_state), bit for bit as the kernel finishes its own."""
+        out = torch.empty(state.shape[0], state.shape[1], state.shape[2] - 2, dtype=dtype)
+        lse = torch.empty(state.shape[:2], dtype=torch.float32)
+        self.ext.finish_state(out, lse, state)
+        return out, lse
+
     def merge_rows(self, out, lse, o, s, dst: torch.Tensor, src: torch.Tensor) -> None:
         """In place: row dst[i] of (out [T, H, D], lse [T, H] float32) absorbs row src[i] of
         (o, s), the same query's attention over other keys (exact ScaleReduce, one call)."""
@@ -209,3 +229,11 @@ class CpuAttention:
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64),
         )
+
+
+def empty_state(rows: int, heads: int, dim: int) -> torch.Tensor:
+    """Online-softmax states [rows, heads, dim + 2] float32 that have seen no key yet (acc 0,
+    max -inf, sum 0): where CpuAttentionPlan.attend_state's chain begins."""
+    state = torch.zeros(rows, heads, dim + 2)
+    state[..., dim] = float("-inf")
+    return state

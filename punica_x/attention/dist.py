@@ -15,7 +15,16 @@ owner gets the query rows that see its blocks (and the
 new K/V that lands there) once per layer, computes its micro-attentions where the blocks
 live and returns (out, lse): KV never travels. With `overlap` the remote calls start on a
 thread pool before the local attention runs and are collected after it (Lamina); without,
-they run in the step's thread after it."""
+they run in the step's thread after it.
+
+Batch-invariant (DistContext.fixed_order, ops.invariance): a merge of partial results sums in
+another order than one kernel call over all the keys, so a request that borrowed would get
+other bits than the same request on one runner. Instead each request's parts run one after
+another in key order, the local part first, and each part goes on from the online-softmax
+state the one before left ([R, H_q, D + 2]: attention.cpu's attend_state), finished once at
+the end: the kernel's own sums block by block from position 0, the bits of one runner's
+attention. The remote calls then run in rounds (a request's i-th remote extent in round i),
+one after another, never overlapping the local part."""
 
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from punica_x.attention.cpu import empty_state
 from punica_x.attention.paged import SeqSpan
 from punica_x.core import RemoteExtent
 from punica_x.kv.rmanager import KVBorrower, MicroPlan
@@ -119,6 +129,7 @@ class DistContext:
     pool: Executor | None = None
     overlap: bool = False
     stats: RemoteStats = field(default_factory=RemoteStats)
+    fixed_order: bool = False  # the batch-invariant mode: the parts chained (module doc)
 
 
 def plan_dist(
@@ -140,9 +151,12 @@ def plan_dist(
     covered = torch.zeros(num_rows, dtype=torch.bool)
     for sp in plain:
         covered[sp.row_start : sp.row_start + sp.num_rows] = True
-    calls = _split_segments(seqs, block_size, local_spans, writes, covered)
+    calls = _split_segments(seqs, block_size, local_spans, writes, covered, ctx.fixed_order)
     merge = getattr(backend, "merge_rows", None)  # a fused merge (the CPU backend has one)
-    remote = [_prepare_call(call, seqs, merge, device, ctx) for call in calls.values()]
+    if ctx.fixed_order:
+        merge = _finisher(backend)
+    ordered = sorted(calls.items(), key=lambda item: item[0][0])  # by round (stable)
+    remote = [_prepare_call(call, seqs, merge, device, ctx) for _, call in ordered]
     local = backend.plan(local_spans, block_size, device)
     w = list(zip(*writes)) if writes else ([], [], [])
     uncovered = (~covered).nonzero().flatten().to(device)
@@ -158,7 +172,19 @@ def plan_dist(
         overlap=ctx.overlap,
         stats=ctx.stats,
         merge=merge,
+        chained=ctx.fixed_order,
     )
+
+
+def _finisher(backend):
+    """backend.finish_state, where the chained parts end (ValueError for a backend without
+    one: the batch-invariant mode's DistKV needs the CPU kernel's state)."""
+    finish = getattr(backend, "finish_state", None)
+    if finish is None:
+        raise ValueError(
+            f"batch-invariant DistKV needs the cpu attention kernel, not {backend.name!r}"
+        )
+    return finish
 
 
 def _split_segments(
@@ -167,15 +193,18 @@ def _split_segments(
     local_spans: list[SeqSpan],
     writes: list[tuple[int, int, int]],
     covered: torch.Tensor,
-) -> dict[str, _RemoteCall]:
+    rounds: bool = False,
+) -> dict[tuple[int, str], _RemoteCall]:
     """Each sequence's KV segments: its local prefix joins `local_spans` / `writes` /
     `covered` (one backend plan with the plain requests); the extents on each peer become
-    that peer's call (one micro-attention call per owner)."""
-    calls: dict[str, _RemoteCall] = {}
+    that peer's call, keyed (0, owner): one micro-attention call per owner. rounds: keyed
+    (i, owner) for a sequence's i-th extent, so that the calls of round i can go on from
+    round i - 1's state (the chained order)."""
+    calls: dict[tuple[int, str], _RemoteCall] = {}
     for si, seq in enumerate(seqs):
         t0 = 0
         segments = [(None, seq.block_ids)] + [(e.owner, e.block_ids) for e in seq.remote]
-        for owner, blocks in segments:
+        for i, (owner, blocks) in enumerate(segments):
             work = segment_work(seq.num_rows, seq.kv_len, t0, blocks, block_size)
             t0 += len(blocks) * block_size
             if work is None:
@@ -187,7 +216,8 @@ def _split_segments(
                 covered[base : base + seen] = True
                 writes += [(seq.row_start + r, blk, off) for r, blk, off in work.writes]
                 continue
-            call = calls.setdefault(owner, _RemoteCall(owner))
+            key = (i if rounds else 0, owner)
+            call = calls.setdefault(key, _RemoteCall(owner))
             call.items.append((si, work.first_row, seen, len(call.q_rows)))
             call.spans += shift(work.spans, len(call.q_rows))
             call.q_rows += range(base, base + seen)
@@ -211,7 +241,7 @@ def _prepare_call(call: _RemoteCall, seqs: list[DistSeq], merge, device, ctx: Di
     )
     micro = ctx.borrower.peer(call.owner).prepare(ctx.runner_id, plan)
     pairs = None
-    if merge is not None:  # row of the batch <- row of this call's (out, lse)
+    if merge is not None and not ctx.fixed_order:  # row of the batch <- row of (out, lse)
         dst = [seqs[si].row_start + first + j for si, first, n, _ in call.items for j in range(n)]
         src = [at + j for _, _, n, at in call.items for j in range(n)]
         pairs = (_ints(dst, device), _ints(src, device))
@@ -255,6 +285,8 @@ class DistPlan:
     overlap: bool
     stats: RemoteStats
     merge: object | None = None  # backend.merge_rows, or None: merge_into per run of rows
+    # the batch-invariant order (module doc): merge is then backend.finish_state
+    chained: bool = False
     _k: torch.Tensor | None = None
     _v: torch.Tensor | None = None
 
@@ -271,6 +303,8 @@ class DistPlan:
         not supported here (DistKVPart.enable refuses such models)."""
         if window or softcap:
             raise NotImplementedError("DistAttention with a sliding window or soft-capping")
+        if self.chained:
+            return self._attend_chained(q, kv, layer, scale)
         k, v = self._k, self._v
         pending = []
         if self.overlap:
@@ -293,6 +327,20 @@ class DistPlan:
                 r0 = self.seqs[si].row_start + first
                 merge_into(out[r0 : r0 + n], lse[r0 : r0 + n], o[at : at + n], s[at : at + n])
         return out, lse
+
+    def _attend_chained(self, q, kv, layer: int, scale: float):
+        """Every request's parts in key order, each going on from the state the one before
+        left (the local part, then the remote calls round by round), finished once."""
+        state = empty_state(*q.shape)
+        self.local.attend_state(q, kv, layer, scale, state)
+        for _, micro, q_rows, kv_rows, _ in self.remote:
+            args = (layer, q[q_rows], self._k[kv_rows], self._v[kv_rows], scale)
+            t0 = time.perf_counter()
+            part = micro.run(*args, state=state[q_rows].contiguous())
+            self.stats.calls += 1
+            self.stats.seconds += time.perf_counter() - t0
+            state[q_rows] = part.to(state.device)
+        return self.merge(state, q.dtype)
 
     def _start(self, entry, layer, q, k, v, scale):
         call, micro, q_rows, kv_rows, _ = entry

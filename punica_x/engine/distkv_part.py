@@ -22,11 +22,15 @@ class DistKVPart:
     """DistKV on one engine; off (nothing lent, nothing borrowed) until enable().
 
     rmanager: serves this runner's lent blocks to peers (None while off).
-    peer_losses: runners lost while holding blocks this runner's requests borrowed."""
+    peer_losses: runners lost while holding blocks this runner's requests borrowed.
+    fixed_order: the batch-invariant mode (attention.dist: the parts chained in key order)."""
 
-    def __init__(self, cache, batcher, planner, requests: dict[str, Request], swap, dims) -> None:
+    def __init__(
+        self, cache, batcher, planner, requests: dict[str, Request], swap, dims, fixed_order=False
+    ) -> None:
         self.cache, self.batcher, self.planner = cache, batcher, planner
         self.requests, self.swap, self.dims = requests, swap, dims
+        self.fixed_order = fixed_order
         self.rmanager: RManager | None = None
         self.peer_losses = 0
 
@@ -60,7 +64,16 @@ class DistKVPart:
             )
         self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
         self.batcher.borrowing = KVBorrowing(self.cache, borrower)
-        self.planner.dist = DistContext(runner_id, borrower, pool, overlap)
+        # the chained order runs the parts one after another: nothing to overlap
+        if overlap and self.fixed_order:
+            log.info("DistKV: no overlap in the batch-invariant mode (parts run in key order)")
+        self.planner.dist = DistContext(
+            runner_id,
+            borrower,
+            pool,
+            overlap and not self.fixed_order,
+            fixed_order=self.fixed_order,
+        )
         return self.rmanager
 
     def remote_picks(self, creditor: str, blocks: int) -> list[Pick]:

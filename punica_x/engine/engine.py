@@ -101,7 +101,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # DistKV (off until engine.distkv.enable(...)): lending, borrowing, moves home
         self.distkv = DistKVPart(
-            self.cache, self.batcher, self.planner, self.requests, self.swap, d
+            self.cache, self.batcher, self.planner, self.requests, self.swap, d, self.invariance.on
         )
         self.idle_step = False  # the last step ran nothing (requests wait for blocks)
         # the requests the current (or last) step runs: the ones to suspect when it raises

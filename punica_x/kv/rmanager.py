@@ -78,9 +78,17 @@ class MicroPlan:
 
 class MicroAttention(Protocol):
     def run(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v into their slots, then return (out [R, H_q, D], lse [R, H_q] float32)."""
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        state: torch.Tensor | None = None,
+    ):
+        """Write k/v into their slots, then return (out [R, H_q, D], lse [R, H_q] float32);
+        with `state` ([R, H_q, D + 2] float32, the batch-invariant chain: attention.dist),
+        the attention goes on from it and the new state is returned instead."""
 
 
 class KVPeer(Protocol):
@@ -244,7 +252,7 @@ class _Micro:
         self.rm, self.debtor, self.meta = rm, debtor, meta
         self.blocks, self.offsets = blocks, offsets
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    def run(self, layer: int, q, k, v, scale: float, state: torch.Tensor | None = None):
         rm = self.rm
         rm._check_alive()
         kv = rm.cache.kv
@@ -253,7 +261,11 @@ class _Micro:
             kv[self.blocks, layer, 1, :, self.offsets] = v.to(kv.device, kv.dtype)
         rm.calls += 1
         t0 = time.perf_counter()
-        result = self.meta.attend(q.to(kv.device, kv.dtype).contiguous(), kv, layer, scale)
+        q = q.to(kv.device, kv.dtype).contiguous()
+        if state is None:
+            result = self.meta.attend(q, kv, layer, scale)
+        else:
+            result = self.meta.attend_state(q, kv, layer, scale, state.float().contiguous())
         if self.debtor != rm.runner_id:  # its own blocks (DGFM) are not a peer's compute
             rm._served(time.perf_counter() - t0)
         return result

@@ -14,7 +14,9 @@ The mode holds every kernel a token passes through to one reduction order per ro
   it), and quantized blocks without the dequantize-and-matmul path for large chunks;
 * SGMV: the ``cpu`` kernels with ``fixed_order`` (sgmv.h: every segment takes the arithmetic
   of a segment of any size);
-* attention: the paged kernel for every chunk, no flash attention (attention/cpu.py);
+* attention: the paged kernel for every chunk, no flash attention (attention/cpu.py); a
+  request whose KV lies on peers (DistKV) runs its parts in key order, each going on from
+  the kernel's state the part before left, not merged (attention/dist.py);
 * fused RMSNorm, RoPE and activations: the ``cpu`` kernels (one row at a time);
 * LoRA on the embedding and the LM head, a mixture of experts' router LoRA and shared
   expert gate: their torch products and sigmoid a row at a time (ops.per_row,

@@ -70,8 +70,9 @@ class KVActorMethods:
         """One debtor step's plan over blocks lent to it (replaces its previous step's)."""
         self.micro[debtor] = self.rm.prepare(debtor, plan)
 
-    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float):
-        return self.micro[debtor].run(layer, q, k, v, scale)
+    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float, state=None):
+        """MicroAttention.run of the debtor's prepared plan (state: the chained order)."""
+        return self.micro[debtor].run(layer, q, k, v, scale, state=state)
 
     # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
     def dgfm_hold(self, timeout: float = 30.0) -> None:

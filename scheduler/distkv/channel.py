@@ -16,11 +16,14 @@ code runs over TCP between nodes.
 Frames (little endian), one message each way per call:
     prepare  b"P" + pickle(MicroPlan)                       -> b"\\0"
     run      b"R" + _RUN header + q | k | v raw bytes       -> b"\\0" + out | lse raw bytes
+    chained  b"C" + _RUN header + q | k | v | state         -> b"\\0" + state raw bytes
     get      b"G" + pickle(block ids)                       -> b"\\0" + pickle(tensor)
     set      b"S" + pickle((block ids, tensor))             -> b"\\0"
     tables   b"T"                                           -> b"\\0" + pickle(block tables)
     counters b"I"                                           -> b"\\0" + pickle((calls, s))
     failure                                                 -> b"\\1" + pickle(exception)
+chained runs the batch-invariant order (attention.dist): the attention goes on from the
+rows' online-softmax state (float32 [R, H_q, D + 2]) and returns the new one;
 get and set serve Lamina's attention workers, whose blocks a model worker swaps and copies;
 tables gives the block tables a worker kept from its model worker's plans (the KV of a dead
 model worker's requests, scheduler/lamina/rescue.py); counters its attention calls and the
@@ -159,12 +162,12 @@ class KVChannelServer:
                         conn.send_bytes(_OK)
                     elif kind in _BLOCK_FRAMES:
                         conn.send_bytes(_OK + _blocks(self.handler, kind, msg[1:]))
-                    elif kind != b"R":
+                    elif kind not in (b"R", b"C"):
                         raise ValueError(f"unknown frame kind {bytes(kind)!r}")
                     else:
                         if micro is None:
                             raise RuntimeError("run before prepare")
-                        conn.send_bytes(_run(micro, msg))
+                        conn.send_bytes(_run(micro, msg, chained=kind == b"C"))
                 except Exception as exc:
                     conn.send_bytes(_ERR + _dump(exc))
         except Exception:  # the debtor left, or close() shut the socket down under recv
@@ -192,7 +195,7 @@ class KVChannelServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _run(micro, msg: memoryview) -> bytes:
+def _run(micro, msg: memoryview, chained: bool = False) -> bytes:
     layer, scale, code, rows, heads, dim, w, kv_heads = _RUN.unpack_from(msg, 1)
     dtype = _DTYPES[code]
     at = 1 + _RUN.size
@@ -201,6 +204,13 @@ def _run(micro, msg: memoryview) -> bytes:
     at += sizes[0]
     k = _tensor(msg[at : at + sizes[1]], dtype, (w, kv_heads, dim))
     v = _tensor(msg[at + sizes[1] : at + 2 * sizes[1]], dtype, (w, kv_heads, dim))
+    if chained:
+        at += 2 * sizes[1]
+        shape = (rows, heads, dim + 2)
+        if len(msg) - at != _nbytes(torch.float32, *shape):
+            raise ValueError(f"a chained run needs its state, float32 {list(shape)}")
+        state = micro.run(layer, q, k, v, scale, state=_tensor(msg[at:], torch.float32, shape))
+        return b"".join((_OK, _raw(state.to(torch.float32).contiguous())))
     out, lse = micro.run(layer, q, k, v, scale)
     out = out.to(dtype)
     return b"".join((_OK, _raw(out), _raw(lse.to(torch.float32))))
@@ -251,16 +261,21 @@ class KVChannel:
         self._call(b"P" + pickle.dumps(plan))
         return self
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    def run(self, layer: int, q, k, v, scale: float, state: torch.Tensor | None = None):
         """(out [R, H_q, D] in q's dtype, lse [R, H_q] float32) of q over the blocks of this
-        step's plan, after writing k/v [W, N_kv, D] into its slots (MicroAttention.run)."""
+        step's plan, after writing k/v [W, N_kv, D] into its slots (MicroAttention.run); with
+        `state` ([R, H_q, D + 2] float32), the state going on from it instead."""
         rows, heads, dim = q.shape
         w, kv_heads = k.shape[0], k.shape[1] if k.dim() == 3 else 0
         head = _RUN.pack(layer, scale, _DTYPES.index(q.dtype), rows, heads, dim, w, kv_heads)
-        parts = [b"R", head, _raw(q)]
+        parts = [b"R" if state is None else b"C", head, _raw(q)]
         if w:
             parts += [_raw(k.to(q.dtype)), _raw(v.to(q.dtype))]
+        if state is not None:
+            parts.append(_raw(state.to(torch.float32)))
         reply = self._call(b"".join(parts))
+        if state is not None:
+            return _tensor(reply[1:], torch.float32, (rows, heads, dim + 2))
         n = _nbytes(q.dtype, rows, heads, dim)
         out = _tensor(reply[1 : 1 + n], q.dtype, (rows, heads, dim))
         lse = _tensor(reply[1 + n :], torch.float32, (rows, heads))

@@ -205,12 +205,12 @@ class RayMicro:
     def __init__(self, peer: RayPeer, debtor: str) -> None:
         self.peer, self.debtor = peer, debtor
 
-    def run(self, layer: int, q, k, v, scale: float):
+    def run(self, layer: int, q, k, v, scale: float, state=None):
         import ray
 
         p = self.peer
         try:
-            return p._get(p.handle.kv_run.remote(self.debtor, layer, q, k, v, scale))
+            return p._get(p.handle.kv_run.remote(self.debtor, layer, q, k, v, scale, state))
         except ray.exceptions.RayActorError:
             raise PeerLost(p.owner) from None
         except ray.exceptions.RayTaskError as exc:

@@ -46,6 +46,64 @@ def _put(kv, layer, blocks, t0, p, k, v, block_size):
     kv[b, layer, 1, :, off] = v[p]
 
 
+def _requests(rng, gen, spec, local, owners, managers, layer, one=None):
+    """Random requests of one step over `local` and peers: decodes, prefill chunks after a
+    cached part, a plain one; each one's KV split into a local prefix and 1-3 extents lent by
+    random peers (sizes >= 0, spare blocks at the end too), its earlier K/V in place wherever
+    its block lives (and in `one`, a runner holding all of it, where given). Returns (plain
+    spans, DistSeqs, refs (row, n, total, k, v), new k, new v, rows, spans over `one`)."""
+    block_size, d, nkv = spec.block_size, spec.head_dim, spec.num_kv_heads
+    shapes = [(1, rng.randint(1, 60), rng.randint(1, 3)) for _ in range(3)]
+    shapes += [(rng.randint(2, 40), rng.randint(0, 50), rng.randint(1, 3)) for _ in range(2)]
+    shapes += [(rng.randint(1, 20), rng.randint(0, 30), 0)]
+    rng.shuffle(shapes)
+    seqs, plain, refs, new_k, new_v, one_spans, row = [], [], [], [], [], [], 0
+    for i, (n, cached, parts) in enumerate(shapes):
+        total = n + cached
+        k = torch.randn(total, nkv, d, generator=gen).to(spec.dtype)
+        v = torch.randn(total, nkv, d, generator=gen).to(spec.dtype)
+        nb = -(-total // block_size) + rng.randint(0, 2)
+        cuts = sorted(rng.randint(0, nb) for _ in range(parts))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, nb])]
+        local_ids = local.allocator.allocate(sizes[0])
+        extents = []
+        for size in sizes[1:]:
+            if size == 0:
+                continue
+            owner = rng.choice(list(managers))
+            extents.append(RemoteExtent(owner, managers[owner].lend("me", f"r{i}", size)))
+        for p in range(cached):
+            t0 = 0
+            for owner, ids in [(None, local_ids)] + [(e.owner, e.block_ids) for e in extents]:
+                if p < t0 + len(ids) * block_size:
+                    cache = local if owner is None else owners[owner]
+                    _put(cache.kv, layer, list(ids), t0, p, k, v, block_size)
+                    break
+                t0 += len(ids) * block_size
+        if one is not None:
+            ids = one.allocator.allocate(max(nb, 1))
+            for p in range(cached):
+                _put(one.kv, layer, ids, 0, p, k, v, block_size)
+            one_spans.append(SeqSpan(row, n, total, ids))
+        if parts == 0 or not extents:
+            local_ids += local.allocator.allocate(max(0, -(-total // block_size) - len(local_ids)))
+            plain.append(SeqSpan(row, n, total, local_ids))
+        else:
+            seqs.append(DistSeq(row, n, total, local_ids, tuple(extents), f"r{i}"))
+        refs.append((row, n, total, k, v))
+        new_k.append(k[cached:])
+        new_v.append(v[cached:])
+        row += n
+    return plain, seqs, refs, torch.cat(new_k), torch.cat(new_v), row, one_spans
+
+
+def _cluster(spec, impl, peers: int = 3):
+    local = KVCache(spec, 600, torch.device("cpu"))
+    owners = {f"peer-{i}": KVCache(spec, 600, torch.device("cpu")) for i in range(peers)}
+    managers = {o: RManager(o, c, impl, LendCaps(600, 64)) for o, c in owners.items()}
+    return local, owners, managers
+
+
 @pytest.mark.parametrize("backend", [*CPU_ISAS, "torch"])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("trial", range(3))
@@ -57,54 +115,15 @@ def test_dist_attention_equals_dense_attention(backend, overlap, trial):
     d, layers, layer = rng.choice([32, 40, 64]), 2, 1
     spec = KVCacheSpec(layers, nkv, d, block_size, torch.float32)
     impl = _backend(backend)
-    local = KVCache(spec, 600, torch.device("cpu"))
-    owners = {f"peer-{i}": KVCache(spec, 600, torch.device("cpu")) for i in range(3)}
-    managers = {o: RManager(o, c, impl, LendCaps(600, 64)) for o, c in owners.items()}
-    # (new rows, cached tokens, number of remote extents): decodes, prefill chunks, a plain one
-    shapes = [(1, rng.randint(1, 60), rng.randint(1, 3)) for _ in range(3)]
-    shapes += [(rng.randint(2, 40), rng.randint(0, 50), rng.randint(1, 3)) for _ in range(2)]
-    shapes += [(rng.randint(1, 20), rng.randint(0, 30), 0)]
-    rng.shuffle(shapes)
-    seqs, plain, refs, new_k, new_v, row = [], [], [], [], [], 0
-    for i, (n, cached, parts) in enumerate(shapes):
-        total = n + cached
-        k = torch.randn(total, nkv, d, generator=gen)
-        v = torch.randn(total, nkv, d, generator=gen)
-        nb = -(-total // block_size) + rng.randint(0, 2)  # spare blocks at the end too
-        # split the block table into 1 local + `parts` remote segments of random sizes >= 0
-        cuts = sorted(rng.randint(0, nb) for _ in range(parts))
-        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, nb])]
-        local_ids = local.allocator.allocate(sizes[0])
-        extents, t0 = [], sizes[0] * block_size
-        for size in sizes[1:]:
-            if size == 0:
-                continue
-            owner = rng.choice(list(managers))
-            ids = managers[owner].lend("me", f"r{i}", size)
-            extents.append(RemoteExtent(owner, ids))
-        # earlier steps' K/V already in place, wherever its block lives
-        for p in range(cached):
-            t0 = 0
-            for owner, ids in [(None, local_ids)] + [(e.owner, e.block_ids) for e in extents]:
-                if p < t0 + len(ids) * block_size:
-                    cache = local if owner is None else owners[owner]
-                    _put(cache.kv, layer, list(ids), t0, p, k, v, block_size)
-                    break
-                t0 += len(ids) * block_size
-        if parts == 0 or not extents:
-            local_ids += local.allocator.allocate(max(0, -(-total // block_size) - len(local_ids)))
-            plain.append(SeqSpan(row, n, total, local_ids))
-        else:
-            seqs.append(DistSeq(row, n, total, local_ids, tuple(extents), f"r{i}"))
-        refs.append((row, n, total, k, v))
-        new_k.append(k[cached:])
-        new_v.append(v[cached:])
-        row += n
+    local, owners, managers = _cluster(spec, impl)
+    plain, seqs, refs, new_k, new_v, row, _ = _requests(
+        rng, gen, spec, local, owners, managers, layer
+    )
     pool = ThreadPoolExecutor(2) if overlap else None
     ctx = DistContext("me", Peers(managers), pool, overlap)
     plan = plan_dist(impl, plain, seqs, row, block_size, torch.device("cpu"), ctx)
     q = torch.randn(row, hq, d, generator=gen)
-    plan.write_kv(local.kv, layer, torch.cat(new_k), torch.cat(new_v))
+    plan.write_kv(local.kv, layer, new_k, new_v)
     out, lse = plan.attend(q, local.kv, layer, d**-0.5)
     for r0, n, total, k, v in refs:
         rows = slice(r0, r0 + n)
@@ -116,6 +135,48 @@ def test_dist_attention_equals_dense_attention(backend, overlap, trial):
         assert torch.equal(cache.kv[:, 0], torch.zeros_like(cache.kv[:, 0])), "layer 0 untouched"
     if pool is not None:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("trial", range(2))
+def test_chained_dist_attention_is_one_runners_bit_for_bit(isa, dtype, trial):
+    """The batch-invariant mode (DistContext.fixed_order): requests whose KV lies in parts on
+    several runners get the bits of one runner holding all of it (the same kernel and block
+    size), out and lse, decodes and prefill chunks alike; the new K/V lands where it did."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    block_size = rng.choice([1, 4, 16])
+    hq, nkv = rng.choice([(4, 4), (9, 3), (8, 1)])
+    d, layer = rng.choice([32, 40, 64]), 1
+    spec = KVCacheSpec(2, nkv, d, block_size, dtype)
+    impl = CpuAttention(isa, flash=False)
+    local, owners, managers = _cluster(spec, impl)
+    one = KVCache(spec, 1200, torch.device("cpu"))
+    plain, seqs, _, new_k, new_v, row, one_spans = _requests(
+        rng, gen, spec, local, owners, managers, layer, one
+    )
+    ctx = DistContext("me", Peers(managers), fixed_order=True)
+    plan = plan_dist(impl, plain, seqs, row, block_size, torch.device("cpu"), ctx)
+    q = torch.randn(row, hq, d, generator=gen).to(dtype)
+    plan.write_kv(local.kv, layer, new_k, new_v)
+    out, lse = plan.attend(q, local.kv, layer, d**-0.5)
+    ref = impl.plan(one_spans, block_size, torch.device("cpu"))
+    ref.write_kv(one.kv, layer, new_k, new_v)
+    ref_out, ref_lse = ref.attend(q, one.kv, layer, d**-0.5)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), f"seed={seed}"
+    assert ctx.stats.calls == len(plan.remote) > 0
+
+
+def test_chained_dist_attention_needs_the_kernels_state():
+    spec = KVCacheSpec(1, 2, 32, 4, torch.float32)
+    impl = _backend("torch")
+    local, owners, managers = _cluster(spec, impl, peers=1)
+    ids = managers["peer-0"].lend("me", "r0", 2)
+    seq = DistSeq(0, 1, 9, local.allocator.allocate(1), (RemoteExtent("peer-0", ids),), "r0")
+    ctx = DistContext("me", Peers(managers), fixed_order=True)
+    with pytest.raises(ValueError, match="batch-invariant DistKV needs the cpu attention"):
+        plan_dist(impl, [], [seq], 1, 4, torch.device("cpu"), ctx)
 
 
 def test_segment_work_splits_rows_by_position():

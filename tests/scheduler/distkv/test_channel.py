@@ -23,12 +23,12 @@ LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 2, 2, 4, 8, 4
 KEY = b"k" * 32
 
 
-def creditor(dtype: torch.dtype, seed: int) -> RManager:
+def creditor(dtype: torch.dtype, seed: int, backend: str = "torch") -> RManager:
     spec = KVCacheSpec(LAYERS, KV_HEADS, DIM, BLOCK, dtype)
     cache = KVCache(spec, 16, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(dtype))
-    return RManager("c", cache, get_attention_backend("cpu", "torch"), LendCaps(12, 4))
+    return RManager("c", cache, get_attention_backend("cpu", backend), LendCaps(12, 4))
 
 
 @pytest.mark.parametrize("family", ["unix", "tcp"])
@@ -56,6 +56,38 @@ def test_a_channel_returns_what_the_rmanager_returns(family, dtype):
                 assert torch.equal(out, want_out.to(dtype)) and torch.equal(lse, want_lse)
         assert torch.equal(remote.cache.kv, direct.cache.kv)  # the same K/V written
         assert server.frames == 3 * (1 + LAYERS)
+    finally:
+        ch.close()
+        server.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_chained_run_returns_the_rmanagers_state(dtype):
+    """The batch-invariant order's frame (attention.dist): the state the creditor's kernel
+    goes on to, bit for bit as a direct call gives it; a state of the wrong size is refused
+    by the creditor, which serves on."""
+    rng = random.Random(7)
+    remote, direct = creditor(dtype, 3, "cpu"), creditor(dtype, 3, "cpu")
+    ids = remote.lend("d", "r", 6)
+    assert direct.lend("d", "r", 6) == ids
+    server = KVChannelServer(remote, KEY, node="here")
+    ch = KVChannel("c", server.address, "d", "here", KEY)
+    try:
+        plan, rows, written = random_micro_plan(ids, rng, BLOCK)
+        micro_ch, micro = ch.prepare("d", plan), direct.prepare("d", plan)
+        g = torch.Generator().manual_seed(11)
+        q = torch.randn(rows, HEADS, DIM, generator=g).to(dtype)
+        k = torch.randn(written, KV_HEADS, DIM, generator=g).to(dtype)
+        v = torch.randn(written, KV_HEADS, DIM, generator=g).to(dtype)
+        state = torch.randn(rows, HEADS, DIM + 2, generator=g)
+        state[..., DIM + 1] = state[..., DIM + 1].abs() + 1  # a sum so far, positive
+        got = micro_ch.run(1, q, k, v, 0.35, state=state.clone())
+        want = micro.run(1, q, k, v, 0.35, state=state.clone())
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert not torch.equal(got, state)  # it went on over the lent keys
+        with pytest.raises(ValueError, match="needs its state"):
+            micro_ch.run(1, q, k, v, 0.35, state=state[:, :, :-1])
+        assert torch.equal(micro_ch.run(1, q, k, v, 0.35, state=state.clone()), want)
     finally:
         ch.close()
         server.close()

@@ -342,3 +342,42 @@ def test_paused_holds_every_runner_between_steps_while_fn_runs(shared):
             sched.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_borrowing_gives_one_big_runners_bits(tiny_model_dir, dtype):
+    """batch_invariant=on: a request that borrows (prefilled in chunks of 16, 8 of its 12 blocks
+    on two peers) gets the tokens and logprob bits of one runner with room for all of it, and
+    so does a plain request in its batches: its attention's parts run one after another in key
+    order, each going on from the state the one before left (attention.dist). With the parts'
+    results merged instead, the borrower's logprobs differ (float32 and bfloat16 here)."""
+    model = ModelConfig(model=str(tiny_model_dir), dtype=dtype, batch_invariant="on")
+    shared = load_model(model)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+
+    def make(num_blocks, chunk=2048):
+        config = EngineConfig(
+            model=ModelConfig(model="unused", dtype=dtype, batch_invariant="on"),
+            cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+            batch=BatchConfig(max_batched_tokens=chunk),
+        )
+        return Engine(config, shared)
+
+    def results(e):
+        for i, p in enumerate([PROMPT, PROMPT[:20]]):
+            e.add_request(p, sp, request_id=f"q{i}")
+        outs = {}
+        while e.has_unfinished():
+            outs.update((o.request_id, o) for o in e.step() if o.finished)
+        lps = {k: [(lp.logprob, lp.top) for lp in o.logprobs] for k, o in outs.items()}
+        return {k: (o.token_ids, lps[k]) for k, o in outs.items()}
+
+    big = make(64)
+    assert big.invariance.on
+    want = results(big)
+    a, b, c = make(4, 16), make(6), make(6)
+    net = network({"a": a, "b": b, "c": c})
+    assert a.planner.dist.fixed_order and not a.planner.dist.overlap
+    assert results(a) == want
+    assert b.distkv.rmanager.calls > 0 and c.distkv.rmanager.calls > 0
+    assert net.ledger.debts() == {}
