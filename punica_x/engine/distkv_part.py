@@ -62,7 +62,14 @@ class DistKVPart:
                 f"DistKV does not serve {d.family} models: remote micro-attention has no "
                 "sliding window or logit soft-capping"
             )
-        self.rmanager = RManager(runner_id, self.cache, self.planner.attention, caps)
+        attention = self.planner.attention
+        if self.fixed_order and not hasattr(attention, "finish_state"):
+            raise ValueError(
+                "DistKV in the batch-invariant mode chains the CPU attention kernel's state, "
+                f"which the {attention.name!r} attention backend has not: use "
+                "--batch-invariant off for DistKV on this device"
+            )
+        self.rmanager = RManager(runner_id, self.cache, attention, caps)
         self.batcher.borrowing = KVBorrowing(self.cache, borrower)
         # the chained order runs the parts one after another: nothing to overlap
         if overlap and self.fixed_order:

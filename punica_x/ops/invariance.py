@@ -56,11 +56,9 @@ from dataclasses import dataclass
 
 MODES = ("auto", "on", "off")
 MAX_COST = 0.05  # auto: the largest measured cost fraction of a part (relative_cost)
-# the backend of each kind that computes batch-invariantly on a CPU
-INVARIANT_BACKEND = "cpu"
-# ... and on CUDA, by kind (the SGMV kernels take the fixed order themselves)
-CUDA_INVARIANT_BACKENDS = {"SGMV": "cuda"}
-CUDA_INVARIANT_BACKEND = "triton"
+# the backend that computes batch-invariantly, by (device, kind); kind None: every other
+# kind (on CUDA the SGMV kernels take the fixed order themselves)
+INVARIANT_BACKENDS = {("cpu", None): "cpu", ("cuda", None): "triton", ("cuda", "SGMV"): "cuda"}
 CUDA_AUTO = "auto: off on cuda, where the mode is opt-in (on) until its cost is measured there"
 
 
@@ -134,10 +132,9 @@ def with_engine_backends(
 
 def invariant_backend(device_type: str, kind: str) -> str:
     """The backend of `kind` ("dense", "fused", "attention", "SGMV") that computes
-    batch-invariantly on `device_type`."""
-    if device_type == "cuda":
-        return CUDA_INVARIANT_BACKENDS.get(kind, CUDA_INVARIANT_BACKEND)
-    return INVARIANT_BACKEND
+    batch-invariantly on `device_type` (a CPU's for a device without its own)."""
+    default = INVARIANT_BACKENDS.get((device_type, None), INVARIANT_BACKENDS[("cpu", None)])
+    return INVARIANT_BACKENDS.get((device_type, kind), default)
 
 
 def _blocker(device_type: str, kernels: bool, named: Mapping[str, str | None]) -> str:
@@ -169,13 +166,14 @@ def backend_name(
 
 def relative_cost(timings: list[tuple[int, Mapping[str, float]]]) -> float:
     """The mode's cost on one part: (count, {backend: ms}) per shape, as autotune timed the
-    candidates, the mode's own under INVARIANT_BACKEND; sum of count x its time over sum of
-    count x the fastest's, minus 1 (0 where every shape is fastest in the mode's or had no
-    timing)."""
+    candidates, the mode's own under the CPU's name (INVARIANT_BACKENDS); sum of count x its
+    time over sum of count x the fastest's, minus 1 (0 where every shape is fastest in the
+    mode's or had no timing)."""
     ours = best = 0.0
+    mine = invariant_backend("cpu", "dense")
     for count, times in timings:
-        if not times or INVARIANT_BACKEND not in times:
+        if not times or mine not in times:
             continue
-        ours += count * times[INVARIANT_BACKEND]
+        ours += count * times[mine]
         best += count * min(times.values())
     return ours / best - 1.0 if best > 0 else 0.0

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from punica_x.attention import get_attention_backend
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.core import FinishReason, SamplingParams
 from punica_x.engine import Engine
@@ -381,3 +382,8 @@ def test_batch_invariant_borrowing_gives_one_big_runners_bits(tiny_model_dir, dt
     assert results(a) == want
     assert b.distkv.rmanager.calls > 0 and c.distkv.rmanager.calls > 0
     assert net.ledger.debts() == {}
+    # an attention backend without the kernel's state (CUDA's Triton one) is refused up front
+    d = make(4)
+    d.planner.attention = get_attention_backend("cpu", "torch")
+    with pytest.raises(ValueError, match="chains the CPU attention kernel's state"):
+        d.distkv.enable("d", net.add_runner("d"), default_caps(4))
