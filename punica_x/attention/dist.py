@@ -153,8 +153,7 @@ def plan_dist(
         covered[sp.row_start : sp.row_start + sp.num_rows] = True
     calls = _split_segments(seqs, block_size, local_spans, writes, covered, ctx.fixed_order)
     merge = getattr(backend, "merge_rows", None)  # a fused merge (the CPU backend has one)
-    if ctx.fixed_order:
-        merge = _finisher(backend)
+    finish = _finisher(backend) if ctx.fixed_order else None
     ordered = sorted(calls.items(), key=lambda item: item[0][0])  # by round (stable)
     remote = [_prepare_call(call, seqs, merge, device, ctx) for _, call in ordered]
     local = backend.plan(local_spans, block_size, device)
@@ -172,7 +171,7 @@ def plan_dist(
         overlap=ctx.overlap,
         stats=ctx.stats,
         merge=merge,
-        chained=ctx.fixed_order,
+        finish=finish,
     )
 
 
@@ -285,8 +284,8 @@ class DistPlan:
     overlap: bool
     stats: RemoteStats
     merge: object | None = None  # backend.merge_rows, or None: merge_into per run of rows
-    # the batch-invariant order (module doc): merge is then backend.finish_state
-    chained: bool = False
+    # the batch-invariant order (module doc): backend.finish_state; None: the parts merged
+    finish: object | None = None
     _k: torch.Tensor | None = None
     _v: torch.Tensor | None = None
 
@@ -303,7 +302,7 @@ class DistPlan:
         not supported here (DistKVPart.enable refuses such models)."""
         if window or softcap:
             raise NotImplementedError("DistAttention with a sliding window or soft-capping")
-        if self.chained:
+        if self.finish is not None:
             return self._attend_chained(q, kv, layer, scale)
         k, v = self._k, self._v
         pending = []
@@ -340,7 +339,7 @@ class DistPlan:
             self.stats.calls += 1
             self.stats.seconds += time.perf_counter() - t0
             state[q_rows] = part.to(state.device)
-        return self.merge(state, q.dtype)
+        return self.finish(state, q.dtype)
 
     def _start(self, entry, layer, q, k, v, scale):
         call, micro, q_rows, kv_rows, _ = entry
