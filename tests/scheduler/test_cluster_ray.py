@@ -425,3 +425,80 @@ def test_a_poison_request_fails_alone_across_the_process_boundary(
     assert last.error.startswith("this request was in 2 engine steps that failed"), last.error
     assert "injected kernel fault" in last.error
     assert restarts == 2 and quarantined == 1
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_sigkill_in_the_batch_invariant_mode_continues_bit_for_bit(local_ray, tmp_path):
+    """The default model in bfloat16, batch_invariant=on: the runner process holding four
+    streams (base and adapter rows) is SIGKILLed mid-stream; each stream, resumed on another
+    process by recomputation from what its client had, ends with the tokens and logprob bits
+    of the same request run alone by an LLM nobody killed. The prompts carry a ~1,000-token
+    system prompt: recomputed, a stream's prompt and tokens so far are one chunk past the
+    flash attention threshold, where the mode keeps the paged kernel. (With the mode off,
+    the streams' logprobs differ from the alone runs here.)"""
+    from helpers import CHAT_QUESTIONS, hf_default_model, make_peft_adapter
+
+    from punica_x import LLM
+
+    mode = "on"
+    adapter = make_peft_adapter(hf_default_model(), tmp_path / "r8", 8, ["q_proj", "v_proj"], 3)
+    model = ModelConfig(model=None, dtype="bfloat16", batch_invariant=mode)
+    config = EngineConfig(model=model, cache=CacheConfig(num_blocks=400))
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(dtype="bfloat16", batch_invariant=mode)
+    llm.load_adapter("r8", str(adapter))
+    system = " ".join(["You are a careful assistant who answers briefly and precisely."] * 95)
+
+    def chat(question: str) -> list[int]:
+        turns = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        text = llm.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return llm.tokenizer.encode(text)
+
+    prompts = [chat(q) for q in CHAT_QUESTIONS[:4]]
+    adapters = [None, "r8", "r8", None]
+
+    def bits(outs):
+        return [t for o in outs for t in o.new_token_ids], [
+            (lp.logprob, lp.top) for o in outs for lp in o.new_logprobs
+        ]
+
+    alone = []
+    for p, a in zip(prompts, adapters):
+        out = llm.generate([p], [a], sp)[0]
+        alone.append((out.token_ids, [(lp.logprob, lp.top) for lp in out.logprobs]))
+    sched = ray_scheduler(config)
+
+    async def main():
+        await sched.register_adapter("r8", adapter)
+        pairs = enumerate(zip(prompts, adapters))
+        reqs = [EngineRequest(p, sp, a, f"inv-{i}") for i, (p, a) in pairs]
+        streams = [await sched.open(r) for r in reqs]
+        victim = streams[0].slot
+        outs = [[] for _ in streams]
+        async for out in streams[0]:
+            outs[0].append(out)
+            if sum(len(o.new_token_ids) for o in outs[0]) >= 9:
+                break
+        os.kill(victim.handle.info.pid, signal.SIGKILL)
+
+        async def rest(i):
+            outs[i] += [out async for out in streams[i]]
+
+        await asyncio.gather(*(rest(i) for i in range(len(streams))))
+        for _ in range(100):
+            sched.check_runners()
+            if victim.state == "dead":
+                break
+            await asyncio.sleep(0.1)
+        state = victim.state
+        await replaced(sched, victim.runner_id)  # the loop stays until the new process is up
+        return outs, state
+
+    try:
+        outs, state = asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert state == "dead"
+    for i, got in enumerate(outs):
+        assert bits(got) == alone[i], i
