@@ -9,8 +9,12 @@ at a time: what torch would otherwise compute differently by the row count or a 
   depends on the row count (torch.sigmoid differs on ~4% of float32 inputs here). A
   one-row call of a [1, n] tensor puts the same elements in the same places every time.
 
-Both cost a torch call per row: for the small products and gates they are used on (LoRA
-deltas of the edges and the router, a [rows, 1] gate), a few microseconds a row."""
+Both cost a torch call per row, paid only in the mode and only where these parts run (an
+adapter with LoRA on an edge or the router; a shared expert's gate). Measured on a 2-core
+AVX2 EPYC, float32, per layer at 32 rows: a router LoRA delta ([32, 2048] @ [2048, 16] @
+[16, 60]) 0.52 ms a row at a time against 0.05 ms batched; the [32, 1] sigmoid 0.19 ms
+against 0.004 ms. At 256 rows (a prefill chunk): 3.5 ms against 0.19 ms, and 1.0 ms against
+0.002 ms."""
 
 from __future__ import annotations
 
