@@ -57,6 +57,22 @@ inline vf splat(float s) {
 #endif
 }
 
+// a * b + c rounded once. Written `c += a * b`, GCC contracts it into an FMA in some
+// instantiations of a template and not in others (a peeled iteration of a one-row tile
+// kept vmulps + vaddps, AVX2): a row's bits then depend on the tile it lands in, which the
+// batch-invariant mode (punica_x/ops/invariance.py) cannot have.
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(c)));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
 typedef int vi __attribute__((vector_size(kLanes * sizeof(int))));
 typedef unsigned vu __attribute__((vector_size(kLanes * sizeof(unsigned))));
 

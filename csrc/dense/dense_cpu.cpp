@@ -53,7 +53,7 @@ void tile(const float* x, int64_t xs, const TW* w, int k, const float* bias, TY*
     for (int n = 0; n < kNB; ++n) wv[n] = load(w + kk * kDensePanel + n * kLanes);
     for (int m = 0; m < MB; ++m) {
       const vf xv = splat(x[m * xs + kk]);
-      for (int n = 0; n < kNB; ++n) acc[m][n] += xv * wv[n];
+      for (int n = 0; n < kNB; ++n) acc[m][n] = fmadd(xv, wv[n], acc[m][n]);
     }
   };
   hinted_steps<PF>(k, pf, pf_step, [&](int k0, int k1) {

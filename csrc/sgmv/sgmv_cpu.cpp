@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -75,13 +76,13 @@ void shrink_tile(const T* x, int64_t xs, const W* a, int h_in, float* v, int64_t
     for (int j = 0; j < JB; ++j) av[j] = load(a + int64_t(j) * h_in + k);
     for (int m = 0; m < MB; ++m) {
       const vf xv = load(x + m * xs + k);
-      for (int j = 0; j < JB; ++j) acc[m][j] += xv * av[j];
+      for (int j = 0; j < JB; ++j) acc[m][j] = fmadd(xv, av[j], acc[m][j]);
     }
   }
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < JB; ++j) {
       float s = hsum(acc[m][j]);
-      for (int kk = k; kk < h_in; ++kk) s += f32(x[m * xs + kk]) * f32(a[int64_t(j) * h_in + kk]);
+      for (int kk = k; kk < h_in; ++kk) s = std::fma(f32(x[m * xs + kk]), f32(a[int64_t(j) * h_in + kk]), s);
       v[m * vs + j] = s;
     }
   }
@@ -101,7 +102,7 @@ void expand_tile(const float* v, int64_t vs, int r, const W* b, int64_t ld, T* y
     for (int n = 0; n < NB; ++n) bv[n] = load(b + i * ld + n * kLanes);
     for (int m = 0; m < MB; ++m) {
       const vf s = splat(v[m * vs + i]);
-      for (int n = 0; n < NB; ++n) acc[m][n] += s * bv[n];
+      for (int n = 0; n < NB; ++n) acc[m][n] = fmadd(s, bv[n], acc[m][n]);
     }
   }
   for (int m = 0; m < MB; ++m)
@@ -115,7 +116,7 @@ void expand_cols_scalar(const float* v, int64_t vs, int rows, int r, const W* b,
   for (int m = 0; m < rows; ++m)
     for (int c = 0; c < cols; ++c) {
       float s = 0.f;
-      for (int i = 0; i < r; ++i) s += v[m * vs + i] * f32(b[i * ld + c]);
+      for (int i = 0; i < r; ++i) s = std::fma(v[m * vs + i], f32(b[i * ld + c]), s);
       y[m * ys + c] = narrow<T>(f32(y[m * ys + c]) + s);
     }
 }

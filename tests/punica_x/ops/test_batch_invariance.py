@@ -106,9 +106,12 @@ def test_fused_layers_rows_do_not_depend_on_the_batch(cpu_isa, dtype):
 @pytest.mark.parametrize("rank", [8, 13])
 def test_sgmv_fixed_order_rows_do_not_depend_on_their_segment(cpu_isa, dtype, rank):
     """A row of an adapter's segment of 1, 2, 5, 9 or 16 rows (and rows of the base) gives
-    the bits it gives alone in a one-row segment; three slices (q, k, v) of odd widths."""
+    the bits it gives alone in a one-row segment; three slices of odd widths, one wider than
+    a one-row expand tile (256 columns on AVX-512, 96 on AVX2), whose last item then has as
+    few columns as a multi-row segment's (there AVX2's one-row tile had kept a multiply and
+    an add unfused, float32)."""
     gen = generator()
-    h_in, h_out, layers = 200, [72, 40, 40], 2
+    h_in, h_out, layers = 200, [72, 40, 300], 2
     lens = [9, 1, 2, 5, 16]  # rows per segment; the second is the base model's
     ranks = [[rank] * 3 for _ in lens]
     ranks[1] = [0, 0, 0]
