@@ -26,9 +26,11 @@ struct SgmvSegments {
   // batch-invariant order (ModelConfig.batch_invariant): a row's result is the same bits
   // whatever its segment's size. Off, a bf16 segment of several rows may take other
   // arithmetic than a one-row segment (the avx512_bf16 build's dot tiles, AMX tiles); on,
-  // every segment takes the one path a segment of any size can (the dot tiles for every
-  // bf16 segment on avx512_bf16, never AMX tiles). CUDA: the shrink's split of K is fixed by
-  // h_in alone (sgmv_cuda.cu).
+  // every segment takes the one-row segment's arithmetic (the widening tiles for every bf16
+  // segment on avx512_bf16, never the dot or AMX tiles; the dot tiles on one row were latency
+  // bound, 1.3-2.0x the widening tile for 32 one-row segments on Zen 4, while the widening
+  // tiles of several rows time as the dot tiles do at rank 16). CUDA: the shrink's split of K
+  // is fixed by h_in alone (sgmv_cuda.cu).
   bool fixed_order = false;
 };
 

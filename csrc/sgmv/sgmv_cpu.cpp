@@ -190,12 +190,9 @@ ExpandFn<T, W> expand_kernel(int mb, int nb) {
   static const std::array<ExpandFn<T, W>, kExpandWideNB> wide =
       expand_row<T, W, 1>(std::make_integer_sequence<int, kExpandWideNB>{});
   if (mb == 1) return wide[nb - 1];
-  if constexpr (kDotExpand<T>) {
-    return nullptr;  // never asked for: the item plan sends these rows to expand_dot
-  } else {
-    static const auto narrow_tiles = expand_table<T, W>(std::make_integer_sequence<int, kMB>{});
-    return narrow_tiles[mb - 1][nb - 1];
-  }
+  // bf16 on the avx512_bf16 build: only in fixed order (else expand_dot takes these rows)
+  static const auto narrow_tiles = expand_table<T, W>(std::make_integer_sequence<int, kMB>{});
+  return narrow_tiles[mb - 1][nb - 1];
 }
 
 struct ShrinkItem {
@@ -282,10 +279,10 @@ void sgmv_expand_cpu(T* y, int64_t y_stride, const float* v, int64_t v_stride,
     const int rows = p.seg[s + 1] - p.seg[s];
     if (p.w_ptr[s] == 0 || rows == 0) continue;
     const bool tiles = !p.fixed_order && amx::on_tiles(tile_mode, rows, 0);
-    // bf16 dot tiles (avx512_bf16): segments of several rows; with fixed_order every segment,
-    // so a row's sums do not depend on how many rows share its adapter
-    const bool dot = kDotExpand<T> && (rows > 1 || p.fixed_order) && !tiles;
-    const int width = tiles ? kTileWidth : kLanes * (rows == 1 && !dot ? kExpandWideNB : kExpandNarrowNB);
+    // bf16 dot tiles (avx512_bf16): segments of several rows, except in fixed order, where
+    // every segment takes the widening tiles, a one-row segment's arithmetic
+    const bool dot = kDotExpand<T> && rows > 1 && !p.fixed_order && !tiles;
+    const int width = tiles ? kTileWidth : kLanes * (rows == 1 ? kExpandWideNB : kExpandNarrowNB);
     for (int j = 0; j < p.num_slices; ++j) {
       const int r = p.ranks[s * p.num_slices + j];
       if (r == 0) continue;

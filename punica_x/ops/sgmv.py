@@ -302,7 +302,8 @@ def choose_sgmv(
 
 
 # the builds whose cpu kernels run other instructions in fixed order (csrc/sgmv/sgmv.h: the
-# bf16 dot tiles for one-row segments too, never AMX tiles); elsewhere the orders are one
+# widening tiles for bf16 segments of several rows too, never the dot or AMX tiles);
+# elsewhere the orders are one
 ORDER_DIFFERS = ("avx512_bf16",)
 
 
