@@ -259,9 +259,10 @@ def _quant_args(s) -> None:
         default="auto",
         help="the same request gives the same tokens and logprobs bit for bit whatever else "
         "runs (batching, prefix-cache hits, chunked prefill, preemption, migration): every "
-        "kernel in one reduction order per row. auto (default): on where its measured cost "
-        "is at most 5%% on this CPU (said at start); on: refused where it cannot hold (a GPU "
-        "for now); off: the fastest kernel per shape",
+        "kernel in one reduction order per row. auto (default): on where its measured decode "
+        "cost is at most 5%% on this CPU (said at start; off on a GPU until measured there); "
+        "on: refused where it cannot hold (an untuned CPU, float16 on a CPU, CUDA without "
+        "Triton); off: the fastest kernel per shape",
     )
     s.add_argument(
         "--lora-dtype",

@@ -107,7 +107,7 @@ def decide(
     verdict = "on" if measured <= MAX_COST else "off"
     each = ", ".join(f"{part} {100 * c:.1f}%" for part, c in parts.items())
     reason = (
-        f"auto: {verdict}, its measured cost is {100 * measured:.1f}% on this CPU's kernels "
+        f"auto: {verdict}, its measured cost is {100 * measured:.1f}% on this CPU's decode kernels "
         f"({each or 'nothing to time'}; on up to {100 * MAX_COST:.0f}%)"
     )
     return Invariance(verdict == "on", reason, measured)
