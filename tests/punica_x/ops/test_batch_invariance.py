@@ -61,9 +61,10 @@ def _blocks(fmt: str, n: int, k: int) -> QuantBlocks:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("x_bits", [0, 8, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantized_gemm_rows_do_not_depend_on_the_batch(cpu_isa, fmt, x_bits, dtype):
-    """The blocks' kernels in fixed order (what choose_quant keeps at every row count then)."""
-    n, k = 53, 320
+@pytest.mark.parametrize(("n", "k"), [(53, 320), (300, 576)])
+def test_quantized_gemm_rows_do_not_depend_on_the_batch(cpu_isa, fmt, x_bits, dtype, n, k):
+    """The blocks' kernels in fixed order (what choose_quant keeps at every row count then);
+    the second shape has more output columns than a tile's panel."""
     backend = QuantCpuDense(fmt, dtype, cpu_isa, x_bits=x_bits, fixed_order=True)
     w = backend.prepare(_blocks(fmt, n, k))
     x = torch.randn(40, k, generator=generator()).to(dtype)
