@@ -131,8 +131,9 @@ constexpr std::array<TileFn, sizeof...(U)> units(std::integer_sequence<int, U...
 }
 
 // Tiles of several rows x kNarrowUnits (64 columns: MB x 4 accumulators), the items of
-// segments of several rows (sgmv_cpu.cpp; a one-row segment keeps the widening tile); the
-// last row block of such a segment may have one row.
+// segments of several rows outside fixed order (sgmv_cpu.cpp; a one-row segment, and every
+// segment in fixed order, keeps the widening tiles); the last row block of such a segment may
+// have one row.
 constexpr int kNarrowUnits = 2;
 
 template <int... M>

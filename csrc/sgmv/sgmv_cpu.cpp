@@ -10,7 +10,8 @@
 // expand: a tile is MB rows x NB vectors of output columns; it streams the rank rows of B once
 //         per row block. One-row segments take wide column blocks for long sequential reads.
 //         bf16 on the avx512_bf16 build, segments of several rows: vdpbf16ps on two rank rows
-//         at a time (expand_dot.h).
+//         at a time (expand_dot.h), except in fixed order (sgmv.h), where every segment keeps
+//         the widening tiles.
 // Prefetch: an item fetches its successor's weights over its own inner steps when the
 // successor is the first to read them (common/prefetch.h: Lookahead; a burst of them at the
 // item's start, as before, stalled on the few misses a core keeps in flight: the distinct
@@ -26,8 +27,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
