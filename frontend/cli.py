@@ -148,6 +148,7 @@ def engine_config(args):
         quantization=args.quantization,
         quant_activations=args.quant_activations,
         batch_invariant=args.batch_invariant,
+        simulated_step_ms=args.simulated_step_ms,
     )
     memory = MemoryConfig(utilization=args.memory_utilization)
     if args.kv_fraction is not None:
@@ -223,6 +224,14 @@ def _serve_parser(sub) -> None:
         choices=["fcfs", "mlfq"],
         help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
         "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
+    )
+    s.add_argument(
+        "--simulated-step-ms",
+        type=float,
+        default=None,
+        help="benchmarks only: runners call a simulated device instead of the model, each "
+        "step holding this many ms without the interpreter lock (bench_host.py measures the "
+        "host path with it); its tokens are a hash of the input, not the model's",
     )
     s.add_argument(
         "--limit",

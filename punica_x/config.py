@@ -53,6 +53,9 @@ class ModelConfig:
     # the same request gives the same bits whatever else runs (punica_x/ops/invariance.py):
     # "auto" (on where its measured cost is at most 5%), "on" or "off"
     batch_invariant: str = "auto"
+    # benchmarks only: the forward replaced by a simulated device that holds this many ms of
+    # wall time a step without the interpreter lock (punica_x/models/simulated.py); None: off
+    simulated_step_ms: float | None = None
 
     QUANTIZATION = ("auto", "none", "int8", "int4")
     QUANT_ACTIVATIONS = ("int16", "int8", "float")
@@ -71,6 +74,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive("max_model_len", self.max_model_len)
         check_mode(self.batch_invariant)
+        ms = self.simulated_step_ms
+        if ms is not None and (
+            isinstance(ms, bool) or not isinstance(ms, int | float) or not 0 < ms <= 60_000
+        ):
+            raise ValueError(f"simulated_step_ms must be a number in (0, 60000], got {ms!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -40,6 +40,25 @@ SHAPES = {
             eos_token_id=2,
         ),
     ),
+    # a near-free model for the host path (bench_host.py): what a step costs besides the model,
+    # with SmolLM2's tokenizer (the simulated device picks ids below 1024: real BPE tokens)
+    "host-tiny": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Qwen/Qwen2.5-0.5B-Instruct's config.json
     "qwen2.5-0.5b": (
         "Qwen2Config",

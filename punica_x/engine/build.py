@@ -21,6 +21,7 @@ from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 from punica_x.lora.peft_checks import LoraTarget
+from punica_x.models.simulated import SimulatedForward
 from punica_x.ops.invariance import Invariance, invariant_backend, with_engine_backends
 from punica_x.ops.sgmv import choose_sgmv, sgmv_fixed_order
 
@@ -176,3 +177,16 @@ def build_decode_graphs(engine, config: EngineConfig) -> DecodeGraphs | None:
     )
     graphs.capture_start()
     return graphs
+
+
+def simulated_forward(engine, config: EngineConfig) -> SimulatedForward | None:
+    """The simulated device of config.model.simulated_step_ms (models/simulated.py), called
+    instead of the model; None when off. CPU only (its logits are host tensors): ValueError."""
+    step_ms = config.model.simulated_step_ms
+    if step_ms is None:
+        return None
+    if engine.device.type != "cpu":
+        raise ValueError(f"simulated_step_ms runs on the CPU only, not on {engine.device.type}")
+    log.info("simulated device: the forward holds %.3g ms a step (benchmarks only)", step_ms)
+    vocab = engine.model.dims.vocab_size
+    return SimulatedForward(step_ms, vocab, len(engine.tokenizer))

@@ -24,6 +24,7 @@ from punica_x.engine.build import (
     engine_invariance,
     lora_target,
     serving_dtypes,
+    simulated_forward,
 )
 from punica_x.engine.checks import check_request, starved_error, too_big_error
 from punica_x.engine.cuda_graphs import DecodeGraphs
@@ -79,7 +80,8 @@ class Engine:
             self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
         self._build(config)
-        self.graphs = build_decode_graphs(self, config)
+        self.forward = simulated_forward(self, config) or self.model
+        self.graphs = None if self.forward is not self.model else build_decode_graphs(self, config)
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def _build(self, config: EngineConfig) -> None:
@@ -294,7 +296,7 @@ class Engine:
             batch, ordered = self.planner.plan(rows)
             logits = self.graphs.run(batch) if self.graphs is not None else None
             if logits is None:
-                logits = self.model(batch, self.cache.kv, self.sgmv)
+                logits = self.forward(batch, self.cache.kv, self.sgmv)
         except PeerLost as exc:
             lamina_part.lost_peer(self, exc.owner)
             return None

@@ -92,6 +92,11 @@ def test_serve_memory_planning_flags():
         ("--kv-fraction", "nan"),
         ("--max-model-len", "0"),
         ("--max-model-len", "-5"),
+        ("--simulated-step-ms", "0"),
+        ("--simulated-step-ms", "-1"),
+        ("--simulated-step-ms", "nan"),
+        ("--simulated-step-ms", "inf"),
+        ("--simulated-step-ms", "1e9"),
     ],
 )
 def test_serve_refuses_bad_memory_flags(flag, value, capsys):
@@ -112,3 +117,8 @@ def test_serve_batch_invariant_reaches_the_model_config(capsys):
     _check_choices(
         capsys, "--batch-invariant", "batch_invariant", ("auto", "on", "off"), ("ON", "1", "")
     )
+
+
+def test_serve_simulated_step_reaches_the_model_config():
+    assert _engine().model.simulated_step_ms is None
+    assert _engine("--simulated-step-ms", "2.5").model.simulated_step_ms == 2.5
