@@ -162,7 +162,7 @@ def engine_config(args):
         engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
     if args.no_prefix_caching:
         engine = replace(engine, cache=replace(engine.cache, prefix_caching=False))
-    return replace(engine, attention_workers=args.attention_workers)
+    return replace(engine, attention_workers=args.attention_workers, overlap=args.overlap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +224,14 @@ def _serve_parser(sub) -> None:
         choices=["fcfs", "mlfq"],
         help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
         "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
+    )
+    s.add_argument(
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="overlapped scheduling: each runner plans step N+1 and streams step N's tokens "
+        "while the device runs (docs/api.md). auto (default): on with the simulated device, "
+        "off on real devices until measured there (PUNICA_X_OVERLAP=on|off changes auto)",
     )
     s.add_argument(
         "--simulated-step-ms",

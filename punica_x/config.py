@@ -288,8 +288,16 @@ class EngineConfig:
     # Lamina (punica_x/attention/lamina.py): attention and the KV on this many attention
     # workers, each holding a slice of the KV heads (must divide the model's); 0: none
     attention_workers: int = 0
+    # overlapped scheduling (punica_x/engine/overlap.py): the host plans step N+1 while the
+    # device runs step N. "auto": on with the simulated device (or as PUNICA_X_OVERLAP says),
+    # off on real devices until measured there; "on" / "off"
+    overlap: str = "auto"
+
+    OVERLAP = ("auto", "on", "off")
 
     def __post_init__(self) -> None:
+        if self.overlap not in self.OVERLAP:
+            raise ValueError(f"overlap must be one of {self.OVERLAP}, got {self.overlap!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         n = self.attention_workers

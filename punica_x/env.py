@@ -36,6 +36,12 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
+OVERLAP = EnvVar(
+    "PUNICA_X_OVERLAP",
+    "",
+    "what EngineConfig.overlap auto means: on or off (default: on with the simulated device "
+    "only); the test suite runs with it on to check overlapped steps everywhere",
+)
 ATTENTION_BACKEND = EnvVar(
     "PUNICA_X_ATTENTION_BACKEND", "", "force an attention backend: cpu, torch or flashinfer"
 )

@@ -74,6 +74,13 @@ class Request:
     # blocks computed so far
     cache_key: bytes | None = None
     block_names: list[bytes] = field(default_factory=list)
+    # overlapped scheduling (engine/overlap.py): tokens sampled on the device and not yet known
+    # on the host (0 or 1; counted in num_tokens, not in output_token_ids), the row of the
+    # last submitted step's samples that holds it, and whether it is surely the request's
+    # last token (max_tokens or the model's length reached): then it is not scheduled again
+    num_inflight: int = 0
+    inflight_row: int = 0
+    final_in_flight: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -81,6 +88,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens, those still in flight on the device included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + generated tokens known on the host (num_tokens less the in-flight)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -121,3 +134,7 @@ class Batch:
     sample_rows: torch.Tensor
     logit_rows: torch.Tensor | None = None
     prompt_targets: tuple[tuple[Request, tuple[int, ...]], ...] = ()
+    # overlapped steps (engine/overlap.py): (row of input_ids, row of the previous step's
+    # samples) of each input token still in flight when the batch was planned; the device
+    # fills them before the forward. Empty: every input is known.
+    input_fills: tuple[tuple[int, int], ...] = ()

@@ -100,11 +100,13 @@ class Batcher:
         running = self.running
         while i < len(running) and budget > 0:
             r = running[i]
-            if r.borrow_after > now:  # its peers refused blocks: it waits, keeping its KV
+            if r.borrow_after > now or r.final_in_flight:
+                # its peers refused blocks: it waits, keeping its KV; or its last token is on
+                # the device (overlapped steps): it ends when that arrives
                 i += 1
                 continue
             done = r.num_computed_tokens
-            n = len(r.prompt_token_ids) + len(r.output_token_ids) - done
+            n = r.num_tokens - done
             if n > budget:
                 n = budget
             if r.remote or len(r.block_ids) * size < done + n:  # it needs more blocks
@@ -124,7 +126,7 @@ class Batcher:
         for r in list(self.waiting):
             if len(self.running) >= self.config.max_batch_size or budget <= 0:
                 break
-            if r.adapter is not None and not r.adapter.ready:
+            if (r.adapter is not None and not r.adapter.ready) or r.final_in_flight:
                 continue
             if r.borrow_after > now:
                 break

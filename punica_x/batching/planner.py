@@ -19,6 +19,27 @@ def _adapter_key(s: ScheduledRequest) -> int:
     return s.request.adapter.version if s.request.adapter is not None else 0
 
 
+def _append_inputs(
+    ids: list[int], fills: list[tuple[int, int]], r: Request, start: int, n: int
+) -> None:
+    """r's input tokens [start, start + n) onto ids; a last one still in flight (overlapped
+    steps) as a placeholder the device fills from the previous step's samples (fills)."""
+    if n == 1:  # a decode row: no copy of the request's tokens
+        k, out = start - len(r.prompt_token_ids), r.output_token_ids
+        if k < 0:
+            ids.append(r.prompt_token_ids[start])
+            return
+        if k < len(out):
+            ids.append(out[k])
+            return
+    else:
+        ids.extend(r.all_token_ids[start : start + n])
+        if r.num_known_tokens - start >= n:
+            return
+    fills.append((len(ids), r.inflight_row))
+    ids.append(0)
+
+
 class BatchPlanner:
     def __init__(
         self, target: LoraTarget, block_size: int, device: torch.device, attention
@@ -42,10 +63,11 @@ class BatchPlanner:
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[Request, tuple[int, ...]]] = []
+        fills: list[tuple[int, int]] = []
         for s in ordered:
             r, start = s.request, s.request.num_computed_tokens
             row = len(ids)
-            ids.extend(r.all_token_ids[start : start + s.num_new_tokens])
+            _append_inputs(ids, fills, r, start, s.num_new_tokens)
             positions.extend(range(start, start + s.num_new_tokens))
             end = start + s.num_new_tokens
             if r.remote:
@@ -82,6 +104,7 @@ class BatchPlanner:
                 else None
             ),
             prompt_targets=tuple(prompt_targets),
+            input_fills=tuple(fills),
         )
         return batch, ordered
 

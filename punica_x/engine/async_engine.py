@@ -160,6 +160,8 @@ class AsyncEngine:
         entered, done = threading.Event(), threading.Event()
 
         def wait() -> None:
+            self.engine.drain()  # an overlapped step still on the device completes first
+            self._flush()
             entered.set()
             done.wait(limit)
 
@@ -183,14 +185,16 @@ class AsyncEngine:
         while not self._stop.is_set():
             # idle: nothing running, or the last step ran nothing (requests wait for blocks
             # their peers refused): wait a little for commands instead of spinning
+            in_flight = self.engine.in_flight()  # an overlapped step to complete
             idle = not self.engine.batcher.running or self.engine.idle_step
-            if not self.engine.has_unfinished():
+            idle = idle and not in_flight
+            if not self.engine.has_unfinished() and not in_flight:
                 self._run_commands(block=None)  # nothing to do: sleep until a command arrives
             else:
                 self._run_commands(block=_IDLE_WAIT if idle else 0)
             if self._stop.is_set():
                 break
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() or self.engine.in_flight():
                 self._step()
             self._flush()
         if self.error is not None:  # stopped by a failed step: the streams end with RunnerLost
@@ -230,10 +234,16 @@ class AsyncEngine:
             return
         while True:
             if future.set_running_or_notify_cancel():
+                # outputs the command produced (an abort's, a take's drained step) reach their
+                # streams before its caller goes on
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as exc:  # delivered to the caller
+                    self._flush()
                     future.set_exception(exc)
+                else:
+                    self._flush()
+                    future.set_result(result)
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:

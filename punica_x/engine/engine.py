@@ -16,7 +16,7 @@ from punica_x.core import (
     TokenLogprob,
     new_request_id,
 )
-from punica_x.engine import lamina_part, memory, report
+from punica_x.engine import lamina_part, memory, overlap, report
 from punica_x.engine.build import (
     build_decode_graphs,
     build_kv,
@@ -82,6 +82,11 @@ class Engine:
         self._build(config)
         self.forward = simulated_forward(self, config) or self.model
         self.graphs = None if self.forward is not self.model else build_decode_graphs(self, config)
+        on, self.overlap_reason = overlap.decide(config.overlap, self.forward is not self.model)
+        if on and self.graphs is not None:
+            on, self.overlap_reason = False, "off: CUDA graphs replay synchronous steps for now"
+        self.overlap = overlap.OverlapPart(self) if on else None
+        log.info("overlapped scheduling: %s", self.overlap_reason)
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def _build(self, config: EngineConfig) -> None:
@@ -190,6 +195,8 @@ class Engine:
                 self.adapters.release(ref)
             raise
         self.requests[req.request_id] = req
+        if self.overlap is not None:
+            self.overlap.submitted(req)
         self.batcher.add(req, front=resume is not None)  # it was admitted before the others
         return req
 
@@ -201,6 +208,11 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
+        if self.in_flight():
+            self.drain()  # its in-flight token and KV arrive first
+            req = self.requests.get(request_id)
+            if req is None or req.finished:
+                return None
         resume = resume_point(req, self.detokenizer, self.cache, self.swap, with_kv)
         self._release(req)
         self.detokenizer.drop(request_id)
@@ -239,7 +251,19 @@ class Engine:
         return [self._finish_and_emit(r, FinishReason.ERROR, error=error) for r in reqs]
 
     def has_unfinished(self) -> bool:
+        """Requests wait or run (an overlapped step of finished rows may still be on the
+        device: in_flight; the next step, or drain, completes it)."""
         return self.batcher.num_unfinished > 0
+
+    def in_flight(self) -> bool:
+        """Whether an overlapped step is on the device, its tokens not yet known."""
+        return self.overlap is not None and self.overlap.inflight is not None
+
+    def drain(self) -> list[RequestOutput]:
+        """Complete an overlapped step still on the device (its outputs emitted): the device
+        is quiet after it and every request's tokens are known. Nothing when steps are
+        synchronous."""
+        return self.overlap.drain() if self.overlap is not None else []
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -252,6 +276,10 @@ class Engine:
         self.scheduled_ids = ()
         self.adapters.poll()
         outputs = self._fail_broken_adapters()
+        if self.overlap is not None:
+            if self.overlap.usable():
+                return outputs + self.overlap.step()
+            outputs += self.overlap.drain()
         schedule = lamina_part.schedule(self)
         if schedule is None:  # an attention worker was lost in a swap between steps
             return outputs
@@ -395,5 +423,7 @@ class Engine:
         self.distkv.stop_lending()
 
     def shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.adapters.shutdown()
         lamina_part.close(self.attention_launcher)

@@ -57,7 +57,7 @@ class OutputProcessor:
                 return FinishReason.STOP
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP
-        if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+        if len(r.output_token_ids) >= sp.max_tokens or r.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

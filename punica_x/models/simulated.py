@@ -13,6 +13,12 @@ next_token(id, position)), so greedy generation is deterministic, varied, indepe
 batch, and the same with any scheduling of the host's work. The KV cache is neither written nor
 read: the simulated device models time, not attention.
 
+Like a GPU's stream, it keeps a timeline: a step launched (launch) occupies the device for
+step_ms after the previous one ends, and its results are ready then; the host is free
+meanwhile (overlapped steps read them with wait_until), or waits at once (a synchronous call).
+Only the host's work is real CPU time; the device's is modelled, so no thread of the device
+competes with the host for the interpreter lock, as a GPU's kernels do not.
+
 ModelConfig.simulated_step_ms (serve --simulated-step-ms) turns it on; the engine then calls
 it instead of the model (no CUDA graphs). It records how long its callers waited on it
 (`waited_s`, `calls`): a step's host work is its wall time less that wait."""
@@ -53,23 +59,39 @@ class SimulatedForward:
         if self.token_limit <= FIRST_TOKEN:
             raise ValueError(f"a vocabulary of {self.token_limit} leaves no simulated tokens")
         self._lock = threading.Lock()
-        self.waited_s = 0.0  # total wall time callers spent inside forward
+        self.ready_at = 0.0  # perf_counter time at which the device finishes its last step
+        self.waited_s = 0.0  # total wall time callers spent waiting on the device
         self.calls = 0
 
     def __call__(self, batch, kv=None, backend=None) -> torch.Tensor:
+        """A synchronous step: launch, then wait until the device is done with it."""
         start = time.perf_counter()
+        logits = self.launch(batch)
+        self.wait_until(self.ready_at, since=start)
+        return logits
+
+    def launch(self, batch, kv=None, backend=None) -> torch.Tensor:
+        """An asynchronous step, as a CUDA launch: the logits at once, the device busy until
+        ready_at (step_ms after it is free: steps queue one after another, as on a stream).
+        Whoever reads the step's results waits until then (wait_until)."""
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
         ids, positions = batch.input_ids[rows], batch.positions[rows]
         picked = next_token(ids, positions, self.token_limit)
         logits = torch.zeros(len(picked), self.vocab, dtype=torch.float32)
         logits[torch.arange(len(picked)), picked] = 1.0
-        left = start + self.step_s - time.perf_counter()
-        if left > 0:
-            time.sleep(left)  # the device's time: the interpreter lock is free meanwhile
         with self._lock:
-            self.waited_s += time.perf_counter() - start
+            self.ready_at = max(time.perf_counter(), self.ready_at) + self.step_s
             self.calls += 1
         return logits
+
+    def wait_until(self, ready_at: float, since: float | None = None) -> None:
+        """Sleep (the interpreter lock free) until the device reaches ready_at; the wait, from
+        `since` when given, counts in waited_s."""
+        start = time.perf_counter()
+        if ready_at > start:
+            time.sleep(ready_at - start)
+        with self._lock:
+            self.waited_s += time.perf_counter() - (start if since is None else since)
 
     def reset(self) -> None:
         """Zero the wait counters (a benchmark's warm-up done)."""

@@ -122,3 +122,14 @@ def test_serve_batch_invariant_reaches_the_model_config(capsys):
 def test_serve_simulated_step_reaches_the_model_config():
     assert _engine().model.simulated_step_ms is None
     assert _engine("--simulated-step-ms", "2.5").model.simulated_step_ms == 2.5
+
+
+def test_serve_overlap_reaches_the_engine_config(capsys):
+    assert _engine().overlap == "auto"
+    for mode in ("auto", "on", "off"):
+        assert _engine("--overlap", mode).overlap == mode
+    for bad in ("yes", "ON", ""):
+        with pytest.raises(SystemExit) as exit_:
+            _engine("--overlap", bad)
+        assert exit_.value.code == 2
+        assert "--overlap" in capsys.readouterr().err

@@ -50,9 +50,10 @@ def test_thaw_collects_frozen_cycles(unfrozen):
     assert gc.get_freeze_count() > 0  # and the rest is frozen again
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("batch", [2, 16])
-def test_a_decode_step_leaves_the_collector_nothing(tiny_model_dir, batch):
-    engine = tiny_llm(tiny_model_dir).engine
+def test_a_decode_step_leaves_the_collector_nothing(tiny_model_dir, batch, overlap):
+    engine = tiny_llm(tiny_model_dir, overlap=overlap).engine
     sp = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([5 + i, 7, 9, 11], sp, None)
@@ -74,3 +75,22 @@ def test_a_decode_step_leaves_the_collector_nothing(tiny_model_dir, batch):
     # slack is for other threads of the test process)
     assert grown < 20, grown
     assert garbage == 0  # no reference cycles: everything a step made is freed at once
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_dropped_engine_is_freed_at_once(tiny_model_dir, overlap):
+    """No reference cycle holds an engine (its KV cache) after its last reference goes: one
+    that only the collector could free would stay for good once the heap is frozen."""
+    import weakref
+
+    llm = tiny_llm(tiny_model_dir, overlap=overlap)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([[5, 7, 9]], sampling=sp)
+    llm.engine.step()  # an overlapped step of the finished request's row, left on the device
+    alive = weakref.ref(llm.engine)
+    gc.disable()
+    try:
+        del llm
+        assert alive() is None
+    finally:
+        gc.enable()
