@@ -14,6 +14,13 @@ Per decode step (every request decoding): step wall time, the device time the st
 step / max(T, host). Issue 72's targets, T = 5 ms: step <= 1.1 x max(T, host) at every B and host
 <= 10 us per request at 256.
 
+--overlap on|off|both: the engine's overlapped scheduling (EngineConfig.overlap; auto is on
+with the simulated device); both measures each batch size both ways, side by side.
+
+--server: the same batches through `punica-x serve --simulated-step-ms T` (HTTP, SSE), B
+concurrent streams from this process (the minimal SSE client of bench_serve), one completion
+each: delivered tokens/s beside the offline engine's at the same batch (issue 72: >= 0.9x).
+
     python benchmarks/bench_host.py [--step-ms 5] [--batches 1,32,128,256,512] [--max-tokens 128]
                                     [--adapters 8] [--rank 16]
 """
@@ -36,13 +43,16 @@ SHAPE = "host-tiny"
 VOCAB = 1024  # the shape's vocabulary
 
 
-def engine_for(model: str, batch: int, step_ms: float, adapters: list, max_tokens: int) -> LLM:
+def engine_for(
+    model: str, batch: int, step_ms: float, adapters: list, max_tokens: int, overlap: str = "auto"
+) -> LLM:
     """An engine on the simulated device with room for `batch` requests of a chat prompt and
     max_tokens generated tokens each."""
     blocks_each = (160 + max_tokens) // 16 + 2
     llm = LLM(
         model,
         dtype="float32",
+        overlap=overlap,
         simulated_step_ms=step_ms,
         max_batch_size=batch,
         max_batched_tokens=max(2048, 160 * min(batch, 64)),
@@ -64,6 +74,7 @@ def prompt_ids(tokenizer, n: int) -> list[list[int]]:
 def measure(llm: LLM, batch: int, n_adapters: int, max_tokens: int) -> dict:
     """B requests decoding together: the medians of the steps in which all of them decode."""
     engine, sim = llm.engine, llm.engine.forward
+    waits = engine.overlap or sim  # what the step thread waits on: the device's samples
     prompts = prompt_ids(llm.tokenizer, batch)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -79,13 +90,13 @@ def measure(llm: LLM, batch: int, n_adapters: int, max_tokens: int) -> dict:
             )
             and len(engine.requests) == batch
         )
-        waited0, t0 = sim.waited_s, time.perf_counter()
+        waited0, t0 = waits.waited_s, time.perf_counter()
         outs = engine.step()
         wall = time.perf_counter() - t0
         tokens += sum(len(o.new_token_ids) for o in outs)
         if decoding:
             walls.append(wall)
-            hosts.append(wall - (sim.waited_s - waited0))
+            hosts.append(wall - (waits.waited_s - waited0))
     elapsed = time.perf_counter() - started
     wall, host = statistics.median(walls), statistics.median(hosts)
     step_s = sim.step_s
@@ -101,14 +112,39 @@ def measure(llm: LLM, batch: int, n_adapters: int, max_tokens: int) -> dict:
     }
 
 
+def through_server(args, model: str, adapters: list, batch: int, mode: str) -> float:
+    """Delivered tokens/s of `batch` concurrent streams through punica-x serve on the same
+    simulated device (one completion each, the prompts and adapters of measure)."""
+    import asyncio
+    import contextlib
+
+    from common.server import bench_server
+    from common.stream_clients import run_raw_clients
+    from transformers import AutoTokenizer
+
+    prompts = prompt_ids(AutoTokenizer.from_pretrained(model), batch)
+    extra = ("--model", model, "--simulated-step-ms", str(args.step_ms), "--dtype", "float32")
+    extra += ("--max-batch-size", str(batch), "--overlap", mode)
+    with contextlib.ExitStack() as stack:
+        tmp = scratch_dir("bench-host-server-")
+        _, url, key, _ = stack.enter_context(bench_server(tmp, adapters, extra))
+        jobs = [(f"a{i % len(adapters)}" if adapters else "base", p) for i, p in enumerate(prompts)]
+        asyncio.run(run_raw_clients(url, key, jobs[:4], 4, 4))  # warm-up
+        seconds, tokens = asyncio.run(run_raw_clients(url, key, jobs, batch, args.max_tokens))
+    if tokens != batch * args.max_tokens:
+        raise RuntimeError(f"the server generated {tokens} tokens, {batch * args.max_tokens} asked")
+    return tokens / seconds
+
+
 def plot(rows: list[dict], step_ms: float, name: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    b = [r["batch"] for r in rows]
-    ax.plot(b, [r["step_ms"] for r in rows], "o-", label="step wall")
-    ax.plot(b, [r["host_ms"] for r in rows], "s-", label="host work")
-    ax.plot(b, [max(step_ms, r["host_ms"]) for r in rows], "k--", label="max(T, host)")
-    ax.axhline(step_ms, color="grey", lw=0.8)
+    for mode in sorted({r["overlap"] for r in rows}):
+        mine = [r for r in rows if r["overlap"] == mode]
+        b = [r["batch"] for r in mine]
+        ax.plot(b, [r["step_ms"] for r in mine], "o-", label=f"step wall, overlap {mode}")
+        ax.plot(b, [r["host_ms"] for r in mine], "s:", label=f"host work, overlap {mode}")
+    ax.axhline(step_ms, color="grey", lw=0.8, label="T")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("requests decoding")
@@ -126,6 +162,8 @@ def parse_args():
     add_max_tokens(ap, default=128)
     add_adapters(ap, default=8)
     add_rank(ap)
+    ap.add_argument("--overlap", choices=["auto", "on", "off", "both"], default="auto")
+    ap.add_argument("--server", action="store_true", help="also through the HTTP server")
     ap.add_argument("--name", default="bench_host")
     args = ap.parse_args()
     try:
@@ -147,15 +185,22 @@ def main() -> None:
     print(describe_machine(), flush=True)
     model = str(random_model(SHAPE))
     adapters = make_adapters(model, args.adapters, args.rank, scratch_dir("bench-host-"))
+    modes = ["off", "on"] if args.overlap == "both" else [args.overlap]
     rows = []
     for batch in batches:
-        log(f"batch {batch}")
-        llm = engine_for(model, batch, args.step_ms, adapters, args.max_tokens)
-        measure(llm, min(batch, 8), args.adapters, 8)  # warm-up: first calls, allocations
-        llm.engine.forward.reset()
-        rows.append(measure(llm, batch, args.adapters, args.max_tokens))
-        llm.engine.shutdown()
+        for mode in modes:
+            log(f"batch {batch}, overlap {mode}")
+            llm = engine_for(model, batch, args.step_ms, adapters, args.max_tokens, mode)
+            measure(llm, min(batch, 8), args.adapters, 8)  # warm-up: first calls, allocations
+            llm.engine.forward.reset()
+            row = {"overlap": "on" if llm.engine.overlap else "off"}
+            rows.append(row | measure(llm, batch, args.adapters, args.max_tokens))
+            if args.server:
+                row["server_tok_s"] = through_server(args, model, adapters, batch, mode)
+                row["server_x_offline"] = row["server_tok_s"] / row["tok_s"]
+            llm.engine.shutdown()
     columns = [
+        "overlap",
         "batch",
         "decode_steps",
         "step_ms",
@@ -164,7 +209,7 @@ def main() -> None:
         "host_us_per_req",
         "step_over_bound",
         "tok_s",
-    ]
+    ] + (["server_tok_s", "server_x_offline"] if args.server else [])
     title = (
         f"decode step on the simulated device (T = {args.step_ms:g} ms), {args.adapters} "
         f"rank-{args.rank} adapters, greedy, {args.max_tokens} tokens"
