@@ -225,6 +225,18 @@ def _serve_parser(sub) -> None:
         help="who each runner serves first: fcfs (arrival order, default) or mlfq (skip-join "
         "MLFQ: short requests stop waiting behind long ones; preempted KV swapped to host)",
     )
+    _host_path_args(s)
+    s.add_argument(
+        "--limit",
+        action="append",
+        metavar="NAME=N",
+        help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
+    )
+    _cluster_args(s)
+
+
+def _host_path_args(s) -> None:
+    """serve's options about each runner's host path (punica_x/engine/overlap.py)."""
     s.add_argument(
         "--overlap",
         choices=["auto", "on", "off"],
@@ -241,13 +253,6 @@ def _serve_parser(sub) -> None:
         "step holding this many ms without the interpreter lock (bench_host.py measures the "
         "host path with it); its tokens are a hash of the input, not the model's",
     )
-    s.add_argument(
-        "--limit",
-        action="append",
-        metavar="NAME=N",
-        help="override a limit of frontend.config.Limits, e.g. max_queue=64 (repeatable)",
-    )
-    _cluster_args(s)
 
 
 def _quant_args(s) -> None:

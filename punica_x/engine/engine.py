@@ -82,11 +82,7 @@ class Engine:
         self._build(config)
         self.forward = simulated_forward(self, config) or self.model
         self.graphs = None if self.forward is not self.model else build_decode_graphs(self, config)
-        on, self.overlap_reason = overlap.decide(config.overlap, self.forward is not self.model)
-        if on and self.graphs is not None:
-            on, self.overlap_reason = False, "off: CUDA graphs replay synchronous steps for now"
-        self.overlap = overlap.OverlapPart(self) if on else None
-        log.info("overlapped scheduling: %s", self.overlap_reason)
+        self.overlap = overlap.part_for(self, config)  # None: synchronous steps
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
     def _build(self, config: EngineConfig) -> None:
@@ -204,15 +200,11 @@ class Engine:
         """Remove an unfinished request without finishing it (no output is emitted) and return
         where it stands, to continue it on another runner; None if it is not here (finished,
         aborted, unknown). with_kv: include a copy of its computed KV (a live copy). Its KV
-        blocks and adapter reference are released."""
+        blocks and adapter reference are released. An overlapped step completes first."""
+        self.drain()  # the request's in-flight token and KV arrive (it may finish there)
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
-        if self.in_flight():
-            self.drain()  # its in-flight token and KV arrive first
-            req = self.requests.get(request_id)
-            if req is None or req.finished:
-                return None
         resume = resume_point(req, self.detokenizer, self.cache, self.swap, with_kv)
         self._release(req)
         self.detokenizer.drop(request_id)
@@ -251,8 +243,7 @@ class Engine:
         return [self._finish_and_emit(r, FinishReason.ERROR, error=error) for r in reqs]
 
     def has_unfinished(self) -> bool:
-        """Requests wait or run (an overlapped step of finished rows may still be on the
-        device: in_flight; the next step, or drain, completes it)."""
+        """Requests wait or run (see in_flight for an overlapped step of finished rows)."""
         return self.batcher.num_unfinished > 0
 
     def in_flight(self) -> bool:

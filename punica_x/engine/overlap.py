@@ -149,6 +149,17 @@ def fill_inputs(batch: Batch, tokens: list[int | None]) -> None:
         batch.input_ids[list(where)] = ids.to(batch.input_ids.device, non_blocking=True)
 
 
+def part_for(engine, config) -> OverlapPart | None:
+    """The engine's OverlapPart when EngineConfig.overlap decides on (decide), None
+    otherwise; said in the log. CUDA graphs replay synchronous steps for now."""
+    simulated = isinstance(engine.forward, SimulatedForward)
+    on, reason = decide(config.overlap, simulated)
+    if on and engine.graphs is not None:
+        on, reason = False, "off: CUDA graphs replay synchronous steps for now"
+    log.info("overlapped scheduling: %s", reason)
+    return OverlapPart(engine) if on else None
+
+
 class OverlapPart:
     """The engine's overlapped steps (see the module). engine: the Engine it belongs to (its
     batcher, planner, forward, outputs and request bookkeeping)."""
