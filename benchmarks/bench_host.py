@@ -194,7 +194,8 @@ def main() -> None:
             measure(llm, min(batch, 8), args.adapters, 8)  # warm-up: first calls, allocations
             llm.engine.forward.reset()
             row = {"overlap": "on" if llm.engine.overlap else "off"}
-            rows.append(row | measure(llm, batch, args.adapters, args.max_tokens))
+            row |= measure(llm, batch, args.adapters, args.max_tokens)
+            rows.append(row)
             if args.server:
                 row["server_tok_s"] = through_server(args, model, adapters, batch, mode)
                 row["server_x_offline"] = row["server_tok_s"] / row["tok_s"]

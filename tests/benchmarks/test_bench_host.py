@@ -15,8 +15,9 @@ SCRIPT = BENCHMARKS / "bench_host.py"
 
 @pytest.mark.slow
 def test_a_toy_run_reports_every_batch(tmp_path):
-    flags = ["--batches", "1,4", "--max-tokens", "6", "--adapters", "2", "--rank", "4"]
-    flags += ["--step-ms", "2", "--name", "toy_host"]
+    """Both scheduling modes, offline and through the server."""
+    flags = ["--batches", "4", "--max-tokens", "6", "--adapters", "2", "--rank", "4"]
+    flags += ["--step-ms", "2", "--name", "toy_host", "--overlap", "both", "--server"]
     env = dict(os.environ, PUNICA_X_RESULTS=str(tmp_path / "results"))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=600, env=env
@@ -24,8 +25,9 @@ def test_a_toy_run_reports_every_batch(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*/toy_host.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 4]
+    assert [(r["batch"], r["overlap"]) for r in rows] == [(4, "off"), (4, "on")]
     for r in rows:
+        assert r["server_tok_s"] > 0 and r["server_x_offline"] > 0
         assert r["decode_steps"] == 5  # 6 tokens: the first comes from the prefill step
         assert r["step_ms"] >= 2.0 and r["device_ms"] == 2.0
         assert 0 < r["host_ms"] < r["step_ms"]
