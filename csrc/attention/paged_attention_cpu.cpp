@@ -21,16 +21,20 @@ namespace {
 
 using namespace simd;
 
+// The multiply-adds are written as FMAs (fmadd, std::fma): left to the compiler, `s += a * b`
+// was contracted into an FMA in some instantiations and not in others (a bf16 block read as it
+// is vs one widened to float first), so a row's scores and sums changed with how many (row,
+// head) pairs shared its tile, which the batch-invariant mode must not see.
 template <typename T>
 inline float dot(const float* a, const T* b, int d) {
   int e = 0;
   float s = 0.f;
   if (d >= kLanes) {
     vf acc = load(a) * load(b);
-    for (e = kLanes; e + kLanes <= d; e += kLanes) acc += load(a + e) * load(b + e);
+    for (e = kLanes; e + kLanes <= d; e += kLanes) acc = fmadd(load(a + e), load(b + e), acc);
     s = hsum(acc);
   }
-  for (; e < d; ++e) s += a[e] * f32(b[e]);
+  for (; e < d; ++e) s = std::fma(a[e], f32(b[e]), s);
   return s;
 }
 
@@ -46,7 +50,7 @@ inline void weighted_rows_chunk(float* a, float c, const float* w, const T* v, i
   for (int j = 0; j < V; ++j) acc[j] = load(a + j * kLanes) * cv;
   for (int k = 0; k < keys; ++k) {
     const vf wk = splat(w[k]);
-    for (int j = 0; j < V; ++j) acc[j] += wk * load(v + int64_t(k) * d + j * kLanes);
+    for (int j = 0; j < V; ++j) acc[j] = fmadd(wk, load(v + int64_t(k) * d + j * kLanes), acc[j]);
   }
   for (int j = 0; j < V; ++j) store(a + j * kLanes, acc[j]);
 }
@@ -68,7 +72,7 @@ inline void weighted_rows(float* a, float c, const float* w, const T* v, int key
   }
   for (; e < d; ++e) {  // head sizes that are not a multiple of the vector width
     float x = a[e] * c;
-    for (int k = 0; k < keys; ++k) x += w[k] * f32(v[int64_t(k) * d + e]);
+    for (int k = 0; k < keys; ++k) x = std::fma(w[k], f32(v[int64_t(k) * d + e]), x);
     a[e] = x;
   }
 }
@@ -171,7 +175,7 @@ void attend_tile(T* out, float* lse, const T* q, int hq, const KvLayout& kv, con
           sum += sc[k];
         }
         weighted_rows(acc + i * d, c, sc, vb_ + int64_t(k0) * d, nk, d);
-        l[i] = l[i] * c + sum;
+        l[i] = std::fma(l[i], c, sum);
         m[i] = new_m;
       }
     };
