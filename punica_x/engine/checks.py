@@ -4,10 +4,14 @@ running request that outgrew them."""
 
 from __future__ import annotations
 
-from punica_x.core import SamplingParams
+import logging
+
+from punica_x.core import FinishReason, SamplingParams
 from punica_x.errors import ContextTooLong, InvalidRequest
 from punica_x.kv.blocks import blocks_needed
 from punica_x.runtime import Request
+
+log = logging.getLogger("punica_x.engine.engine")
 
 
 def check_request(
@@ -73,3 +77,19 @@ def starved_error(r: Request, give_up_s: float) -> str:
         f"{give_up_s:g} s: the cluster's free blocks are held by other requests; it ends "
         f"here after {len(r.output_token_ids)} generated tokens"
     )
+
+
+def unschedulable(schedule, distkv, block_size: int, batcher) -> list[tuple]:
+    """(request, finish reason, error) of each request a Schedule says cannot run, each error
+    logged: too big for every cache (LENGTH), or starved of peers' blocks (ERROR). distkv:
+    the engine's DistKVPart (what peers could lend)."""
+    tokens = distkv.capacity_blocks() * block_size
+    ending = [
+        (r, FinishReason.LENGTH, too_big_error(r, tokens, distkv.peers_lend()))
+        for r in schedule.overflow
+    ]
+    for r in schedule.starved:
+        ending.append((r, FinishReason.ERROR, starved_error(r, batcher.borrowing.give_up_s)))
+    for r, _, error in ending:
+        log.warning("request %s: %s", r.request_id, error)
+    return ending

@@ -26,7 +26,7 @@ from punica_x.engine.build import (
     serving_dtypes,
     simulated_forward,
 )
-from punica_x.engine.checks import check_request, starved_error, too_big_error
+from punica_x.engine.checks import check_request, unschedulable
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
@@ -80,8 +80,8 @@ class Engine:
             self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
         self._build(config)
-        self.forward = simulated_forward(self, config) or self.model
-        self.graphs = None if self.forward is not self.model else build_decode_graphs(self, config)
+        self.simulated = simulated_forward(self, config)  # None: the model runs
+        self.graphs = None if self.simulated else build_decode_graphs(self, config)
         self.overlap = overlap.part_for(self, config)  # None: synchronous steps
         freeze_heap("engine built")  # steps do not walk the start-up heap (punica_x/heap.py)
 
@@ -101,6 +101,7 @@ class Engine:
         self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
         self.sgmv = build_sgmv(config, d, device, dtype, self.lora_dtype, self.invariance.on)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
+        self.simulated = self.overlap = None  # so are these (a profiling step runs the model)
         self.requests: dict[str, Request] = {}
         # DistKV (off until engine.distkv.enable(...)): lending, borrowing, moves home
         self.distkv = DistKVPart(
@@ -111,6 +112,11 @@ class Engine:
         self.scheduled_ids: tuple[str, ...] = ()
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
         self.attention_worker_losses = 0  # Lamina's attention workers lost and replaced
+
+    @property
+    def forward(self):
+        """What a step calls: the model (whatever self.model is now), or the simulated device."""
+        return self.simulated if self.simulated is not None else self.model
 
     def describe(self) -> report.EngineInfo:
         """What this engine is (device, model, LoRA and KV limits): punica_x/engine/report.py."""
@@ -251,9 +257,8 @@ class Engine:
         return self.overlap is not None and self.overlap.inflight is not None
 
     def drain(self) -> list[RequestOutput]:
-        """Complete an overlapped step still on the device (its outputs emitted): the device
-        is quiet after it and every request's tokens are known. Nothing when steps are
-        synchronous."""
+        """Complete an overlapped step still on the device (its outputs emitted; nothing when
+        steps are synchronous): the device is quiet after it, every token known."""
         return self.overlap.drain() if self.overlap is not None else []
 
     # -- the step -------------------------------------------------------------------------
@@ -293,18 +298,8 @@ class Engine:
         return outputs + self._postprocess(ordered, tokens, logprobs, failed)
 
     def _end_unschedulable(self, schedule: Schedule) -> list[RequestOutput]:
-        """End the requests the batcher cannot run, each error logged: too big for every
-        cache (LENGTH), or starved of peers' blocks (ERROR)."""
-        tokens = self.distkv.capacity_blocks() * self.cache.block_size
-        ending = [
-            (r, FinishReason.LENGTH, too_big_error(r, tokens, self.distkv.peers_lend()))
-            for r in schedule.overflow
-        ]
-        for r in schedule.starved:
-            give_up_s = self.batcher.borrowing.give_up_s
-            ending.append((r, FinishReason.ERROR, starved_error(r, give_up_s)))
-        for r, _, error in ending:
-            log.warning("request %s: %s", r.request_id, error)
+        """End the requests the batcher cannot run, each error logged (checks.unschedulable)."""
+        ending = unschedulable(schedule, self.distkv, self.cache.block_size, self.batcher)
         return [self._finish_and_emit(r, reason, error) for r, reason, error in ending]
 
     def _run(self, rows: list[ScheduledRequest]):

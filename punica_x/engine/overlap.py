@@ -77,7 +77,8 @@ def waits_for_host(r: Request) -> bool:
 class PlannedStep:
     """A step planned for the device: its batch and rows in the planner's order, where each
     row started (num_computed_tokens before it) and the request's preemption count then, its
-    sampling requests in sample-row order; `logits` once launched (the device's future)."""
+    sampling requests in sample-row order, its request ids, the prefix cache's blocks it
+    completes; `logits` once launched (the device's future)."""
 
     batch: Batch
     ordered: list[ScheduledRequest]
@@ -85,6 +86,7 @@ class PlannedStep:
     preemptions: list[int]
     sampling: list[Request]
     ids: tuple[str, ...]
+    pending: set[bytes]  # the prefix cache's blocks it completes (named when postprocessed)
     logits: object = None
 
 
@@ -100,14 +102,13 @@ class Sampled:
 
 class DeviceQueue:
     """A real device's forwards in submission order on one worker thread (a GPU stream's
-    order): launch(batch, kv, sgmv) -> Future of the logits."""
+    order): launch(forward, batch, kv, sgmv) -> Future of the logits."""
 
-    def __init__(self, forward) -> None:
-        self.forward = forward
+    def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="punica-x-device")
 
-    def launch(self, batch: Batch, kv, sgmv) -> Future:
-        return self._pool.submit(self.forward, batch, kv, sgmv)
+    def launch(self, forward, batch: Batch, kv, sgmv) -> Future:
+        return self._pool.submit(forward, batch, kv, sgmv)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
@@ -132,7 +133,7 @@ class SimulatedQueue:
     def __init__(self, sim) -> None:
         self.sim = sim
 
-    def launch(self, batch: Batch, kv, sgmv) -> SimulatedLogits:
+    def launch(self, forward, batch: Batch, kv, sgmv) -> SimulatedLogits:
         return SimulatedLogits(self.sim, self.sim.launch(batch, kv, sgmv))
 
     def shutdown(self) -> None:
@@ -169,7 +170,7 @@ class OverlapPart:
         # dropped engine (its KV cache) alive past the heap's freeze (punica_x/heap.py)
         self.engine = weakref.proxy(engine)
         sim = engine.forward if isinstance(engine.forward, SimulatedForward) else None
-        self.device = SimulatedQueue(sim) if sim is not None else DeviceQueue(engine.forward)
+        self.device = SimulatedQueue(sim) if sim is not None else DeviceQueue()
         self.inflight: PlannedStep | None = None
         # requests that asked for prompt logprobs, until those are scored (usable reads them)
         self.scoring: set[Request] = set()
@@ -183,7 +184,7 @@ class OverlapPart:
         e = self.engine
         if e.swap is not None or e.batcher.borrowing is not None or e.planner.dist is not None:
             return False
-        if e.config.attention_workers:
+        if e.config.attention_workers or e.graphs is not None:
             return False
         if self.scoring:
             self.scoring = {r for r in self.scoring if not r.finished and waits_for_host(r)}
@@ -200,19 +201,28 @@ class OverlapPart:
         e = self.engine
         prev, self.inflight = self.inflight, None
         outputs: list[RequestOutput] = []
+        prefix = e.batcher.prefix
+        if prefix is not None:  # prev's blocks are named when it is postprocessed
+            prefix.inflight_pending = prev.pending if prev is not None else set()
         try:
             nxt = self._plan(outputs)
         except BaseException:
             if prev is not None:
                 _wait_quietly(prev)
             raise
-        e.scheduled_ids = (prev.ids if prev else ()) + (nxt.ids if nxt else ())
-        sampled = self._sample(prev) if prev is not None else None  # raises: nxt never runs
+        # scheduled_ids: the requests of the step whose failure would raise next
+        sampled = None
+        if prev is not None:
+            e.scheduled_ids = prev.ids
+            sampled = self._sample(prev)  # raises when prev's forward did: nxt never runs
         if nxt is not None:
+            e.scheduled_ids = nxt.ids
             self._launch(nxt, sampled)
             self.inflight = nxt
         if prev is not None:
+            e.scheduled_ids = prev.ids
             outputs += self._postprocess(prev, sampled)
+        e.scheduled_ids = nxt.ids if nxt is not None else ()
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -220,6 +230,7 @@ class OverlapPart:
         prev, self.inflight = self.inflight, None
         if prev is None:
             return []
+        self.engine.scheduled_ids = prev.ids
         return self._postprocess(prev, self._sample(prev))
 
     def shutdown(self) -> None:
@@ -247,6 +258,8 @@ class OverlapPart:
         if not schedule.rows:
             e.planner.forget()  # the kept LoRA plan holds adapter tensors alive
             return None
+        e.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
+        pending = set(e.batcher.prefix.pending) if e.batcher.prefix is not None else set()
         batch, ordered = e.planner.plan(schedule.rows)
         assert not batch.prompt_targets, "prompt logprobs run in synchronous steps"
         starts, preemptions, sampling = [], [], []
@@ -265,7 +278,7 @@ class OverlapPart:
                     or r.num_tokens >= max_len
                 )
         ids = tuple(s.request.request_id for s in ordered)
-        return PlannedStep(batch, ordered, starts, preemptions, sampling, ids)
+        return PlannedStep(batch, ordered, starts, preemptions, sampling, ids, pending)
 
     def _sample(self, step: PlannedStep) -> Sampled:
         """Wait for a launched step's logits and sample them (every earlier token of its
@@ -284,7 +297,7 @@ class OverlapPart:
         e = self.engine
         if step.batch.input_fills:
             fill_inputs(step.batch, prev.tokens)
-        step.logits = self.device.launch(step.batch, e.cache.kv, e.sgmv)
+        step.logits = self.device.launch(e.forward, step.batch, e.cache.kv, e.sgmv)
         self.steps += 1
 
     def _postprocess(self, step: PlannedStep, sampled: Sampled) -> list[RequestOutput]:
@@ -314,6 +327,8 @@ class OverlapPart:
                 if not r.finished:
                     outputs += e._end_unschedulable(Schedule([], [r], [], []))
         e.batcher.after_step(step.ordered, 0.0)
+        if prefix is not None:
+            prefix.inflight_pending = set()
         return outputs
 
     def _advance(self, r: Request, row: int, sampled: Sampled, now: float) -> RequestOutput:

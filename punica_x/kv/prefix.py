@@ -79,6 +79,9 @@ class PrefixCache:
         self.block_size = block_size
         self.stats = PrefixStats()
         self.pending: set[bytes] = set()  # names of blocks this step computes (in-batch)
+        # names of blocks the step still on the device computes (overlapped steps: named when
+        # it is postprocessed, after the next step is scheduled)
+        self.inflight_pending: set[bytes] = set()
 
     def names(self, r: Request, num_blocks: int) -> list[bytes]:
         """The names of r's first num_blocks full blocks (extending r.block_names, which
@@ -109,7 +112,9 @@ class PrefixCache:
             return True
         names = self.names(r, self.reusable_blocks(r))
         ids = self.allocator.lookup(names)
-        if len(ids) < len(names) and names[len(ids)] in self.pending:
+        if len(ids) < len(names) and (
+            names[len(ids)] in self.pending or names[len(ids)] in self.inflight_pending
+        ):
             self.allocator.free(ids)
             return False
         r.block_ids.extend(ids)

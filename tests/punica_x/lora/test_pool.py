@@ -89,7 +89,8 @@ def test_loading_does_not_stall_the_running_batch(tiny_model_dir, tiny_adapters,
     waiting = engine.add_request("hello world", SP, "slow")
     for _ in range(5):
         engine.step()
-    assert len(running.output_token_ids) == 6  # the batch kept going while "slow" loaded
+    # the batch kept going while "slow" loaded (a token may still be on the device: overlap)
+    assert len(running.output_token_ids) + running.num_inflight == 6
     assert not waiting.adapter.ready and not waiting.output_token_ids
     release.set()
     engine.adapters.wait_ready(waiting.adapter)
