@@ -74,13 +74,14 @@ class SimulatedForward:
         """An asynchronous step, as a CUDA launch: the logits at once, the device busy until
         ready_at (step_ms after it is free: steps queue one after another, as on a stream).
         Whoever reads the step's results waits until then (wait_until)."""
+        launched = time.perf_counter()  # a launch returns at once: the device starts now
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
         ids, positions = batch.input_ids[rows], batch.positions[rows]
         picked = next_token(ids, positions, self.token_limit)
         logits = torch.zeros(len(picked), self.vocab, dtype=torch.float32)
         logits[torch.arange(len(picked)), picked] = 1.0
         with self._lock:
-            self.ready_at = max(time.perf_counter(), self.ready_at) + self.step_s
+            self.ready_at = max(launched, self.ready_at) + self.step_s
             self.calls += 1
         return logits
 
