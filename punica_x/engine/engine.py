@@ -257,8 +257,7 @@ class Engine:
         return self.overlap is not None and self.overlap.inflight is not None
 
     def drain(self) -> list[RequestOutput]:
-        """Complete an overlapped step still on the device (its outputs emitted; nothing when
-        steps are synchronous): the device is quiet after it, every token known."""
+        """Complete an overlapped step still on the device (its outputs emitted): quiet after."""
         return self.overlap.drain() if self.overlap is not None else []
 
     # -- the step -------------------------------------------------------------------------
@@ -279,12 +278,8 @@ class Engine:
         schedule = lamina_part.schedule(self)
         if schedule is None:  # an attention worker was lost in a swap between steps
             return outputs
-        self.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
-        outputs += self._end_unschedulable(schedule)
-        tell_preempted(schedule.preempted)
-        self.idle_step = not schedule.rows
+        outputs += self._settle(schedule)
         if not schedule.rows:
-            self.planner.forget()  # the kept LoRA plan holds adapter tensors alive
             return outputs
         started = time.perf_counter()
         ran = self._run(schedule.rows)
@@ -296,6 +291,16 @@ class Engine:
         tokens, logprobs = sample_step(self.sampler, logits, sampling, batch.prompt_targets, failed)
         self.batcher.after_step(schedule.rows, time.perf_counter() - started)
         return outputs + self._postprocess(ordered, tokens, logprobs, failed)
+
+    def _settle(self, schedule: Schedule) -> list[RequestOutput]:
+        """Before its rows run: end what cannot run, tell the preempted, note scheduled_ids."""
+        self.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
+        outputs = self._end_unschedulable(schedule)
+        tell_preempted(schedule.preempted)
+        self.idle_step = not schedule.rows
+        if not schedule.rows:
+            self.planner.forget()  # the kept LoRA plan holds adapter tensors alive
+        return outputs
 
     def _end_unschedulable(self, schedule: Schedule) -> list[RequestOutput]:
         """End the requests the batcher cannot run, each error logged (checks.unschedulable)."""

@@ -41,7 +41,7 @@ import torch
 
 from punica_x.batching.schedule import Schedule, ScheduledRequest
 from punica_x.core import FinishReason, RequestOutput, TokenLogprob
-from punica_x.engine.outputs import emit, tell_preempted
+from punica_x.engine.outputs import emit
 from punica_x.engine.step_sampling import sample_step
 from punica_x.env import OVERLAP
 from punica_x.models.simulated import SimulatedForward
@@ -252,13 +252,9 @@ class OverlapPart:
             self.overflowed.update(late)
             now_ending = [r for r in schedule.overflow if not r.num_inflight]
             schedule = replace(schedule, overflow=now_ending)
-        outputs += e._end_unschedulable(schedule)
-        tell_preempted(schedule.preempted)
-        e.idle_step = not schedule.rows
+        outputs += e._settle(schedule)
         if not schedule.rows:
-            e.planner.forget()  # the kept LoRA plan holds adapter tensors alive
             return None
-        e.scheduled_ids = tuple(s.request.request_id for s in schedule.rows)
         pending = set(e.batcher.prefix.pending) if e.batcher.prefix is not None else set()
         batch, ordered = e.planner.plan(schedule.rows)
         assert not batch.prompt_targets, "prompt logprobs run in synchronous steps"
