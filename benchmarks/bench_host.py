@@ -112,28 +112,41 @@ def measure(llm: LLM, batch: int, n_adapters: int, max_tokens: int) -> dict:
     }
 
 
-def through_server(args, model: str, adapters: list, batch: int, mode: str) -> float:
+def through_server(
+    args, model: str, adapters: list, batch: int, mode: str, backend: str = "thread"
+) -> dict:
     """Delivered tokens/s of `batch` concurrent streams through punica-x serve on the same
-    simulated device (one completion each, the prompts and adapters of measure)."""
+    simulated device (one completion each, the prompts and adapters of measure), its runner
+    on `backend` (thread: the engine steps in the server's process; process: in its own);
+    with the time until every stream had its first tokens and the tokens per SSE event."""
     import asyncio
     import contextlib
 
+    from common.lean_client import run_lean_clients
     from common.server import bench_server
-    from common.stream_clients import run_raw_clients
+    from common.stream_clients import stream_body
     from transformers import AutoTokenizer
 
     prompts = prompt_ids(AutoTokenizer.from_pretrained(model), batch)
     extra = ("--model", model, "--simulated-step-ms", str(args.step_ms), "--dtype", "float32")
-    extra += ("--max-batch-size", str(batch), "--overlap", mode)
+    extra += ("--max-batch-size", str(batch), "--overlap", mode, "--runner-backend", backend)
     with contextlib.ExitStack() as stack:
         tmp = scratch_dir("bench-host-server-")
         _, url, key, _ = stack.enter_context(bench_server(tmp, adapters, extra))
-        jobs = [(f"a{i % len(adapters)}" if adapters else "base", p) for i, p in enumerate(prompts)]
-        asyncio.run(run_raw_clients(url, key, jobs[:4], 4, 4))  # warm-up
-        seconds, tokens = asyncio.run(run_raw_clients(url, key, jobs, batch, args.max_tokens))
+        models = [f"a{i % len(adapters)}" if adapters else "base" for i in range(batch)]
+        bodies = [stream_body(m, p, args.max_tokens, usage=True) for m, p in zip(models, prompts)]
+        warm = [stream_body(m, p, 4, usage=True) for m, p in zip(models[:4], prompts)]
+        asyncio.run(run_lean_clients(url, key, warm, 4))  # warm-up
+        seconds, tokens, reads = asyncio.run(run_lean_clients(url, key, bodies, batch))
     if tokens != batch * args.max_tokens:
         raise RuntimeError(f"the server generated {tokens} tokens, {batch * args.max_tokens} asked")
-    return tokens / seconds
+    start = min(r.sent for r in reads)
+    return {
+        "tok_s": tokens / seconds,
+        # until every stream had its first tokens: admission (HTTP, tokenization, placement)
+        "all_started_ms": (max(r.first for r in reads) - start) * 1e3,
+        "tokens_per_event": tokens / sum(r.events for r in reads),
+    }
 
 
 def plot(rows: list[dict], step_ms: float, name: str) -> None:
@@ -164,6 +177,11 @@ def parse_args():
     add_rank(ap)
     ap.add_argument("--overlap", choices=["auto", "on", "off", "both"], default="auto")
     ap.add_argument("--server", action="store_true", help="also through the HTTP server")
+    ap.add_argument(
+        "--runner-backends",
+        default="thread,process",
+        help="with --server: the runner backends to serve from (thread, process), each a column",
+    )
     ap.add_argument("--name", default="bench_host")
     args = ap.parse_args()
     try:
@@ -172,6 +190,9 @@ def parse_args():
         ap.error(f"--batches wants positive integers separated by commas, got {args.batches!r}")
     if not all(0 < b <= 4096 for b in args.batch_sizes):
         ap.error(f"--batches wants integers in 1..4096, got {args.batches!r}")
+    args.backends = [b.strip() for b in args.runner_backends.split(",")]
+    if not args.backends or not set(args.backends) <= {"thread", "process"}:
+        ap.error(f"--runner-backends wants thread and/or process, got {args.runner_backends!r}")
     if not 0 < args.step_ms <= 1000:  # nan too
         ap.error(f"--step-ms must be in (0, 1000], got {args.step_ms}")
     if not 0 < args.max_tokens <= 4096 or not 0 <= args.adapters <= 64 or args.rank <= 0:
@@ -196,9 +217,12 @@ def main() -> None:
             row = {"overlap": "on" if llm.engine.overlap else "off"}
             row |= measure(llm, batch, args.adapters, args.max_tokens)
             rows.append(row)
-            if args.server:
-                row["server_tok_s"] = through_server(args, model, adapters, batch, mode)
-                row["server_x_offline"] = row["server_tok_s"] / row["tok_s"]
+            for backend in args.backends if args.server else ():
+                served = through_server(args, model, adapters, batch, mode, backend)
+                row[f"{backend}_server_tok_s"] = served["tok_s"]
+                row[f"{backend}_x_offline"] = served["tok_s"] / row["tok_s"]
+                row[f"{backend}_all_started_ms"] = served["all_started_ms"]
+                row[f"{backend}_tokens_per_event"] = served["tokens_per_event"]
             llm.engine.shutdown()
     columns = [
         "overlap",
@@ -210,7 +234,10 @@ def main() -> None:
         "host_us_per_req",
         "step_over_bound",
         "tok_s",
-    ] + (["server_tok_s", "server_x_offline"] if args.server else [])
+    ]
+    for backend in args.backends if args.server else ():
+        columns += [f"{backend}_server_tok_s", f"{backend}_x_offline"]
+        columns += [f"{backend}_all_started_ms", f"{backend}_tokens_per_event"]
     title = (
         f"decode step on the simulated device (T = {args.step_ms:g} ms), {args.adapters} "
         f"rank-{args.rank} adapters, greedy, {args.max_tokens} tokens"

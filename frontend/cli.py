@@ -343,14 +343,16 @@ def _cluster_args(s) -> None:
     s.add_argument(
         "--devices",
         default=None,
-        help="thread runners' devices, runner i on the i-th (round robin): auto (default: "
-        "every visible GPU, else the CPU), cpu, or cuda:0,cuda:1,...",
+        help="thread and process runners' devices, runner i on the i-th (round robin): auto "
+        "(default: every visible GPU, else the CPU), cpu, or cuda:0,cuda:1,...",
     )
     s.add_argument(
         "--runner-backend",
         default=None,
-        choices=["thread", "ray"],
+        choices=["thread", "process", "ray"],
         help="thread (default): runners inside the server process, sharing the model weights; "
+        "process: each runner's engine in a process of its own on this machine (HTTP and "
+        "streaming keep the server's interpreter to themselves; no DistKV); "
         "ray: each runner a Ray actor in its own process (default with --ray-address)",
     )
     s.add_argument(

@@ -8,7 +8,7 @@ from pathlib import Path
 from punica_x.api import EngineConfig
 
 MiB = 1 << 20
-RUNNER_BACKENDS = ("thread", "ray")
+RUNNER_BACKENDS = ("thread", "process", "ray")
 
 
 @dataclass(frozen=True)

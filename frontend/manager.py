@@ -14,6 +14,7 @@ from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.http.metrics import Metrics
 from frontend.http.protocol import TenantCreate, TenantUpdate
 from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBuilder
+from frontend.openai.logprobs_format import TokenText
 from frontend.tenancy.auth import hash_key, new_api_key
 from frontend.tenancy.cache_scope import cache_salt
 from frontend.tenancy.limits import Admission
@@ -47,6 +48,8 @@ class FrontendManager:
         self.scheduler = scheduler
         self.store = store
         self.tokenizer = scheduler.tokenizer
+        # token id -> its text for logprobs, cached across requests (the vocabulary is fixed)
+        self.token_text = TokenText(self.tokenizer)
         self.model_id = scheduler.info.model.name
         self.max_model_len = scheduler.info.model.max_model_len
         self.serving_dtype = scheduler.info.model.dtype  # adapters are cast to it at load

@@ -9,7 +9,7 @@ import functools
 import itertools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (annotations only: a live copy's KV blocks)
@@ -250,3 +250,22 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, on the first output once the prompt is computed
     # and on the final one: entry i for prompt token i, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one of the same request as one (a reader that fell
+        behind takes every queued delta at once): the deltas joined, the rest from `later`
+        (the totals and the finish are the last output's), prompt_logprobs from whichever
+        carries them."""
+        new_logprobs = later.new_logprobs
+        if self.new_logprobs is not None:
+            new_logprobs = self.new_logprobs + (later.new_logprobs or [])
+        prompt_logprobs = later.prompt_logprobs
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -13,15 +13,17 @@ from scheduler.cluster import Scheduler, SchedulerConfig
 from scheduler.runners.devices import device_of
 from scheduler.runners.local import LocalRunner
 
-BACKENDS = ("thread", "ray")
+BACKENDS = ("thread", "process", "ray")
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     """engine: what every runner loads and runs. runners: how many start (at least one).
     backend: "thread" (in this process; runners on one device share the backbone's weights)
+    "process" (an engine process each, on this machine: scheduler/runners/process_runner.py)
     or "ray" (one actor each, at ray_address: "auto" the local cluster, None start one).
-    devices: thread runners' devices, runner-i on devices[i % len] (() the engine's own).
+    devices: thread and process runners' devices, runner-i on devices[i % len] (() the
+    engine's own).
     scheduler: the Scheduler's options."""
 
     engine: EngineConfig
@@ -42,6 +44,8 @@ def build_scheduler(spec: ClusterSpec) -> Scheduler:
     """spec.runners runners of spec.backend under a Scheduler, and their factory."""
     if spec.backend == "ray":
         return _ray_cluster(spec)
+    if spec.backend == "process":
+        return _process_cluster(spec)
     factory = thread_factory(spec)
     runners = [factory(f"runner-{i}") for i in range(spec.runners)]
     return Scheduler.from_config(spec.scheduler, runners, factory)
@@ -77,5 +81,24 @@ def _ray_cluster(spec: ClusterSpec) -> Scheduler:
 
     ids = [f"runner-{i}" for i in range(spec.runners)]
     with ThreadPoolExecutor(max_workers=spec.runners) as pool:  # the actors load at once
+        runners = list(pool.map(factory, ids))
+    return Scheduler.from_config(spec.scheduler, runners, factory, tokenizer=meta.tokenizer)
+
+
+def _process_cluster(spec: ClusterSpec) -> Scheduler:
+    from punica_x.api import describe_model
+    from scheduler.runners.process_runner import ProcessRunner
+
+    meta = describe_model(spec.engine.model)  # the tokenizer here; weights only in the processes
+
+    def factory(runner_id: str) -> ProcessRunner:
+        engine = spec.engine
+        if spec.devices:
+            device = device_of(runner_id, spec.devices)
+            engine = replace(engine, model=replace(engine.model, device=device))
+        return ProcessRunner(engine, runner_id)
+
+    ids = [f"runner-{i}" for i in range(spec.runners)]
+    with ThreadPoolExecutor(max_workers=spec.runners) as pool:  # they load at once
         runners = list(pool.map(factory, ids))
     return Scheduler.from_config(spec.scheduler, runners, factory, tokenizer=meta.tokenizer)

@@ -10,7 +10,7 @@ PY="${PYTHON:-.venv/bin/python}"
 # httpx, uvloop; not these (ray and flashinfer are too large for the 64 MiB a call carries)
 NEEDED="starlette uvicorn httptools websockets python-multipart llguidance gguf pydantic
 pydantic_core annotated-types typing-inspection jsonschema jsonschema-specifications
-referencing rpds-py"
+referencing rpds-py pyzmq"
 mkdir -p .whl .gpu/tokenizer .git/info
 for p in /.whl/ /.gpu/; do grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
 for name in $NEEDED; do

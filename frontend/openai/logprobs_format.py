@@ -8,6 +8,7 @@ its own bytes, or `bytes:\\xNN...` when they are part of a character (see TokenT
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -19,7 +20,8 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallba
 
 
 class TokenText:
-    """token id -> its bytes and its text, cached (the vocabulary is fixed). A token whose
+    """token id -> its bytes and its text, cached (the vocabulary is fixed; one per server,
+    shared by its requests: FrontendManager.token_text). A token whose
     bytes are not UTF-8 on their own (part of a character) is named as OpenAI does,
     `bytes:\\xe2\\x80`, so distinct tokens never share a text."""
 
@@ -56,6 +58,7 @@ class TokenText:
         return self.tokenizer.decode([token_id]).encode()
 
 
+@functools.cache
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2 byte-level BPE's character -> byte table (printable bytes map to themselves, the
     rest to U+0100 onwards), as the `tokenizers` ByteLevel pre-tokenizer defines it."""

@@ -16,7 +16,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 from frontend.http.request_body import read_json, validate
 from frontend.manager import Caller, FrontendManager
 from frontend.openai.generation import GenerationRequest
-from frontend.openai.logprobs_format import TokenText
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.openai.responses import ResponseBuilder, finish_reason
 from punica_x.api import RequestOutput
@@ -49,7 +48,7 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
     builder = manager.requests
     gen = await (builder.chat(body, adapter) if chat else builder.completion(body, adapter))
     streams = await manager.start(caller, gen)
-    text_of = TokenText(manager.tokenizer)
+    text_of = manager.token_text
     response = ResponseBuilder(gen, text_of, manager.tokenizer.decode)
     if gen.stream:
         return StreamingResponse(

@@ -128,9 +128,10 @@ class AsyncEngine:
         adapter: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step that produced tokens for this request, the last one
-        with finished=True. Raises ValueError / UnknownAdapterError before the first item
-        when the request is refused."""
+        """Yield a RequestOutput per step that produced tokens for this request (the steps a
+        slow reader missed joined into one, RequestStream), the last one with finished=True.
+        Raises ValueError / UnknownAdapterError before the first item when the request is
+        refused."""
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         rid = request_id if request_id is not None else new_request_id()
         stream = await self.open(EngineRequest(ids, sampling or SamplingParams(), adapter, rid))
@@ -265,7 +266,9 @@ class AsyncEngine:
 
 class RequestStream:
     """Async iterator over one request's outputs (fed into `outputs` by whoever runs the
-    engine); aclose() (or leaving early) aborts it through `abort`."""
+    engine); aclose() (or leaving early) aborts it through `abort`. A reader that fell behind
+    gets every output queued for it at once, joined (RequestOutput.then): one chunk to send
+    instead of one per step, so a busy server's streams cost it per wakeup, not per token."""
 
     def __init__(
         self, request_id: str, outputs: asyncio.Queue, abort: Callable[[], object]
@@ -274,6 +277,7 @@ class RequestStream:
         self.request_id = request_id
         self._outputs = outputs
         self._done = False
+        self._held: object | None = None  # an end (lost, moved) found while joining outputs
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -281,11 +285,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        try:
-            out = await self._outputs.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            await self.aclose()
-            raise
+        out, self._held = self._held, None
+        if out is None:
+            try:
+                out = await self._outputs.get()
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                await self.aclose()
+                raise
+            out = self._join_queued(out)
         if isinstance(out, RunnerLost):
             self._done = True
             raise out
@@ -293,6 +300,17 @@ class RequestStream:
             self._done = True
             raise StreamMoved(self.request_id)
         self._done = out.finished
+        return out
+
+    def _join_queued(self, out):
+        """`out` joined with the outputs already queued behind it; an end found among them
+        is held for the next read."""
+        while isinstance(out, RequestOutput) and not out.finished and not self._outputs.empty():
+            later = self._outputs.get_nowait()
+            if not isinstance(later, RequestOutput):
+                self._held = later
+                break
+            out = out.then(later)
         return out
 
     def moved(self) -> None:

@@ -108,5 +108,8 @@ def make_kv_group(
         return RayKVGroup(lend_fraction, overlap=True, transport=transport)
     if backends == {"thread"}:
         return ThreadKVGroup(lend_fraction, overlap)
+    if "process" in backends:
+        log.warning("DistKV is for thread and Ray runners, not engine processes; it is off")
+        return None
     log.warning("DistKV needs runners of one backend; it is off")
     return None

@@ -24,25 +24,13 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
-from punica_x.api import (
-    AdapterInfo,
-    EngineConfig,
-    EngineRequest,
-    EngineStats,
-    RequestLimits,
-    RequestOutput,
-    RequestStream,
-    Resume,
-    RunnerLost,
-    SamplingParams,
-    UnknownAdapterError,
-)
+from punica_x.api import AdapterInfo, EngineConfig, EngineStats
+from scheduler.runners.event_streams import EventStreams, RemoteRunnerLost
 from scheduler.runners.interface import RunnerInfo
 from scheduler.runners.ray_actor import ADAPTER_FILES, RunnerActor
-from scheduler.runners.ray_events import Event, LostEvent, OutputEvent, PreemptEvent
+from scheduler.runners.ray_events import Snapshot
 
 __all__ = ["RayRunner", "RunnerActor", "ensure_ray"]
 _init_lock = threading.Lock()
@@ -75,9 +63,9 @@ def _wants_gpu(config: EngineConfig) -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-class RayRunner:
-    """The scheduler's side of a RunnerActor. Building one blocks until the actor has loaded
-    the model (run it on a worker thread)."""
+class RayRunner(EventStreams):
+    """The scheduler's side of a RunnerActor (the protocol: event_streams.py). Building one
+    blocks until the actor has loaded the model (run it on a worker thread)."""
 
     backend = "ray"
     # adapter name -> ((path, sha256), object ref of its files): shared by this process's runners
@@ -114,120 +102,30 @@ class RayRunner:
         self._lamina_losses = 0
         self._rescue = None
         self._rescue_lock = threading.Lock()
-        self.tokenizer = None  # the scheduler brings its own (describe_model)
-        self.error: str | None = None
-        self._names: set[str] = set()
-        self._streams: dict[str, tuple[Callable, Callable | None]] = {}
+        self._init_streams()
         _, self._snapshot = ray.get(self.actor.poll.remote(0, 0))  # its stats as it starts
-        self._pump: asyncio.Task | None = None
-        self._acked = 0  # highest event seq the pump has dispatched
-        self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
-        self.kv_capacity = 0  # blocks its peers could lend one request (DistKV; RayKVGroup)
 
-    # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt: list[int], sampling: SamplingParams, adapter: str | None) -> None:
-        self.limits().check(prompt, sampling)
-        if adapter is not None and adapter not in self._names:
-            raise UnknownAdapterError(adapter)
-
-    def limits(self) -> RequestLimits:
-        i = self.info
-        return RequestLimits(
-            i.vocab_size,
-            i.model.max_model_len,
-            i.block_size,
-            i.kv_blocks_total + self.kv_capacity,
-            "the cluster's KV caches (DistKV) hold" if self.kv_capacity else "the KV cache holds",
-        )
-
-    async def open(
-        self, request: EngineRequest, on_preempt: Callable[[], None] | None = None
-    ) -> RequestStream:
-        self._ensure_pump()
-        if self.error is not None:
-            raise RunnerLost(self.error)
-        request_id = request.request_id
-        outputs: asyncio.Queue[RequestOutput | RunnerLost] = asyncio.Queue()
-        self._streams[request_id] = (outputs.put_nowait, on_preempt)
-        try:
-            await self._call(self.actor.open.remote(request))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        return RequestStream(request_id, outputs, lambda: self._abort(request_id))
-
-    def _abort(self, request_id: str) -> None:
-        self._forget(request_id)
-        if self.error is None:
-            self.actor.abort.remote(request_id)  # fire and forget: its output is dropped
-
-    async def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
-        resume, events = await self._call(self.actor.take.remote(request_id, with_kv))
-        self._dispatch(events)  # what the pump has not delivered yet, in order
-        self._forget(request_id)
-        return resume
-
-    async def _call(self, ref):
+    # -- the transport ------------------------------------------------------------------------
+    async def _remote(self, method: str, *args):
         import ray
 
         try:
-            return await ref
+            return await getattr(self.actor, method).remote(*args)
         except ray.exceptions.RayActorError as exc:
-            self._lost(f"runner process died: {exc}")
-            raise RunnerLost(self.error) from None
+            raise RemoteRunnerLost(f"runner process died: {exc}") from None
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
 
-    # -- the pump -----------------------------------------------------------------------------
-    def _ensure_pump(self) -> None:
-        if (self._pump is None or self._pump.done()) and self.error is None:
-            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+    def _send(self, method: str, *args) -> None:
+        getattr(self.actor, method).remote(*args)
 
-    async def _run_pump(self) -> None:
+    async def _on_snapshot(self, snapshot: Snapshot) -> None:
         import ray
 
-        while self.error is None:
-            try:
-                events, snapshot = await self.actor.poll.remote(self._acked)
-            except ray.exceptions.RayActorError as exc:
-                self._lost(f"runner process died: {exc}")
-                return
-            except Exception as exc:  # an unexpected failure must not hang every stream
-                self._lost(f"runner unreachable: {exc}")
-                return
-            self._snapshot = snapshot
-            if snapshot.stats.attention_worker_losses != self._lamina_losses:
-                self._lamina_losses = snapshot.stats.attention_worker_losses
-                with contextlib.suppress(ray.exceptions.RayActorError):
-                    self.lamina = await self.actor.lamina_workers.remote()  # replaced ones
-            self._dispatch(events)
-            if events:
-                self._acked = max(self._acked, events[-1].seq)
-
-    def _dispatch(self, events: list[Event]) -> None:
-        """Deliver events in seq order, each once (a take and a poll may both carry one)."""
-        for event in events:
-            rid = event.request_id
-            entry = self._streams.get(rid)
-            if entry is None or event.seq <= self._delivered.get(rid, 0):
-                continue
-            self._delivered[rid] = event.seq
-            deliver, on_preempt = entry
-            if isinstance(event, OutputEvent):
-                deliver(event.output)
-                if event.output.finished:
-                    self._forget(rid)
-            elif isinstance(event, PreemptEvent):
-                if on_preempt is not None:
-                    on_preempt()
-            elif isinstance(event, LostEvent):
-                self.error = self.error or event.error
-                self._forget(rid)
-                deliver(RunnerLost(event.error, event.in_failed_step))
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        if snapshot.stats.attention_worker_losses != self._lamina_losses:
+            self._lamina_losses = snapshot.stats.attention_worker_losses
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                self.lamina = await self.actor.lamina_workers.remote()  # replaced ones
 
     def rescue_kv(self, request_id: str, num_tokens: int):
         """The first num_tokens tokens' KV of a request of this dead runner, read off its
@@ -241,12 +139,6 @@ class RayRunner:
             if self._rescue is None:
                 self._rescue = KVRescue(self.lamina, self.info.block_size)
             return self._rescue.kv(request_id, num_tokens)
-
-    def _lost(self, error: str) -> None:
-        self.error = self.error or error
-        streams, self._streams = self._streams, {}
-        for deliver, _ in streams.values():
-            deliver(RunnerLost(self.error))
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
@@ -266,22 +158,14 @@ class RayRunner:
             )
             files_ref = ray.put(files)
             RayRunner._shipped[name] = ((str(path), sha256), files_ref)
-        info = await self._call(
-            self.actor.register_adapter.remote(name, files_ref, sha256, version)
-        )
+        info = await self._call("register_adapter", name, files_ref, sha256, version)
         self._names.add(name)
         return info
 
     async def unregister_adapter(self, name: str) -> None:
         self._names.discard(name)
         RayRunner._shipped.pop(name, None)
-        await self._call(self.actor.unregister_adapter.remote(name))
-
-    def has_version(self, version: int) -> bool:
-        return version in self._snapshot.versions
-
-    def resident_adapters(self) -> frozenset[str]:
-        return self._snapshot.resident
+        await self._call("unregister_adapter", name)
 
     def stop_lending(self) -> None:
         if self.error is None:
@@ -292,9 +176,6 @@ class RayRunner:
         with contextlib.suppress(RuntimeError):  # no running event loop here
             self._ensure_pump()
         return self._snapshot.stats
-
-    def alive(self) -> bool:
-        return self.error is None
 
     def shutdown(self) -> None:
         import ray

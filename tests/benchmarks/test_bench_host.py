@@ -15,7 +15,7 @@ SCRIPT = BENCHMARKS / "bench_host.py"
 
 @pytest.mark.slow
 def test_a_toy_run_reports_every_batch(tmp_path):
-    """Both scheduling modes, offline and through the server."""
+    """Both scheduling modes, offline and through the server from both runner backends."""
     flags = ["--batches", "4", "--max-tokens", "6", "--adapters", "2", "--rank", "4"]
     flags += ["--step-ms", "2", "--name", "toy_host", "--overlap", "both", "--server"]
     env = dict(os.environ, PUNICA_X_RESULTS=str(tmp_path / "results"))
@@ -27,7 +27,8 @@ def test_a_toy_run_reports_every_batch(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert [(r["batch"], r["overlap"]) for r in rows] == [(4, "off"), (4, "on")]
     for r in rows:
-        assert r["server_tok_s"] > 0 and r["server_x_offline"] > 0
+        for backend in ("thread", "process"):
+            assert r[f"{backend}_server_tok_s"] > 0 and r[f"{backend}_x_offline"] > 0
         assert r["decode_steps"] == 5  # 6 tokens: the first comes from the prefill step
         assert r["step_ms"] >= 2.0 and r["device_ms"] == 2.0
         assert 0 < r["host_ms"] < r["step_ms"]
@@ -45,6 +46,8 @@ def test_a_toy_run_reports_every_batch(tmp_path):
         ["--step-ms", "inf"],
         ["--max-tokens", "0"],
         ["--adapters", "-1"],
+        ["--runner-backends", "ray"],
+        ["--runner-backends", ""],
     ],
 )
 def test_bad_flags_exit_2(refused, flags):

@@ -1,4 +1,4 @@
-"""Both runner backends implement the whole RunnerHandle protocol the scheduler is typed
+"""Every runner backend implements the whole RunnerHandle protocol the scheduler is typed
 against: every method (async where the protocol's is) and every attribute."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.runners.interface import RunnerHandle
 from scheduler.runners.local import LocalRunner
+from scheduler.runners.process_runner import ProcessRunner
 from scheduler.runners.ray_runner import RayRunner
 
 
@@ -23,17 +24,20 @@ def members():
 
 
 def assigned(cls) -> set[str]:
-    """Attributes a class sets: class attributes, properties, `self.x = ...` in __init__."""
+    """Attributes a class sets: class attributes, properties, `self.x = ...` in __init__
+    (and in _init_streams, where the backends with an engine process keep their streams)."""
     source = inspect.getsource(cls.__init__)
+    if hasattr(cls, "_init_streams"):
+        source += inspect.getsource(cls._init_streams)
     names = {
         line.split("self.", 1)[1].split(" ")[0].split(":")[0]
         for line in source.splitlines()
         if line.strip().startswith("self.")
     }
-    return names | {n for n in vars(cls) if not n.startswith("__")}
+    return names | {n for k in cls.__mro__ for n in vars(k) if not n.startswith("__")}
 
 
-@pytest.mark.parametrize("cls", [LocalRunner, RayRunner])
+@pytest.mark.parametrize("cls", [LocalRunner, ProcessRunner, RayRunner])
 def test_the_backend_implements_every_member(cls):
     methods, attributes = members()
     assert {"open", "take", "register_adapter", "validate", "stop_lending"} <= set(methods)

@@ -1,0 +1,164 @@
+"""The scheduler over engine processes (--runner-backend process: each runner's engine in a
+process of its own on this machine, reached over ZeroMQ): the greedy and seeded tokens of
+the in-process engine, errors that cross as their own type, a refused build that fails the
+start with its reason and leaves no process behind, and SIGKILL of an engine process: every
+request completes with the tokens of a run nobody killed, on the process the restart policy
+starts in the dead one's place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+from helpers import consume, tiny_llm
+
+from punica_x import SamplingParams
+from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.core import FinishReason
+from punica_x.lora.peft_errors import AdapterError
+from punica_x.lora.pool import UnknownAdapterError
+from punica_x.models.loader import describe_model
+from punica_x.request import EngineRequest
+from scheduler.cluster import Scheduler
+from scheduler.runners.process_runner import ProcessRunner
+
+SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir):
+    return EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+        cache=CacheConfig(num_blocks=64),
+        batch=BatchConfig(max_batch_size=3),
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tiny_adapters):
+    llm = tiny_llm(tiny_model_dir)
+    llm.load_adapter("r8", str(tiny_adapters["r8"]))
+    prompts = [llm.tokenizer.encode(f"process request {i} wants tokens") for i in range(6)]
+    out = {}
+    for sp in (SP, SEEDED):
+        for adapter in (None, "r8"):
+            results = llm.generate(prompts, [adapter] * len(prompts), sp)
+            out[sp.seed, adapter] = [r.token_ids for r in results]
+    return prompts, out
+
+
+@pytest.fixture(scope="module")
+def cluster(config, tiny_adapters):
+    def factory(rid):
+        return ProcessRunner(config, rid)
+
+    sched = Scheduler(
+        [factory("runner-0"), factory("runner-1")],
+        factory,
+        tokenizer=describe_model(config.model).tokenizer,
+    )
+    asyncio.run(sched.register_adapter("r8", tiny_adapters["r8"]))
+    yield sched
+    sched.shutdown()
+
+
+def test_engine_processes_serve_the_in_process_tokens(cluster, reference):
+    prompts, ref = reference
+    rows = cluster.runners()
+    assert [r.backend for r in rows] == ["process", "process"]
+    assert len({r.pid for r in rows} | {os.getpid()}) == 3
+
+    async def main():
+        sps = [SP, SEEDED, SP, SEEDED]
+        adapters = ["r8", None, None, "r8"]
+        streams = [
+            await cluster.open(EngineRequest(prompts[i], sps[i], adapters[i], f"p{i}"))
+            for i in range(4)
+        ]
+        placed = [s.slot.runner_id for s in streams]
+        return sps, adapters, placed, await asyncio.gather(*(consume(s) for s in streams))
+
+    sps, adapters, placed, results = asyncio.run(main())
+    assert placed == ["runner-0", "runner-0", "runner-0", "runner-1"]
+    for i, (tokens, last) in enumerate(results):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i]
+
+
+def test_errors_cross_as_their_own_type(cluster, tiny_adapters):
+    handle = cluster.slots[0].handle
+
+    async def main():
+        with pytest.raises(AdapterError) as refused:
+            await handle.register_adapter("bad", tiny_adapters["r8"], sha256="0" * 64)
+        assert refused.value.code == "sha256_mismatch"
+        with pytest.raises(UnknownAdapterError):
+            handle.validate([1, 2, 3], SP, "never-registered")
+        with pytest.raises(ValueError, match="vocab|token"):
+            handle.validate([10**9], SP, None)
+        with pytest.raises(ValueError, match="no such call"):
+            await handle._remote("__del__")
+
+    asyncio.run(main())
+    assert handle.alive()
+
+
+def test_a_failed_build_raises_its_reason_and_leaves_no_process(tmp_path):
+    bad = EngineConfig(model=ModelConfig(model=str(tmp_path / "no-such-model")))
+    before = set(os.listdir("/proc"))
+    with pytest.raises(Exception, match="no-such-model"):
+        ProcessRunner(bad, "runner-bad")
+    children = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"process_main" not in f.read()
+        except FileNotFoundError:
+            pass
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_of_an_engine_process_loses_no_request(cluster, reference, trial):
+    prompts, ref = reference
+    rng = random.Random(300 + trial)
+    after = rng.randint(1, 40)  # tokens streamed before the kill
+
+    async def main():
+        while len([s for s in cluster.slots if s.state == "active"]) < 2:
+            await cluster.add_runners(1)
+        sps = [SP if i % 2 == 0 else SEEDED for i in range(4)]
+        adapters = [rng.choice([None, "r8"]) for _ in range(4)]
+        streams = [
+            await cluster.open(EngineRequest(prompts[i], sps[i], adapters[i], f"k{trial}-{i}"))
+            for i in range(4)
+        ]
+        victim = streams[0].slot
+        head = await consume(streams[0], until=after)
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        rest = await asyncio.gather(*(consume(s) for s in streams))
+        for _ in range(100):  # every token may have been sent before the kill landed
+            cluster.check_runners()
+            if victim.state == "dead":
+                break
+            await asyncio.sleep(0.1)
+        state = victim.state
+        for _ in range(600):
+            slot = next((s for s in cluster.slots if s.replaces == victim.runner_id), None)
+            if slot is not None and slot.state != "starting":
+                break
+            await asyncio.sleep(0.1)
+        await cluster.drain(victim.runner_id)  # forget the dead one
+        return sps, adapters, head, rest, state, slot and slot.state
+
+    restarts = cluster.restarts
+    sps, adapters, head, rest, state, replacement = asyncio.run(main())
+    assert state == "dead"
+    assert replacement == "active" and cluster.restarts == restarts + 1
+    rest[0] = (head[0] + rest[0][0], rest[0][1])
+    for i, (tokens, last) in enumerate(rest):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i], i
