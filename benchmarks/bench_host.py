@@ -113,12 +113,13 @@ def measure(llm: LLM, batch: int, n_adapters: int, max_tokens: int) -> dict:
 
 
 def through_server(
-    args, model: str, adapters: list, batch: int, mode: str, backend: str = "thread"
+    args, model: str, adapters: list, batch: int, mode: str, backend: str, interval: int
 ) -> dict:
     """Delivered tokens/s of `batch` concurrent streams through punica-x serve on the same
     simulated device (one completion each, the prompts and adapters of measure), its runner
-    on `backend` (thread: the engine steps in the server's process; process: in its own);
-    with the time until every stream had its first tokens and the tokens per SSE event."""
+    on `backend` (thread: the engine steps in the server's process; process: in its own),
+    streaming every `interval` tokens (serve --stream-interval); with the time until every
+    stream had its first tokens and the tokens per SSE event."""
     import asyncio
     import contextlib
 
@@ -130,6 +131,7 @@ def through_server(
     prompts = prompt_ids(AutoTokenizer.from_pretrained(model), batch)
     extra = ("--model", model, "--simulated-step-ms", str(args.step_ms), "--dtype", "float32")
     extra += ("--max-batch-size", str(batch), "--overlap", mode, "--runner-backend", backend)
+    extra += ("--stream-interval", str(interval))
     with contextlib.ExitStack() as stack:
         tmp = scratch_dir("bench-host-server-")
         _, url, key, _ = stack.enter_context(bench_server(tmp, adapters, extra))
@@ -145,6 +147,7 @@ def through_server(
         "tok_s": tokens / seconds,
         # until every stream had its first tokens: admission (HTTP, tokenization, placement)
         "all_started_ms": (max(r.first for r in reads) - start) * 1e3,
+        # per SSE event, the finish, usage and [DONE] events included
         "tokens_per_event": tokens / sum(r.events for r in reads),
     }
 
@@ -180,7 +183,12 @@ def parse_args():
     ap.add_argument(
         "--runner-backends",
         default="thread,process",
-        help="with --server: the runner backends to serve from (thread, process), each a column",
+        help="with --server: the runner backends to serve from (thread, process)",
+    )
+    ap.add_argument(
+        "--stream-intervals",
+        default="1",
+        help="with --server: serve --stream-interval values to serve with (e.g. 1,4)",
     )
     ap.add_argument("--name", default="bench_host")
     args = ap.parse_args()
@@ -193,11 +201,38 @@ def parse_args():
     args.backends = [b.strip() for b in args.runner_backends.split(",")]
     if not args.backends or not set(args.backends) <= {"thread", "process"}:
         ap.error(f"--runner-backends wants thread and/or process, got {args.runner_backends!r}")
+    try:
+        args.intervals = [int(n) for n in args.stream_intervals.split(",")]
+    except ValueError:
+        ap.error(f"--stream-intervals wants integers, got {args.stream_intervals!r}")
+    if not all(1 <= n <= 4096 for n in args.intervals):
+        ap.error(f"--stream-intervals wants integers in 1..4096, got {args.stream_intervals!r}")
     if not 0 < args.step_ms <= 1000:  # nan too
         ap.error(f"--step-ms must be in (0, 1000], got {args.step_ms}")
     if not 0 < args.max_tokens <= 4096 or not 0 <= args.adapters <= 64 or args.rank <= 0:
         ap.error("--max-tokens wants 1..4096, --adapters 0..64, --rank > 0")
     return args
+
+
+def server_rows(args, model: str, adapters: list, row: dict, mode: str) -> list[dict]:
+    """The offline `row`'s batch through the server, from each backend and stream interval."""
+    out = []
+    for backend in args.backends:
+        for interval in args.intervals:
+            served = through_server(args, model, adapters, row["batch"], mode, backend, interval)
+            out.append(
+                {
+                    "overlap": row["overlap"],
+                    "batch": row["batch"],
+                    "backend": backend,
+                    "stream_interval": interval,
+                    "server_tok_s": served["tok_s"],
+                    "x_offline": served["tok_s"] / row["tok_s"],
+                    "all_started_ms": served["all_started_ms"],
+                    "tokens_per_event": served["tokens_per_event"],
+                }
+            )
+    return out
 
 
 def main() -> None:
@@ -207,7 +242,7 @@ def main() -> None:
     model = str(random_model(SHAPE))
     adapters = make_adapters(model, args.adapters, args.rank, scratch_dir("bench-host-"))
     modes = ["off", "on"] if args.overlap == "both" else [args.overlap]
-    rows = []
+    rows, served = [], []
     for batch in batches:
         for mode in modes:
             log(f"batch {batch}, overlap {mode}")
@@ -217,13 +252,9 @@ def main() -> None:
             row = {"overlap": "on" if llm.engine.overlap else "off"}
             row |= measure(llm, batch, args.adapters, args.max_tokens)
             rows.append(row)
-            for backend in args.backends if args.server else ():
-                served = through_server(args, model, adapters, batch, mode, backend)
-                row[f"{backend}_server_tok_s"] = served["tok_s"]
-                row[f"{backend}_x_offline"] = served["tok_s"] / row["tok_s"]
-                row[f"{backend}_all_started_ms"] = served["all_started_ms"]
-                row[f"{backend}_tokens_per_event"] = served["tokens_per_event"]
             llm.engine.shutdown()
+            if args.server:
+                served += server_rows(args, model, adapters, row, mode)
     columns = [
         "overlap",
         "batch",
@@ -235,15 +266,15 @@ def main() -> None:
         "step_over_bound",
         "tok_s",
     ]
-    for backend in args.backends if args.server else ():
-        columns += [f"{backend}_server_tok_s", f"{backend}_x_offline"]
-        columns += [f"{backend}_all_started_ms", f"{backend}_tokens_per_event"]
     title = (
         f"decode step on the simulated device (T = {args.step_ms:g} ms), {args.adapters} "
         f"rank-{args.rank} adapters, greedy, {args.max_tokens} tokens"
     )
     print_table(rows, columns, title)
-    write_json(args.name, {"args": vars(args), "rows": rows})
+    if served:
+        title = f"the same batches through the server, {args.max_tokens} tokens a stream"
+        print_table(served, list(served[0]), title)
+    write_json(args.name, {"args": vars(args), "rows": rows, "server_rows": served})
     plot(rows, args.step_ms, args.name)
 
 

@@ -162,7 +162,8 @@ def engine_config(args):
         engine = replace(engine, cache=replace(engine.cache, kv_cache_bytes=args.kv_cache_bytes))
     if args.no_prefix_caching:
         engine = replace(engine, cache=replace(engine.cache, prefix_caching=False))
-    return replace(engine, attention_workers=args.attention_workers, overlap=args.overlap)
+    engine = replace(engine, attention_workers=args.attention_workers, overlap=args.overlap)
+    return replace(engine, stream_interval=args.stream_interval)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,6 +245,15 @@ def _host_path_args(s) -> None:
         help="overlapped scheduling: each runner plans step N+1 and streams step N's tokens "
         "while the device runs (docs/api.md). auto (default): on with the simulated device, "
         "off on real devices until measured there (PUNICA_X_OVERLAP=on|off changes auto)",
+    )
+    s.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="send each stream's tokens every N tokens, the first and the last at once "
+        "(vLLM's --stream-interval); 1 (default): every token. Larger N costs the server less "
+        "per token at many streams",
     )
     s.add_argument(
         "--simulated-step-ms",

@@ -270,6 +270,7 @@ class BatchConfig:
 
 
 MAX_ATTENTION_WORKERS = 64
+MAX_STREAM_INTERVAL = 4096
 
 
 @dataclass(frozen=True)
@@ -292,12 +293,20 @@ class EngineConfig:
     # device runs step N. "auto": on with the simulated device (or as PUNICA_X_OVERLAP says),
     # off on real devices until measured there; "on" / "off"
     overlap: str = "auto"
+    # outputs go to the caller every this many tokens, the first and the last at once (vLLM's
+    # --stream-interval): 1 streams each token; more cost the layers above less per token
+    stream_interval: int = 1
 
     OVERLAP = ("auto", "on", "off")
 
     def __post_init__(self) -> None:
         if self.overlap not in self.OVERLAP:
             raise ValueError(f"overlap must be one of {self.OVERLAP}, got {self.overlap!r}")
+        k = self.stream_interval
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_STREAM_INTERVAL:
+            raise ValueError(
+                f"stream_interval must be an integer in 1..{MAX_STREAM_INTERVAL}, got {k!r}"
+            )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         n = self.attention_workers

@@ -231,8 +231,10 @@ class RequestOutput:
     output only (finished=True); on the others they are empty ([], "", and [] for logprobs
     when they were asked for, None when not), so a step costs O(new tokens), not O(tokens so
     far), and a Ray runner sends only what is new. A consumer that needs running totals keeps
-    them (scheduler/stream.py does, to resume a request elsewhere). prompt_logprobs: on the
-    first output after the prompt is computed and on the final one; None on the others."""
+    them (scheduler/stream.py does, to resume a request elsewhere). prompt_token_ids: on a
+    runner's first output of the request and on the final one, [] on the others (a prompt of
+    thousands of tokens is not sent again with every token). prompt_logprobs: on the first
+    output after the prompt is computed and on the final one; None on the others."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -254,8 +256,8 @@ class RequestOutput:
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the `later` one of the same request as one (a reader that fell
         behind takes every queued delta at once): the deltas joined, the rest from `later`
-        (the totals and the finish are the last output's), prompt_logprobs from whichever
-        carries them."""
+        (the totals and the finish are the last output's), prompt_token_ids and
+        prompt_logprobs from whichever carries them."""
         new_logprobs = later.new_logprobs
         if self.new_logprobs is not None:
             new_logprobs = self.new_logprobs + (later.new_logprobs or [])
@@ -264,6 +266,7 @@ class RequestOutput:
             prompt_logprobs = self.prompt_logprobs
         return replace(
             later,
+            prompt_token_ids=later.prompt_token_ids or self.prompt_token_ids,
             new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text,
             new_logprobs=new_logprobs,

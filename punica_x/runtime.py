@@ -68,6 +68,12 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_token_ids
     prompt_logprobs_sent: bool = False  # an output carried them (RequestOutput)
+    prompt_sent: bool = False  # an output carried prompt_token_ids (RequestOutput)
+    # outputs go out every stream_interval tokens (the first and the last at once); `held`:
+    # the outputs since the last one that went, joined (engine/outputs.py emit)
+    stream_interval: int = 1
+    held: RequestOutput | None = None
+    streamed: bool = False  # an output with tokens went out
     matcher: object | None = None  # llguidance matcher when sampling.json_schema is set
     # prefix caching (punica_x/kv/prefix.py): the parent name of its first block (what
     # computes its KV, who may share it), None when it is not cached; the names of its full

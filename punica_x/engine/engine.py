@@ -30,7 +30,7 @@ from punica_x.engine.checks import check_request, unschedulable
 from punica_x.engine.cuda_graphs import DecodeGraphs
 from punica_x.engine.distkv_part import DistKVPart
 from punica_x.engine.moves import resume_into, resume_point
-from punica_x.engine.outputs import OutputProcessor, emit, tell_preempted
+from punica_x.engine.outputs import OutputProcessor, emit, flush_held, tell_preempted
 from punica_x.engine.step_sampling import request_error, sample_step
 from punica_x.errors import InvalidRequest
 from punica_x.heap import freeze_heap
@@ -97,8 +97,9 @@ class Engine:
         self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
         self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)
-        eos = self.loaded.eos_token_ids
-        self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
+        self.outputs = OutputProcessor(
+            self.detokenizer, self.loaded.eos_token_ids, self.max_model_len
+        )
         self.sgmv = build_sgmv(config, d, device, dtype, self.lora_dtype, self.invariance.on)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.simulated = self.overlap = None  # so are these (a profiling step runs the model)
@@ -131,9 +132,8 @@ class Engine:
         return report.limits(self)
 
     def unregister_adapter(self, name: str) -> None:
-        """Remove an adapter (AdapterPool.unregister: running requests finish on the weights
-        they hold) and its prefix-cache counters, so a tenant's stream of uploads and
-        deletes does not grow the runner's statistics or /metrics' series."""
+        """Remove an adapter (AdapterPool.unregister: running requests finish on the weights they
+        hold) and its prefix-cache counters (uploads and deletes do not grow /metrics)."""
         self.adapters.unregister(name)
         if self.batcher.prefix is not None:
             self.batcher.prefix.stats.forget(name)
@@ -174,6 +174,7 @@ class Engine:
             request_id=request.request_id,
             on_output=on_output,
             on_preempt=on_preempt,
+            stream_interval=self.config.stream_interval,
         )
         if self.batcher.prefix is not None:
             req.cache_key = cache_key(ref.cache_id if ref is not None else None, request.cache_salt)
@@ -203,14 +204,15 @@ class Engine:
         return req
 
     def take(self, request_id: str, with_kv: bool = False) -> Resume | None:
-        """Remove an unfinished request without finishing it (no output is emitted) and return
-        where it stands, to continue it on another runner; None if it is not here (finished,
-        aborted, unknown). with_kv: include a copy of its computed KV (a live copy). Its KV
-        blocks and adapter reference are released. An overlapped step completes first."""
+        """Remove an unfinished request without finishing it (no final output; held ones go)
+        and return where it stands, to continue it on another runner; None if it is not here
+        (finished, aborted, unknown). with_kv: with a copy of its computed KV (a live copy).
+        Its KV blocks and adapter are released. An overlapped step completes first."""
         self.drain()  # the request's in-flight token and KV arrive (it may finish there)
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
+        flush_held(req)
         resume = resume_point(req, self.detokenizer, self.cache, self.swap, with_kv)
         self._release(req)
         self.detokenizer.drop(request_id)

@@ -62,15 +62,17 @@ class OutputProcessor:
         return None
 
     def output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        """The step's delta for `r`; the request's totals only when it finished (see
-        RequestOutput)."""
+        """The step's delta for `r`; the request's totals only when it finished, its prompt on
+        its first output and the final one (see RequestOutput)."""
         done, with_logprobs = r.finished, r.sampling.logprobs is not None
+        prompt = r.prompt_token_ids if done or not r.prompt_sent else []
+        r.prompt_sent = True
         new_logprobs = None
         if with_logprobs:
             new_logprobs = r.logprobs[len(r.logprobs) - len(new_ids) :] if new_ids else []
         return RequestOutput(
             request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
+            prompt_token_ids=prompt,
             token_ids=list(r.output_token_ids) if done else [],
             text=self.detokenizer.text(r.request_id) if done else "",
             new_token_ids=new_ids,
@@ -96,12 +98,38 @@ def _prompt_logprobs_out(r: Request) -> list | None:
 
 
 def emit(r: Request, out: RequestOutput) -> None:
-    """Hand `out` to the request's callback; a consumer's failure must not stop the batch."""
-    if r.on_output is not None:
-        try:
-            r.on_output(out)
-        except Exception:
-            log.exception("on_output callback of %s failed", r.request_id)
+    """Hand `out` to the request's callback; a consumer's failure must not stop the batch.
+    With r.stream_interval N > 1 (vLLM's --stream-interval), outputs after the first with
+    tokens are held and joined (RequestOutput.then) until N tokens are pending or it ends:
+    fewer, larger outputs for the layers above to carry."""
+    if r.on_output is None:
+        return
+    if r.held is not None:
+        out, r.held = r.held.then(out), None
+    if (
+        r.stream_interval > 1
+        and r.streamed
+        and not out.finished
+        and len(out.new_token_ids) < r.stream_interval
+    ):
+        r.held = out
+        return
+    r.streamed = r.streamed or bool(out.new_token_ids)
+    _call(r, out)
+
+
+def flush_held(r: Request) -> None:
+    """Hand over what emit held for `r` (before it leaves without a final output: a take)."""
+    if r.held is not None and r.on_output is not None:
+        out, r.held = r.held, None
+        _call(r, out)
+
+
+def _call(r: Request, out: RequestOutput) -> None:
+    try:
+        r.on_output(out)
+    except Exception:
+        log.exception("on_output callback of %s failed", r.request_id)
 
 
 def tell_preempted(preempted: list[Request]) -> None:

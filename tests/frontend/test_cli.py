@@ -97,6 +97,9 @@ def test_serve_memory_planning_flags():
         ("--simulated-step-ms", "nan"),
         ("--simulated-step-ms", "inf"),
         ("--simulated-step-ms", "1e9"),
+        ("--stream-interval", "0"),
+        ("--stream-interval", "-3"),
+        ("--stream-interval", "4097"),
     ],
 )
 def test_serve_refuses_bad_memory_flags(flag, value, capsys):
@@ -133,3 +136,13 @@ def test_serve_overlap_reaches_the_engine_config(capsys):
             _engine("--overlap", bad)
         assert exit_.value.code == 2
         assert "--overlap" in capsys.readouterr().err
+
+
+def test_serve_stream_interval_reaches_the_engine_config(capsys):
+    assert _engine().stream_interval == 1
+    assert _engine("--stream-interval", "8").stream_interval == 8
+    for bad in ("x", "2.5", ""):
+        with pytest.raises(SystemExit) as exit_:
+            _engine("--stream-interval", bad)
+        assert exit_.value.code == 2
+        assert "--stream-interval" in capsys.readouterr().err

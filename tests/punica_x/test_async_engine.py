@@ -144,4 +144,6 @@ def test_then_joins_deltas_and_keeps_the_later_finish():
     assert both.new_token_ids == [5, 6] and both.new_text == "hey"
     assert both.finished and both.finish_reason is FinishReason.STOP and both.stop_reason == 6
     assert both.prompt_logprobs == [None] and both.new_logprobs is None
-    assert both.token_ids == [5, 6] and both.text == "hey"
+    assert both.token_ids == [5, 6] and both.text == "hey" and both.prompt_token_ids == [1]
+    middle = RequestOutput("r", [], [], "", [7], "!", False)
+    assert a.then(middle).prompt_token_ids == [1]  # the first output's prompt is kept

@@ -21,6 +21,9 @@ def test_outputs_carry_deltas_and_the_final_one_the_totals(tiny_model_dir):
     b = engine.add_request("hello world, once more", sp_prompt)
     c = engine.add_request("plain request", plain)
     seen = {r.request_id: [] for r in (a, b, c)}
+    prompts = dict(
+        zip(seen, ("the quick brown fox jumps", "hello world, once more", "plain request"))
+    )
     while engine.has_unfinished():
         for out in engine.step():
             seen[out.request_id].append(out)
@@ -34,6 +37,10 @@ def test_outputs_carry_deltas_and_the_final_one_the_totals(tiny_model_dir):
             assert o.logprobs == ([] if params.logprobs is not None else None)
         assert sum((o.new_token_ids for o in outs), []) == final.token_ids
         assert "".join(o.new_text for o in outs) == final.text
+        # the prompt on the first output and the final one only (not resent every token)
+        prompt = engine.tokenizer.encode(prompts[req.request_id])
+        assert outs[0].prompt_token_ids == final.prompt_token_ids == prompt
+        assert all(o.prompt_token_ids == [] for o in steps[1:])
         if params.logprobs is None:
             assert all(o.new_logprobs is None for o in outs) and final.logprobs is None
         else:
@@ -46,3 +53,49 @@ def test_outputs_carry_deltas_and_the_final_one_the_totals(tiny_model_dir):
             assert with_prompt == [0, len(outs) - 1]
             assert outs[0].prompt_logprobs == final.prompt_logprobs
             assert len(final.prompt_logprobs) == len(final.prompt_token_ids)
+
+
+def test_a_stream_interval_sends_the_first_token_then_every_n_joined(tiny_model_dir):
+    """stream_interval=4: a request's callback gets its first token at once, then outputs of
+    4 tokens (the deltas, logprobs and prompt logprobs of the steps joined), the end at once
+    with the totals; step() still returns an output per token; a take hands over what was
+    held first, so the caller has every token the moved request made here."""
+    from dataclasses import replace
+
+    from punica_x.engine.engine import Engine
+
+    base = tiny_llm(tiny_model_dir).engine
+    engine = Engine(replace(base.config, stream_interval=4), base.loaded)
+    sp = SamplingParams(
+        max_tokens=13, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    got: dict[str, list] = {"a": [], "b": []}
+    engine.add_request("the quick brown fox", sp, request_id="a", on_output=got["a"].append)
+    engine.add_request("hello there", sp, request_id="b", on_output=got["b"].append)
+    per_token = []
+    while engine.has_unfinished():
+        per_token += [o for o in engine.step() if o.request_id == "a"]
+        if "b" in engine.requests and len(engine.requests["b"].output_token_ids) == 6:
+            resume = engine.take("b")
+    assert [len(o.new_token_ids) for o in got["a"]] == [1, 4, 4, 4]
+    assert [len(o.new_token_ids) for o in per_token] == [1] * 13
+    final = got["a"][-1]
+    assert final.finished and final.token_ids == [t for o in per_token for t in o.new_token_ids]
+    assert [t for o in got["a"] for t in o.new_token_ids] == final.token_ids
+    assert "".join(o.new_text for o in got["a"]) == final.text
+    assert [lp for o in got["a"] for lp in o.new_logprobs] == final.logprobs
+    assert got["a"][0].prompt_logprobs == final.prompt_logprobs is not None
+    assert got["a"][1].prompt_token_ids == [] and got["a"][0].prompt_token_ids
+    assert [len(o.new_token_ids) for o in got["b"]] == [1, 4, 1]  # the 6th: held, then handed
+    assert [t for o in got["b"] for t in o.new_token_ids] == list(resume.output_token_ids)
+    assert not any(o.finished for o in got["b"])
+
+
+def test_stream_interval_refuses_what_is_not_a_count():
+    import pytest
+
+    from punica_x.config import EngineConfig
+
+    for bad in (0, -1, 4097, 2.0, True, "4", None):
+        with pytest.raises(ValueError, match="stream_interval"):
+            EngineConfig(stream_interval=bad)
