@@ -237,8 +237,8 @@ class FrontendManager:
                         self.metrics.queue_wait.labels(caller.tenant.name).observe(
                             stream.queue_wait
                         )
-                    now = time.monotonic()
-                    (ttft if last == start else itl).observe(now - last)
+                    now, k = time.monotonic(), len(out.new_token_ids)
+                    _observe_gaps(ttft, itl, now - last, k, first=last == start)
                     last = now
                     generated.inc(len(out.new_token_ids))
                     self.admission.record_tokens(caller.tenant, len(out.new_token_ids))
@@ -248,6 +248,18 @@ class FrontendManager:
         finally:
             await stream.aclose()
             self.metrics.requests.labels(*labels, status).inc()
+
+
+def _observe_gaps(ttft, itl, gap: float, tokens: int, first: bool) -> None:
+    """One output's `tokens` arriving `gap` s after the last: the first output's time to
+    first token, its other tokens 0 apart; a later output's tokens gap / tokens apart. An
+    output that joined several steps (a reader that fell behind, --stream-interval) counts
+    its tokens in the inter-token histogram as one per token would."""
+    if first:
+        ttft.observe(gap)
+        gap, tokens = 0.0, tokens - 1
+    for _ in range(tokens):
+        itl.observe(gap / tokens)
 
 
 def refusal(exc: InvalidRequest) -> ApiError:

@@ -73,9 +73,8 @@ class Engine:
         utilization = config.memory.effective_utilization(device, config.cache.sized)
         if utilization is not None:
             self._build(memory.profiling_config(config, self.max_model_len))
-            self.memory_plan = memory.plan_engine(
-                self, utilization, probe or memory.probe_for(device)
-            )
+            probe = probe or memory.probe_for(device)
+            self.memory_plan = memory.plan_engine(self, utilization, probe)
             log.info(self.memory_plan.describe())
             self.config = config = memory.planned_config(config, self.memory_plan)
             self.max_model_len = self.memory_plan.max_model_len
@@ -97,9 +96,8 @@ class Engine:
         self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
         self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.outputs = OutputProcessor(
-            self.detokenizer, self.loaded.eos_token_ids, self.max_model_len
-        )
+        eos = self.loaded.eos_token_ids
+        self.outputs = OutputProcessor(self.detokenizer, eos, self.max_model_len)
         self.sgmv = build_sgmv(config, d, device, dtype, self.lora_dtype, self.invariance.on)
         self.graphs: DecodeGraphs | None = None  # captured once the engine is built
         self.simulated = self.overlap = None  # so are these (a profiling step runs the model)

@@ -105,3 +105,20 @@ def test_preemptions_are_counted_and_change_no_token(tight_server):
     assert r.json()["usage"]["completion_tokens"] == 3 * 60
     assert [ch["text"] for ch in choices] == alone
     assert srv.metric("punica_x_preemptions_total") > before
+
+
+def test_a_joined_output_counts_one_gap_per_token():
+    """An output of several tokens (joined steps) adds one inter-token observation per token,
+    so the histogram's count is every request's tokens less its first, its sum the time."""
+    from frontend.manager import _observe_gaps
+
+    class Hist(list):
+        observe = list.append
+
+    ttft, itl = Hist(), Hist()
+    _observe_gaps(ttft, itl, 0.5, 3, first=True)  # the first output brought 3 tokens
+    _observe_gaps(ttft, itl, 0.3, 3, first=False)
+    _observe_gaps(ttft, itl, 0.1, 1, first=False)
+    assert ttft == [0.5]
+    assert len(itl) == 6  # 7 tokens
+    assert max(abs(a - b) for a, b in zip(itl, [0.0, 0.0, 0.1, 0.1, 0.1, 0.1])) < 1e-12

@@ -42,7 +42,7 @@ def runners(srv) -> list[dict]:
 
 def test_a_killed_engine_process_costs_the_client_nothing(process_server, server, adapter_dirs):
     client = client_of(process_server, adapter_dirs, "on-process")
-    thread_client = client_of(server, adapter_dirs, "on-threads")
+    thread_client = client_of(server, adapter_dirs, "on-threads-too")
     expected = thread_client.completions.create(model="style", prompt="kill me", **KW)
     expected = expected.choices[0].text
     (row,) = runners(process_server)
