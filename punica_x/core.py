@@ -222,9 +222,11 @@ class Resume:
     kv: KVSnapshot | None = None  # with a live copy: the target computes only what is not in it
 
 
-@dataclass(frozen=True)
+@dataclass
 class RequestOutput:
-    """What a caller sees after each step that produced something for the request.
+    """What a caller sees after each step that produced something for the request. Not
+    frozen (as vLLM's): the engine makes one per request per step, and a frozen dataclass's
+    constructor costs 1.4 us against 0.4; nothing changes an output once it is handed over.
 
     Every output carries the delta: new_token_ids, new_text, new_logprobs (the tokens of
     this step). The totals of the whole request (token_ids, text, logprobs) are on the final

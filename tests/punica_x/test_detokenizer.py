@@ -69,9 +69,29 @@ def test_incremental_equals_whole_decodes(tiny_model_dir):
         ref.drop("r")
 
 
+def test_text_of_whole_characters_takes_one_stream_step_a_token(tiny_model_dir):
+    """On text, every token goes through the request's DecodeStream only: no window is
+    decoded from Python (the slower path is for incomplete characters)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    d = Detokenizer(tok)
+    windows = []
+    window = d._window
+    d._window = lambda *a: windows.append(1) or window(*a)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog " * 5)
+    for i in range(1, len(ids) + 1):
+        d.update("r", ids[:i], (), False, True, final=i == len(ids))
+    assert d.text("r") == tok.decode(ids, skip_special_tokens=True)
+    assert windows == [] and d.states["r"].fed == len(ids)
+    broken = tok.encode("ö")  # two byte tokens: the first waits for the second
+    d.update("s", broken[:1], (), False, True, final=False)
+    assert windows == [1] and d.text("s") == ""
+
+
 def test_a_step_decodes_a_window_not_the_output(tiny_model_dir):
-    """Each step hands the backend a few ids, however long the output: the cost of a step
-    does not grow with the output (the reference decoded all of it every step)."""
+    """Without a stream (here: a backend DecodeStream cannot take, as when a decoder's
+    window text does not extend its context's), each step hands the backend a few ids,
+    however long the output: the cost of a step does not grow with the output (the
+    reference decoded all of it every step)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     d = Detokenizer(tok)
     lengths = []
