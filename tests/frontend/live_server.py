@@ -155,3 +155,12 @@ def tar_gz(members: dict[str, bytes], links: dict[str, str] | None = None) -> by
             info.linkname = target
             tar.addfile(info)
     return buf.getvalue()
+
+
+def tenant_client(srv: Server, tenant: str, adapter: str, folder: Path):
+    """The openai client of a new tenant `tenant` that uploaded `folder` as `adapter`."""
+    import openai
+
+    key = srv.create_tenant(tenant)
+    assert srv.upload(key, adapter, folder).status_code == 201
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)

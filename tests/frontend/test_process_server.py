@@ -10,9 +10,8 @@ import signal
 import threading
 import time
 
-import openai
 import pytest
-from live_server import start_server
+from live_server import start_server, tenant_client
 
 KW = dict(max_tokens=600, temperature=0, extra_body={"ignore_eos": True})
 
@@ -29,20 +28,14 @@ def process_server(srv_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def client_of(srv, adapter_dirs, tenant):
-    key = srv.create_tenant(tenant)
-    assert srv.upload(key, "style", adapter_dirs["a"]).status_code == 201
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
-
-
 def runners(srv) -> list[dict]:
     with srv.http(srv.admin_token) as c:
         return c.get("/admin/runners").json()["runners"]
 
 
 def test_a_killed_engine_process_costs_the_client_nothing(process_server, server, adapter_dirs):
-    client = client_of(process_server, adapter_dirs, "on-process")
-    thread_client = client_of(server, adapter_dirs, "on-threads-too")
+    client = tenant_client(process_server, "on-process", "style", adapter_dirs["a"])
+    thread_client = tenant_client(server, "on-threads-too", "style", adapter_dirs["a"])
     expected = thread_client.completions.create(model="style", prompt="kill me", **KW)
     expected = expected.choices[0].text
     (row,) = runners(process_server)

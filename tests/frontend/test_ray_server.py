@@ -8,9 +8,8 @@ import os
 import signal
 import threading
 
-import openai
 import pytest
-from live_server import start_server
+from live_server import start_server, tenant_client
 
 pytest.importorskip("ray")
 
@@ -31,17 +30,11 @@ def ray_server(srv_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def client_of(srv, adapter_dirs, tenant):
-    key = srv.create_tenant(tenant)
-    assert srv.upload(key, "style", adapter_dirs["a"]).status_code == 201
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
-
-
 def test_ray_runners_answer_as_thread_runners_and_survive_a_sigkill(
     ray_server, server, adapter_dirs
 ):
-    ray_client = client_of(ray_server, adapter_dirs, "on-ray")
-    thread_client = client_of(server, adapter_dirs, "on-threads")
+    ray_client = tenant_client(ray_server, "on-ray", "style", adapter_dirs["a"])
+    thread_client = tenant_client(server, "on-threads", "style", adapter_dirs["a"])
     expected = thread_client.completions.create(model="style", prompt="kill me", **KW)
     expected = expected.choices[0].text
     with ray_server.http(ray_server.admin_token) as c:

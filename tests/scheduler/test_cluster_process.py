@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
-import signal
 
 import pytest
-from helpers import consume, tiny_llm
+from cluster_kills import SEEDED, SP, cluster_config, cluster_reference, sigkill_at_a_random_point
+from helpers import consume
 
-from punica_x import SamplingParams
-from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
+from punica_x.config import EngineConfig, ModelConfig
 from punica_x.core import FinishReason
 from punica_x.lora.peft_errors import AdapterError
 from punica_x.lora.pool import UnknownAdapterError
@@ -25,30 +23,15 @@ from punica_x.request import EngineRequest
 from scheduler.cluster import Scheduler
 from scheduler.runners.process_runner import ProcessRunner
 
-SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
-    return EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
-        cache=CacheConfig(num_blocks=64),
-        batch=BatchConfig(max_batch_size=3),
-    )
+    return cluster_config(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tiny_adapters):
-    llm = tiny_llm(tiny_model_dir)
-    llm.load_adapter("r8", str(tiny_adapters["r8"]))
-    prompts = [llm.tokenizer.encode(f"process request {i} wants tokens") for i in range(6)]
-    out = {}
-    for sp in (SP, SEEDED):
-        for adapter in (None, "r8"):
-            results = llm.generate(prompts, [adapter] * len(prompts), sp)
-            out[sp.seed, adapter] = [r.token_ids for r in results]
-    return prompts, out
+    return cluster_reference(tiny_model_dir, tiny_adapters, "process")
 
 
 @pytest.fixture(scope="module")
@@ -123,42 +106,4 @@ def test_a_failed_build_raises_its_reason_and_leaves_no_process(tmp_path):
 
 @pytest.mark.parametrize("trial", range(3))
 def test_sigkill_of_an_engine_process_loses_no_request(cluster, reference, trial):
-    prompts, ref = reference
-    rng = random.Random(300 + trial)
-    after = rng.randint(1, 40)  # tokens streamed before the kill
-
-    async def main():
-        while len([s for s in cluster.slots if s.state == "active"]) < 2:
-            await cluster.add_runners(1)
-        sps = [SP if i % 2 == 0 else SEEDED for i in range(4)]
-        adapters = [rng.choice([None, "r8"]) for _ in range(4)]
-        streams = [
-            await cluster.open(EngineRequest(prompts[i], sps[i], adapters[i], f"k{trial}-{i}"))
-            for i in range(4)
-        ]
-        victim = streams[0].slot
-        head = await consume(streams[0], until=after)
-        os.kill(victim.handle.pid, signal.SIGKILL)
-        rest = await asyncio.gather(*(consume(s) for s in streams))
-        for _ in range(100):  # every token may have been sent before the kill landed
-            cluster.check_runners()
-            if victim.state == "dead":
-                break
-            await asyncio.sleep(0.1)
-        state = victim.state
-        for _ in range(600):
-            slot = next((s for s in cluster.slots if s.replaces == victim.runner_id), None)
-            if slot is not None and slot.state != "starting":
-                break
-            await asyncio.sleep(0.1)
-        await cluster.drain(victim.runner_id)  # forget the dead one
-        return sps, adapters, head, rest, state, slot and slot.state
-
-    restarts = cluster.restarts
-    sps, adapters, head, rest, state, replacement = asyncio.run(main())
-    assert state == "dead"
-    assert replacement == "active" and cluster.restarts == restarts + 1
-    rest[0] = (head[0] + rest[0][0], rest[0][1])
-    for i, (tokens, last) in enumerate(rest):
-        assert last.finish_reason is FinishReason.LENGTH, last.error
-        assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i], i
+    sigkill_at_a_random_point(cluster, reference, 200 + trial)

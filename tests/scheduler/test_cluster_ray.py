@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import signal
 
 import pytest
+from cluster_kills import (
+    SEEDED,
+    SP,
+    cluster_config,
+    cluster_reference,
+    replaced,
+    sigkill_at_a_random_point,
+)
 from helpers import consume, ray_scheduler, tiny_llm
 
 from punica_x import SamplingParams
@@ -25,30 +32,15 @@ ray = pytest.importorskip("ray")
 from scheduler.cluster import Scheduler  # noqa: E402
 from scheduler.runners.ray_runner import RayRunner  # noqa: E402
 
-SP = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
-    return EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
-        cache=CacheConfig(num_blocks=64),
-        batch=BatchConfig(max_batch_size=3),
-    )
+    return cluster_config(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tiny_adapters):
-    llm = tiny_llm(tiny_model_dir)
-    llm.load_adapter("r8", str(tiny_adapters["r8"]))
-    prompts = [llm.tokenizer.encode(f"ray request {i} wants tokens") for i in range(6)]
-    out = {}
-    for sp in (SP, SEEDED):
-        for adapter in (None, "r8"):
-            results = llm.generate(prompts, [adapter] * len(prompts), sp)
-            out[sp.seed, adapter] = [r.token_ids for r in results]
-    return prompts, out
+    return cluster_reference(tiny_model_dir, tiny_adapters, "ray")
 
 
 @pytest.fixture(scope="module")
@@ -129,55 +121,6 @@ def test_sigkill_of_a_runner_process_loses_no_request(cluster, reference, trial)
 @pytest.mark.parametrize("trial", range(100, 120))
 def test_sigkill_twenty_more_points(cluster, reference, trial):
     sigkill_at_a_random_point(cluster, reference, trial)
-
-
-async def replaced(cluster, runner_id: str, timeout: float = 120.0) -> str | None:
-    """The state of the runner started in place of runner_id, once it is no longer starting
-    (None: there is none)."""
-    for _ in range(int(timeout / 0.1)):
-        slot = next((s for s in cluster.slots if s.replaces == runner_id), None)
-        if slot is None or slot.state != "starting":
-            return slot and slot.state
-        await asyncio.sleep(0.1)
-    return "starting"
-
-
-def sigkill_at_a_random_point(cluster, reference, trial: int) -> None:
-    prompts, ref = reference
-    rng = random.Random(100 + trial)
-    after = rng.randint(1, 40)  # tokens streamed before the kill
-
-    async def main():
-        while len([s for s in cluster.slots if s.state == "active"]) < 2:
-            await cluster.add_runners(1)
-        sps = [SP if i % 2 == 0 else SEEDED for i in range(4)]
-        adapters = [rng.choice([None, "r8"]) for _ in range(4)]
-        streams = [
-            await cluster.open(EngineRequest(prompts[i], sps[i], adapters[i], f"k{trial}-{i}"))
-            for i in range(4)
-        ]
-        victim = streams[0].slot
-        head = await consume(streams[0], until=after)
-        os.kill(victim.handle.info.pid, signal.SIGKILL)
-        rest = await asyncio.gather(*(consume(s) for s in streams))
-        for _ in range(100):  # the runner may have sent every token before the kill landed:
-            cluster.check_runners()  # then its death shows at its next poll, not in a stream
-            if victim.state == "dead":
-                break
-            await asyncio.sleep(0.1)
-        state = victim.state
-        replacement = await replaced(cluster, victim.runner_id)
-        await cluster.drain(victim.runner_id)  # forget the dead one
-        return sps, adapters, head, rest, state, replacement
-
-    restarts = cluster.restarts
-    sps, adapters, head, rest, state, replacement = asyncio.run(main())
-    assert state == "dead"
-    assert replacement == "active" and cluster.restarts == restarts + 1  # (a new process)
-    rest[0] = (head[0] + rest[0][0], rest[0][1])
-    for i, (tokens, last) in enumerate(rest):
-        assert last.finish_reason is FinishReason.LENGTH, last.error
-        assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i], i
 
 
 def test_kv_shortage_moves_the_newest_request_to_the_other_process(
