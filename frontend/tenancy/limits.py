@@ -15,6 +15,7 @@ from frontend.http.errors import ApiError
 from frontend.tenancy.records import Tenant
 
 WINDOW = 60.0
+BUCKET = 1.0  # tokens recorded within one second share an entry of the window
 
 
 class Admission:
@@ -23,7 +24,10 @@ class Admission:
         self._lock = threading.Lock()
         self._active: dict[int, int] = defaultdict(int)
         self._streams: dict[str, int] = defaultdict(int)
-        self._usage: dict[int, deque[tuple[float, int]]] = defaultdict(deque)
+        # per tenant: [second, tokens] entries of the last WINDOW seconds, and their sum (an
+        # admission costs O(1) however many tokens a busy minute streamed)
+        self._usage: dict[int, deque[list]] = defaultdict(deque)
+        self._used: dict[int, int] = defaultdict(int)
 
     def admit(self, tenant: Tenant, key_hash: str, stream: bool) -> None:
         """Take a request slot (and a stream slot) or raise 429 with Retry-After."""
@@ -65,14 +69,21 @@ class Admission:
 
     def record_tokens(self, tenant: Tenant, n: int) -> None:
         if n:
+            second = time.monotonic() // BUCKET * BUCKET
             with self._lock:
-                self._usage[tenant.id].append((time.monotonic(), n))
+                usage = self._usage[tenant.id]
+                if usage and usage[-1][0] == second:
+                    usage[-1][1] += n
+                else:
+                    usage.append([second, n])
+                self._used[tenant.id] += n
 
     def _window(self, tenant_id: int) -> tuple[int, float]:
-        """(tokens used in the last minute, seconds until the oldest entry leaves it)."""
+        """(tokens used in the last minute, seconds until the oldest entry leaves it); an
+        entry leaves once its whole second is older than the window."""
         now = time.monotonic()
         usage = self._usage[tenant_id]
-        while usage and usage[0][0] < now - WINDOW:
-            usage.popleft()
-        retry = usage[0][0] + WINDOW - now if usage else 1.0
-        return sum(n for _, n in usage), retry
+        while usage and usage[0][0] + BUCKET < now - WINDOW:
+            self._used[tenant_id] -= usage.popleft()[1]
+        retry = max(usage[0][0] + BUCKET + WINDOW - now, 0.0) if usage else 1.0
+        return self._used[tenant_id], retry
