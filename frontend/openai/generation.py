@@ -80,7 +80,10 @@ class RequestBuilder:
 
     async def completion(self, body: CompletionRequest, adapter: str | None) -> GenerationRequest:
         raw = _prompt_list(body.prompt)
-        prompts = await self._run(self._encode_all, raw)
+        if any(isinstance(p, str) for p in raw):
+            prompts = await self._run(self._encode_all, raw)
+        else:  # token ids: nothing to tokenize, no trip to the tokenizer's thread
+            prompts = self._encode_all(raw)
         echo = body.echo
         score_only = echo and body.max_tokens == 0
         choices = []

@@ -80,10 +80,11 @@ class Admission:
 
     def _window(self, tenant_id: int) -> tuple[int, float]:
         """(tokens used in the last minute, seconds until the oldest entry leaves it); an
-        entry leaves once its whole second is older than the window."""
+        entry leaves once its second began more than the window ago (so a Retry-After is at
+        most the window)."""
         now = time.monotonic()
         usage = self._usage[tenant_id]
-        while usage and usage[0][0] + BUCKET < now - WINDOW:
+        while usage and usage[0][0] < now - WINDOW:
             self._used[tenant_id] -= usage.popleft()[1]
-        retry = max(usage[0][0] + BUCKET + WINDOW - now, 0.0) if usage else 1.0
+        retry = max(usage[0][0] + WINDOW - now, 0.0) if usage else 1.0
         return self._used[tenant_id], retry
