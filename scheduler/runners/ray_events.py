@@ -18,6 +18,9 @@ class OutputEvent:
     request_id: str
     output: RequestOutput
 
+    def __reduce__(self):  # its constructor's arguments (see RequestOutput.__reduce__)
+        return (OutputEvent, (self.seq, self.request_id, self.output))
+
 
 @dataclass(frozen=True)
 class PreemptEvent:
