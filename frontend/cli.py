@@ -57,15 +57,26 @@ def serve(args) -> int:
     except StoreError as exc:
         print(f"punica-x: cannot start: {exc}", file=sys.stderr)
         return 1
-    _greet(app.state.server, args)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        access_log=False,
-        log_level="warning",
-        ws_max_size=config.limits.max_ws_frame_bytes,
+    state = app.state.server
+    _greet(state, args)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            access_log=False,
+            log_level="warning",
+            ws_max_size=config.limits.max_ws_frame_bytes,
+        )
     )
+    state.stop_server = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if state.load_error is not None:  # as vLLM: a server that cannot build its model exits
+        print(
+            f"punica-x: cannot start: building the model failed: {state.load_error}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 from starlette.requests import HTTPConnection
 
@@ -33,6 +34,8 @@ class ServerState:
         self.manager: FrontendManager | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
+        # set by `serve`: stops the HTTP server (it then exits non-zero when the load failed)
+        self.stop_server: Callable[[], None] | None = None
         if config.runner_backend == "ray":
             # here, on the main thread: Ray's head processes die with the thread that
             # started them (PR_SET_PDEATHSIG), and the loader thread below ends
@@ -64,6 +67,13 @@ class ServerState:
         """The manager, for a caller holding the admin token (401 otherwise)."""
         self.auth.admin(conn)
         return self.require_manager()
+
+    def healthy(self) -> bool:
+        """The process can serve, now or once loaded: False after a failed load, or once no
+        runner is left and none is starting (the restart policy gave up, or is off)."""
+        if self.load_error is not None:
+            return False
+        return self.scheduler is None or self.manager is None or self.scheduler.accepting()
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -104,7 +114,9 @@ def cluster_spec(config: ServerConfig) -> ClusterSpec:
 async def _when_loaded(state: ServerState, loader: threading.Thread) -> None:
     while loader.is_alive():
         await asyncio.sleep(0.1)
-    if state.scheduler is None:
+    if state.scheduler is None:  # the load failed: a server that cannot serve exits
+        if state.stop_server is not None:
+            state.stop_server()
         return
     manager = FrontendManager(state.config, state.scheduler, state.store)
     await manager.restore_adapters()

@@ -255,6 +255,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, on the first output once the prompt is computed
     # and on the final one: entry i for prompt token i, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with finish_reason ERROR: True when the same request may succeed if sent again (the
+    # runners serving it died, or none is left); False when a retry would fail the same way
+    retryable: bool = False
 
     def __reduce__(self):
         """Pickled as its constructor's arguments (Ray and engine-process runners send one

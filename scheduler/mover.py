@@ -149,7 +149,8 @@ class Mover:
                 log.error("request %s quarantined: %s", stream.request_id, error)
                 stream.fail(
                     f"this request was in {stream.failed_steps} engine steps that failed "
-                    f"(last: {error}); it is not retried"
+                    f"(last: {error}); it is not retried",
+                    retryable=False,
                 )
                 self.dispatch.kick()
                 return

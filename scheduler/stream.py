@@ -123,8 +123,9 @@ class ClusterStream:
             prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs else None,
         )
 
-    def fail(self, error: str) -> None:
-        """End the stream with an ERROR output carrying what was generated."""
+    def fail(self, error: str, retryable: bool = True) -> None:
+        """End the stream with an ERROR output carrying what was generated. retryable: the
+        same request may succeed if sent again (False for a request that made steps fail)."""
         if self._done or self._final is not None:
             return
         self._final = RequestOutput(
@@ -137,6 +138,7 @@ class ClusterStream:
             finished=True,
             finish_reason=FinishReason.ERROR,
             error=error,
+            retryable=retryable,
         )
         self.on_runner.set()
 

@@ -2,8 +2,10 @@
 document built from the same endpoints, errors in the OpenAI shape, and the model loaded in
 the background.
 
-`/health` answers as soon as the process is up; `/ready` once a runner can take work (the
-model loads on a background thread; API calls before that get 503 + Retry-After)."""
+`/health` answers 200 as soon as the process is up and while it can serve (503 once no runner
+is left and none is starting); `/ready` once a runner can take work (the model loads on a
+background thread; API calls before that get 503 + Retry-After). A model that cannot be built
+stops the server: `punica-x serve` exits 1 with the cause on stderr."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ DESCRIPTIONS = {
     409: "Conflict",
     413: "Body too large",
     429: "Over a limit (Retry-After)",
-    503: "Not ready or overloaded (Retry-After)",
+    500: "The generation failed; a retry would fail the same way",
+    503: "Not ready, overloaded, or the generation's runners died (Retry-After)",
     507: "Out of disk space",
 }
 

@@ -5,10 +5,11 @@ parameter for browsers; it is never logged). Client frames (frontend/openai/prot
   {"type":"chat","model":...,"messages":[...],"max_tokens":...,"temperature":..., ...}
   {"type":"cancel"}
 Server frames: {"type":"token","text":...} as tokens are produced, then
-{"type":"done","finish_reason":...,"usage":{...}} (with "error" when the generation failed);
-{"type":"error","code":...,"message":...,"param":...} for a bad frame or a refused request
-(the connection stays usable). Frames larger than the configured cap close the socket with
-1009; a disconnect aborts the running generation."""
+{"type":"done","finish_reason":"stop"|"length"|"cancelled","usage":{...}};
+{"type":"error","code":...,"message":...,"param":...} for a bad frame, a refused request or a
+generation that failed (its tokens so far are not a reply; code as the HTTP API's, see
+frontend/openai/failures.py); the connection stays usable. Frames larger than the configured
+cap close the socket with 1009; a disconnect aborts the running generation."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from frontend.http.errors import ApiError
 from frontend.http.request_body import parse_json, validate
 from frontend.manager import Caller, FrontendManager
+from frontend.openai.failures import failure
 from frontend.openai.protocol import WsCancelFrame, WsChatFrame, WsFrame
+from frontend.openai.responses import finish_reason
 from frontend.tenancy.auth import Authenticator
 
 POLICY_VIOLATION = 1008
@@ -70,7 +73,7 @@ class _Session:
     async def chat(self, frame: WsChatFrame) -> None:
         m = self.manager
         streams: list = []
-        generated, reason, error, prompt = 0, "cancelled", None, []
+        generated, reason, prompt = 0, "cancelled", []
         try:
             adapter = m.resolve_model(self.caller, frame.model)
             gen = await m.requests.chat(frame, adapter)
@@ -81,8 +84,10 @@ class _Session:
                 if out.new_text:
                     await self.ws.send_json({"type": "token", "text": out.new_text})
                 if out.finished:
-                    reason = out.finish_reason.value if out.finish_reason else "stop"
-                    error = out.error
+                    error = failure(out)
+                    if error is not None:
+                        raise error
+                    reason = finish_reason(out)
         except ApiError as exc:
             await self.send_error(exc)
             return
@@ -98,8 +103,6 @@ class _Session:
             "total_tokens": len(prompt) + generated,
         }
         done = {"type": "done", "finish_reason": reason, "usage": usage}
-        if error:
-            done["error"] = error
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
             await self.ws.send_json(done)
 

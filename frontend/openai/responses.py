@@ -11,13 +11,14 @@ import uuid
 
 from frontend.openai.generation import GenerationRequest
 from frontend.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from punica_x.api import RequestOutput
+from punica_x.api import FinishReason, RequestOutput
 
 
 def finish_reason(out: RequestOutput) -> str:
-    if out.finish_reason is None:
-        return "stop"
-    return out.finish_reason.value
+    """OpenAI's finish reason of a choice that succeeded: "length" (max_tokens or the
+    context) or "stop" (anything else that ended it; failures never get here, see
+    frontend/openai/failures.py)."""
+    return "length" if out.finish_reason is FinishReason.LENGTH else "stop"
 
 
 class ResponseBuilder:
@@ -33,6 +34,7 @@ class ResponseBuilder:
             else []
         )
         self._offsets: dict[int, int] = {}  # streaming: text offset of a choice's next token
+        self.echoed: set[int] = set()  # streaming with echo: choices whose prompt was sent
 
     def completion_text(self, index: int, out: RequestOutput) -> str:
         prefix = self.prompt_texts[index] if self.echo else ""
@@ -97,8 +99,6 @@ class ResponseBuilder:
             choice["text"] = self.completion_text(i, out)
         choice["logprobs"] = self.logprobs(i, out)
         choice["finish_reason"] = finish_reason(out)
-        if out.error:
-            choice["error"] = out.error
         return choice
 
     def chunk(
@@ -108,7 +108,6 @@ class ResponseBuilder:
         reason: str | None,
         first: bool = False,
         logprobs: dict | None = None,
-        error: str | None = None,
     ) -> dict:
         if self.chat:
             delta = (
@@ -126,8 +125,6 @@ class ResponseBuilder:
                 "finish_reason": reason,
             }
             obj = "text_completion"
-        if error:
-            choice["error"] = error
         return {
             "id": self.id,
             "object": obj,

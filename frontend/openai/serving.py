@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from frontend.http.request_body import read_json, validate
 from frontend.manager import Caller, FrontendManager
+from frontend.openai.failures import failure, first_failure
 from frontend.openai.generation import GenerationRequest
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.openai.responses import ResponseBuilder, finish_reason
@@ -62,42 +63,54 @@ async def completions(manager: FrontendManager, caller: Caller, request: Request
         manager.release(caller, stream=False)
     if finals is None:  # the client went away; nobody reads this
         return JSONResponse({}, status_code=499)
+    error = first_failure(finals)
+    if error is not None:
+        raise error
     return JSONResponse(response.full_response(finals))
 
 
 async def _sse(manager, caller, streams, meta: ResponseBuilder, gen: GenerationRequest):
-    generated = 0
     try:
         if meta.chat:
             for i in range(len(streams)):
                 yield _event(meta.chunk(i, None, None, first=True))
-        echoed: set[int] = set()
+        generated = 0
         async for index, out in _merge(streams):
-            if meta.echo and index not in echoed and (out.new_token_ids or out.finished):
-                echoed.add(index)  # the prompt (and its logprobs) before the first token
-                text = meta.prompt_texts[index]
-                yield _event(
-                    meta.chunk(index, text, None, logprobs=meta.prompt_chunk_logprobs(out))
-                )
-            if meta.score_only:
-                if out.finished:
-                    yield _event(meta.chunk(index, None, finish_reason(out), error=out.error))
-                continue
-            generated += len(out.new_token_ids)
-            if out.new_text or out.new_token_ids or out.finished:
-                reason = finish_reason(out) if out.finished else None
-                lp = meta.logprobs(index, out, new_only=True) if out.new_token_ids else None
-                if out.new_text or lp is not None:
-                    yield _event(meta.chunk(index, out.new_text, None, logprobs=lp))
-                if reason:
-                    yield _event(meta.chunk(index, None, reason, error=out.error))
-        if gen.include_usage:
-            usage = {**meta.chunk(0, None, None), "choices": [], "usage": meta.usage(generated)}
-            yield _event(usage)
+            error = failure(out) if out.finished else None
+            if error is not None:  # the request fails: an error event, the other choices stop
+                yield _event(error.body())
+                break
+            for event in _choice_events(meta, index, out):
+                yield event
+            generated += 0 if meta.score_only else len(out.new_token_ids)
+        else:
+            if gen.include_usage:
+                usage = meta.usage(generated)
+                yield _event({**meta.chunk(0, None, None), "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
     finally:
         await _close_all(streams)
         manager.release(caller, stream=True)
+
+
+def _choice_events(meta: ResponseBuilder, index: int, out: RequestOutput) -> list[str]:
+    """The events of one output of choice `index`: under echo the prompt before its first
+    token, the new text (and logprobs), the finish reason on the last one."""
+    events = []
+    if meta.echo and index not in meta.echoed and (out.new_token_ids or out.finished):
+        meta.echoed.add(index)  # the prompt (and its logprobs) before the first token
+        lp = meta.prompt_chunk_logprobs(out)
+        events.append(_event(meta.chunk(index, meta.prompt_texts[index], None, logprobs=lp)))
+    if meta.score_only:
+        if out.finished:
+            events.append(_event(meta.chunk(index, None, finish_reason(out))))
+        return events
+    lp = meta.logprobs(index, out, new_only=True) if out.new_token_ids else None
+    if out.new_text or lp is not None:
+        events.append(_event(meta.chunk(index, out.new_text, None, logprobs=lp)))
+    if out.finished:
+        events.append(_event(meta.chunk(index, None, finish_reason(out))))
+    return events
 
 
 def _event(payload: dict) -> str:

@@ -31,6 +31,7 @@ ENDPOINTS = (
         completions,
         "Text completions (OpenAI)",
         body=CompletionRequest,
+        statuses=(200, 500),
         streams=True,
         example={"model": "{model}", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
     ),
@@ -40,6 +41,7 @@ ENDPOINTS = (
         chat_completions,
         "Chat completions (OpenAI)",
         body=ChatCompletionRequest,
+        statuses=(200, 500),
         streams=True,
         example={
             "model": "{model}",

@@ -14,7 +14,12 @@ STATIC = Path(__file__).parent.parent / "static"
 
 
 async def health(request: Request):
-    return JSONResponse({"status": "ok"})
+    """200 while the process can serve (loading included); 503 once it cannot: the model
+    failed to load (the server then exits) or no runner is left and none is starting."""
+    state = server(request)
+    if state.healthy():
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unhealthy", "error": state.load_error}, status_code=503)
 
 
 async def ready(request: Request):
@@ -41,7 +46,9 @@ async def metrics(request: Request):
 
 
 ENDPOINTS = (
-    Endpoint("/health", ("GET",), health, "The process is up", auth="none"),
+    Endpoint(
+        "/health", ("GET",), health, "The process can serve", auth="none", statuses=(200, 503)
+    ),
     Endpoint("/ready", ("GET",), ready, "A runner can take work", auth="none", statuses=(200, 503)),
     Endpoint("/", ("GET",), index, "The web chat page", auth="none"),
     Endpoint("/openapi.json", ("GET",), openapi_json, "This document", auth="none"),

@@ -254,12 +254,13 @@ def test_no_runner_left_ends_streams_with_an_error_and_refuses_new_ones(shared, 
         _, _, last = await consume(stream)
         with pytest.raises(NoRunner):
             await sched.open(EngineRequest(prompts[1], GREEDY, None, "q2"))
-        assert not sched.ready()
+        assert not sched.ready() and not sched.accepting()  # /health answers 503
         sched.shutdown()
         return last
 
     last = asyncio.run(main())
     assert last.finish_reason is FinishReason.ERROR and "boom" in last.error
+    assert last.retryable  # no runner could serve it: HTTP 503 with Retry-After
 
 
 def test_scale_up_adds_a_runner_that_takes_work_with_every_adapter(

@@ -163,6 +163,7 @@ def test_a_poison_request_fails_alone_and_the_runner_comes_back(shared, referenc
         f"RuntimeError: {FAULT})"
     ), last.error
     assert last.error.endswith("it is not retried")
+    assert not last.retryable  # sent again, it would fail the same way (HTTP 500, not 503)
     assert faults.raised == 2 and sched.restarts == 2 and sched.quarantined == 1
     assert [(r.id, r.state, r.replaces) for r in rows] == [
         ("runner-0", "dead", None),
