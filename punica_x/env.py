@@ -69,3 +69,10 @@ AUTOTUNE = EnvVar(
     "0 turns off the first-load timing of backends (then: compiled kernels where the CPU is "
     "AVX2/AVX-512, PyTorch elsewhere)",
 )
+QUIET_WAIT = EnvVar(
+    "PUNICA_X_QUIET_WAIT",
+    "5",
+    "seconds a first start waits for other processes to leave the CPUs before it times the "
+    "batch-invariant mode's cost (--batch-invariant auto; a figure taken under load is kept "
+    "as provisional); the test suite sets 0",
+)

@@ -4,8 +4,11 @@ compiler. scripts/bootstrap.sh runs it; `punica-x prepare` is the same command.
 
     python -m punica_x.prepare [--isa native|avx2|avx512|avx512_bf16] [--all-isas] [--no-model]
                                [--model PATH] [--quantization auto|none|int8|int4]
+                               [--remeasure-invariance]
 
 Prints one line per kernel (built, with its time, or already built) and one for the model.
+--remeasure-invariance forgets what `--batch-invariant auto` decided on this machine and kernel
+build (models/invariant_choice.py) and measures it again for the model, on a quiet machine.
 Kernels build in parallel processes, one per extension; the build directories' locks make
 a concurrent start wait for a build instead of duplicating or corrupting it.
 """
@@ -73,6 +76,18 @@ def prepare_model(model: str | None, quantization: str) -> None:
     print(f"prepare: model ({served}) ready at {path} ({took:.0f} s)", flush=True)
 
 
+def remeasure_invariance(model: str | None, quantization: str) -> None:
+    """Forget every kept batch-invariant decision of this machine and kernel build, then
+    load the model (batch_invariant auto) so that its decision is measured and kept now."""
+    from punica_x.models.invariant_choice import forget_decisions
+    from punica_x.models.loader import load_model
+
+    gone = forget_decisions()
+    print(f"prepare: batch invariance: {len(gone)} kept decisions forgotten", flush=True)
+    loaded = load_model(ModelConfig(model=model, quantization=quantization))
+    print(f"prepare: batch invariance: {loaded.invariance.reason}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="punica-x prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--isa", choices=isa_mod.CHOICES, default=None)
@@ -85,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         default=ModelConfig.quantization,
         help="the serve option the model is prepared for (none: its dequantized copy)",
     )
+    ap.add_argument(
+        "--remeasure-invariance",
+        action="store_true",
+        help="measure again what --batch-invariant auto decides for the model on this machine",
+    )
     ap.add_argument("--workers", type=int, default=max(1, min(4, torch.get_num_threads())))
     args = ap.parse_args(argv)
     levels = ", ".join(isa_mod.runnable_levels())
@@ -96,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print("prepare: no x86 AVX2/AVX-512 here: the PyTorch paths are the default, no kernels")
     if not args.no_model:
         prepare_model(args.model, args.quantization)
+    if args.remeasure_invariance:
+        remeasure_invariance(args.model, args.quantization)
     return 0
 
 

@@ -3,13 +3,14 @@
 A backend kind (dense, fused, attention, SGMV) with no backend named by the caller or its
 $PUNICA_X_*_BACKEND variable is chosen by timing every candidate that can run on the model's
 actual shapes: choose() runs each candidate's workload once to warm up, then times them in
-turn, round-robin, `repeats` times (so a drift of the machine's speed hits all candidates
-alike) and keeps the one with the smallest median. Choices and all timings are cached in
-<cache>/autotune/<fingerprint>.json, the fingerprint hashing the CPU model and flags, the
-kernels' ISA level, torch's version and ISA limits, the thread count and the kernel sources,
-so another machine, thread count or kernel version never reuses a stale choice. Every choice
-is logged (INFO, logger punica_x.autotune) with its timings; a candidate that fails to set up
-is logged (WARNING) and left out. $PUNICA_X_AUTOTUNE=0 turns timing off (static defaults).
+turn, round-robin, `repeats` times or more (so a drift of the machine's speed hits all
+candidates alike; time_round_robin) and keeps the one with the smallest median. Choices and
+all timings are cached in <cache>/autotune/<fingerprint>.json, the fingerprint hashing the
+CPU model and flags, the kernels' ISA level, torch's version and ISA limits, the thread
+count and the kernel sources, so another machine, thread count or kernel version never
+reuses a stale choice. Every choice is logged (INFO, logger punica_x.autotune) with its
+timings; a candidate that fails to set up is logged (WARNING) and left out.
+$PUNICA_X_AUTOTUNE=0 turns timing off (static defaults).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ log = logging.getLogger("punica_x.autotune")
 # A candidate: setup() -> run(); setup may build/pack (untimed), run() is the timed workload.
 Candidate = Callable[[], Callable[[], object]]
 # Bumped whenever the timing workloads change, so no choice timed the old way is reused.
-TIMING_VERSION = "2"
+TIMING_VERSION = "3"
+# time_round_robin: rounds of every candidate while they take under BUDGET_S in all
+BUDGET_S, MAX_ROUNDS = 0.05, 400
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,39 @@ def _lookup(key: str) -> dict | None:
     return entry
 
 
+def recall(key: str) -> dict | None:
+    """What remember() kept under `key` for this machine and kernel build (fingerprint)."""
+    return _lookup(key)
+
+
+def remember(key: str, entry: dict) -> None:
+    """Keep a JSON-able `entry` under `key` beside this machine's timings."""
+    _store(key, entry)
+
+
+def forget(prefix: str) -> list[str]:
+    """Drop this machine's entries whose key starts with `prefix`; the keys dropped."""
+    path = _path()
+    for k in [k for k in _memory if k.startswith(f"{path}:{prefix}")]:
+        del _memory[k]
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            data = {}
+        gone = [k for k in data if k.startswith(prefix)]
+        if gone:
+            _write(path, {k: v for k, v in data.items() if k not in gone})
+    return gone
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
 def _store(key: str, entry: dict) -> None:
     path = _path()
     _memory[f"{path}:{key}"] = entry
@@ -106,9 +142,7 @@ def _store(key: str, entry: dict) -> None:
             data = {}
         data[key] = entry
         data.setdefault("_about", _about())
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+        _write(path, data)
 
 
 def _about() -> dict:
@@ -120,16 +154,22 @@ def _about() -> dict:
     }
 
 
-def time_round_robin(runs: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each run(), after one untimed warm-up each, timed in turn."""
+def time_round_robin(
+    runs: Mapping[str, Callable[[], object]], repeats: int, budget_s: float = BUDGET_S
+) -> dict[str, float]:
+    """Median milliseconds of each run() (after one untimed warm-up each), timed in turn,
+    round after round: at least `repeats` rounds, more while the rounds took under budget_s
+    (up to MAX_ROUNDS), so a workload of microseconds gets a median of hundreds of runs."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
+    began, rounds = time.perf_counter(), 0
+    while rounds < repeats or (rounds < MAX_ROUNDS and time.perf_counter() - began < budget_s):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
+        rounds += 1
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
 
 
@@ -138,13 +178,15 @@ def dtype_suffix(dtype: torch.dtype) -> str:
     return "" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}"
 
 
-def choose(kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 7) -> Tuned:
+def choose(
+    kind: str, key: str, candidates: Mapping[str, Candidate], repeats: int = 7, fresh: bool = False
+) -> Tuned:
     """The fastest candidate for (kind, key), from the cache or timed now (a lone candidate
-    is taken without timing)."""
+    is taken without timing); fresh: timed now whatever the cache holds (and cached)."""
     if len(candidates) == 1:
         return Tuned(next(iter(candidates)), {}, cached=False)
     full = f"{kind}:{key}"
-    entry = _lookup(full)
+    entry = None if fresh else _lookup(full)
     if entry is not None and entry.get("name") in candidates:
         return Tuned(entry["name"], entry["timings_ms"], cached=True)
     runs: dict[str, Callable[[], object]] = {}

@@ -175,16 +175,21 @@ def choose_dense(
 
 
 def tune_dense(
-    device: torch.device, dtype: torch.dtype, n: int, k: int, rows: tuple[int, ...]
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    rows: tuple[int, ...],
+    fresh: bool = False,
 ) -> autotune.Tuned | None:
     """The timing of every CPU candidate for an [n, k] weight over x of `rows` rows
-    (autotune: cached per machine; a lone candidate untimed); None off the CPU, for a dtype
-    no compiled kernel takes, or with timing disabled."""
+    (autotune: cached per machine, timed again when `fresh`; a lone candidate untimed); None
+    off the CPU, for a dtype no compiled kernel takes, or with timing disabled."""
     if device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return None
     candidates = {c: _timing(c, n, k, rows, dtype) for c in _cpu_candidates(dtype)}
     key = f"{n}x{k} rows={','.join(map(str, rows))}" + autotune.dtype_suffix(dtype)
-    return autotune.choose("dense", key, candidates)
+    return autotune.choose("dense", key, candidates, fresh=fresh)
 
 
 def _cpu_candidates(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:

@@ -308,14 +308,18 @@ ORDER_DIFFERS = ("avx512_bf16",)
 
 
 def order_timings(
-    lora_shapes: dict[str, tuple[int, int]], dtype: torch.dtype, force: bool = False
+    lora_shapes: dict[str, tuple[int, int]],
+    dtype: torch.dtype,
+    force: bool = False,
+    fresh: bool = False,
 ) -> list[tuple[int, dict[str, float]]]:
     """What the batch-invariant order costs the cpu kernels (ops.invariance's auto): per
     distinct (h_in, h_out) a LoRA may target, (how many projections have it, {"cpu": ms in
     fixed order, "cpu_any_order": ms in the kernels' own}) of TIMING_ROWS rows of as many
     adapters and of one adapter at rank TIMING_RANK (_timing's launches), timed at first
-    load and cached. Empty where both orders run the same instructions (a build not in
-    ORDER_DIFFERS, timing off), unless `force` (tests time them anyway)."""
+    load and cached (timed again when `fresh`). Empty where both orders run the same
+    instructions (a build not in ORDER_DIFFERS, timing off), unless `force` (tests time them
+    anyway)."""
     if not isa_mod.tuned() or dtype not in CPU_KERNEL_DTYPES or not autotune.enabled():
         return []
     if not force and isa_mod.resolve() not in ORDER_DIFFERS:
@@ -331,7 +335,8 @@ def order_timings(
             "cpu": _timing(fixed, h_in, h_out, dtype),
             "cpu_any_order": _timing(own, h_in, h_out, dtype),
         }
-        timings.append((count, autotune.choose("sgmv_order", key, candidates).timings_ms))
+        tuned = autotune.choose("sgmv_order", key, candidates, fresh=fresh)
+        timings.append((count, tuned.timings_ms))
     return timings
 
 

@@ -146,3 +146,30 @@ def test_serve_stream_interval_reaches_the_engine_config(capsys):
             _engine("--stream-interval", bad)
         assert exit_.value.code == 2
         assert "--stream-interval" in capsys.readouterr().err
+
+
+def test_prepare_remeasures_the_batch_invariant_decision(tmp_path, monkeypatch, capsys):
+    """--remeasure-invariance forgets the kept decisions, then loads the model so that its
+    decision is measured now (models/invariant_choice.py)."""
+    from types import SimpleNamespace
+
+    from punica_x import prepare
+    from punica_x.models import invariant_choice, loader
+
+    done = []
+    monkeypatch.setattr(loader, "resolve_model_dir", lambda m, q: tmp_path)
+    monkeypatch.setattr(prepare, "build_kernels", lambda jobs, workers: None)
+    monkeypatch.setattr(
+        invariant_choice, "forget_decisions", lambda: done.append("forget") or ["k"]
+    )
+
+    def load_model(cfg):
+        done.append(("load", cfg.batch_invariant))
+        return SimpleNamespace(invariance=SimpleNamespace(reason="auto: on, measured now"))
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    assert prepare.main([]) == 0 and done == []
+    assert prepare.main(["--remeasure-invariance"]) == 0
+    assert done == ["forget", ("load", "auto")]
+    out = capsys.readouterr().out
+    assert "1 kept decisions forgotten" in out and "auto: on, measured now" in out
