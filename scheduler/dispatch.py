@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from scheduler.policy.placement import ACTIVE, RunnerSnapshot, fits_alone, place
 from scheduler.prefix_index import PrefixTracker
 from scheduler.stream import ClusterStream
 from scheduler.waiting import WaitingQueue
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class Dispatcher:
             self._unplace(stream, slot)
             if initial:
                 raise
+            if stream.resume is not None and stream.resume.kv is not None:
+                log.warning("%s: KV copy refused (%s); it recomputes", stream.request_id, exc)
+                stream.resume = dataclasses.replace(stream.resume, kv=None)
+                return self.requeue(stream)  # what a copy cannot do, recomputing does
             stream.fail(f"the request could not be placed again: {exc}")
             self.kick()
             return

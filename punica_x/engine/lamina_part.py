@@ -114,12 +114,14 @@ def lost_worker(engine, owner: str) -> None:
     holding blocks recomputes from its tokens (Lamina 4.5: the frontend's tokens are the
     state), and no cached prefix is trusted any more. Swapped-out copies on the host are
     whole and stay. The step that met the loss runs again, with the others, next step."""
-    engine.attention_worker_losses += 1
     log.warning("attention worker %s is gone: replacing it; its requests recompute", owner)
     cache, batcher = engine.cache, engine.batcher
-    for ref in cache.workers:
-        if f"attention-{ref.heads.index}" == owner:
-            ref.peer.restart()
+    try:
+        for ref in cache.workers:
+            if f"attention-{ref.heads.index}" == owner:
+                ref.peer.restart()
+    finally:  # counted once the replacement is up: a reader of the count (a Ray runner's
+        engine.attention_worker_losses += 1  # handle) then finds every worker's address
     if isinstance(engine.planner.attention, HeadSplitAttention):
         engine.planner.attention.forget_tables()
     for r in list(batcher.running):

@@ -47,13 +47,26 @@ class LaminaWorkers:
     authkey: bytes
     workers: tuple[WorkerAt, ...]
 
+    @property
+    def heads(self) -> int:
+        """The KV heads the workers hold together (their slices joined from head 0)."""
+        end = 0
+        for w in sorted(self.workers, key=lambda w: w.lo):
+            if w.lo != end:
+                break
+            end = w.hi
+        return end
+
 
 class KVRescue:
     """Reads a dead model worker's requests' KV off its attention workers. Blocking (socket
     calls): run it on a worker thread. close() when done."""
 
-    def __init__(self, at: LaminaWorkers, block_size: int) -> None:
+    def __init__(self, at: LaminaWorkers, block_size: int, heads: int | None = None) -> None:
+        """heads: the KV heads a copy must have (None: what the workers hold); workers that
+        do not hold them all (one was being replaced when `at` was taken) give no copy."""
         self.at, self.block_size = at, block_size
+        self.heads = at.heads if heads is None else heads
         self.channels: list[KVChannel] | None = None
         self.tables: dict[str, tuple[int, ...]] = {}
 
@@ -78,7 +91,7 @@ class KVRescue:
             channels = self._connect()
             table = self.tables.get(request_id, ())
             n = -(-num_tokens // self.block_size)
-            if not channels or len(table) < n:
+            if not channels or len(table) < n or self.at.heads != self.heads:
                 return None
             parts = [c.read_blocks(list(table[:n])) for c in channels]
         except (PeerLost, OSError, EOFError, ValueError) as exc:

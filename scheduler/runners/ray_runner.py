@@ -99,6 +99,7 @@ class RayRunner(EventStreams):
         # a Lamina model worker's attention workers (detached actors): where to take its
         # requests' KV from should its process die (scheduler/lamina/rescue.py)
         self.lamina = ray.get(self.actor.lamina_workers.remote())
+        self._lamina_heads = self.lamina.heads if self.lamina is not None else 0
         self._lamina_losses = 0
         self._rescue = None
         self._rescue_lock = threading.Lock()
@@ -122,10 +123,12 @@ class RayRunner(EventStreams):
     async def _on_snapshot(self, snapshot: Snapshot) -> None:
         import ray
 
-        if snapshot.stats.attention_worker_losses != self._lamina_losses:
-            self._lamina_losses = snapshot.stats.attention_worker_losses
+        losses = snapshot.stats.attention_worker_losses
+        if losses != self._lamina_losses:  # workers were replaced: where they are now
             with contextlib.suppress(ray.exceptions.RayActorError):
-                self.lamina = await self.actor.lamina_workers.remote()  # replaced ones
+                lamina = await self.actor.lamina_workers.remote()
+                if lamina.heads == self._lamina_heads:  # else one is restarting: next poll
+                    self.lamina, self._lamina_losses = lamina, losses
 
     def rescue_kv(self, request_id: str, num_tokens: int):
         """The first num_tokens tokens' KV of a request of this dead runner, read off its
@@ -137,7 +140,7 @@ class RayRunner(EventStreams):
 
         with self._rescue_lock:
             if self._rescue is None:
-                self._rescue = KVRescue(self.lamina, self.info.block_size)
+                self._rescue = KVRescue(self.lamina, self.info.block_size, self._lamina_heads)
             return self._rescue.kv(request_id, num_tokens)
 
     # -- adapters -----------------------------------------------------------------------------

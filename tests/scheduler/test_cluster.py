@@ -202,6 +202,38 @@ def test_drain_moves_every_request_and_refuses_the_last_runner(
         check(joined, ref[sps[i].seed, "r8"][i])
 
 
+def test_a_kv_copy_the_target_refuses_recomputes_instead_of_failing(
+    shared, reference, tiny_adapters, monkeypatch
+):
+    """A drain in copy mode whose target refuses the copy (as a copy with missing heads is
+    refused: punica_x/engine/moves.py): the requests recompute there and finish with the
+    undisturbed tokens, rather than ending with "could not be placed again"."""
+    from punica_x.engine import moves
+
+    prompts, ref = reference
+
+    def refuse(cache, req, kv):
+        raise ValueError("the KV copy has blocks of another shape")
+
+    async def main():
+        sched = make_cluster(shared)
+        await with_adapter(sched, tiny_adapters)
+        streams = [
+            await sched.open(EngineRequest(prompts[i], GREEDY, "r8", f"q{i}")) for i in range(4)
+        ]
+        heads = [await consume(s, steps=3) for s in streams]
+        monkeypatch.setattr(moves, "import_kv", refuse)
+        await sched.drain("runner-0", mode="copy")
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        sched.shutdown()
+        return heads, tails
+
+    heads, tails = asyncio.run(main())
+    for i, (head, tail) in enumerate(zip(heads, tails)):
+        assert tail[2].finish_reason is not FinishReason.ERROR, tail[2].error
+        check((head[0] + tail[0], head[1] + tail[1], tail[2]), ref[None, "r8"][i])
+
+
 @pytest.mark.parametrize("trial", range(5))
 def test_a_runner_failing_at_a_random_step_loses_no_request(shared, reference, trial):
     """runner-0's engine raises at a random step (as a crashed kernel would): its requests

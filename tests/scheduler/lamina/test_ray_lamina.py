@@ -135,3 +135,47 @@ def test_sigkill_of_an_attention_worker_recomputes_its_requests(cluster, referen
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert head + tail == ref
     assert lost == 1 and took < 10.0
+
+
+def test_a_model_worker_killed_after_its_attention_worker_was_replaced_is_rescued(
+    cluster, reference
+):
+    """Two faults in a row on one runner (issue 73's finding: the second one failed every
+    request): an attention worker is SIGKILLed and replaced, its requests recompute and
+    finish; then, with new requests running, the model worker's process is SIGKILLed: they
+    continue from the KV its attention workers hold (the replaced one's too), with the
+    greedy tokens of a run nobody killed."""
+    prompts, adapters, want = reference
+    before = dict(cluster.mover.migrations)
+
+    async def main():
+        streams = await open_all(cluster, prompts, adapters, "pair-worker")
+        slot = streams[0].slot
+        losses = slot.handle.stats().attention_worker_losses
+        await asyncio.gather(*(consume(s, until=8) for s in streams))
+        os.kill(slot.handle.stats().attention_workers[0][1], signal.SIGKILL)
+        first = await asyncio.gather(*(consume(s) for s in streams))
+        for _ in range(100):
+            if slot.handle.stats().attention_worker_losses > losses:
+                break
+            await asyncio.sleep(0.1)
+        streams = await open_all(cluster, prompts, adapters, "pair-model")
+        on_victim = [s for s in streams if s.slot is slot]
+        heads = [await consume(s, until=8) for s in streams]
+        os.kill(slot.handle.info.pid, signal.SIGKILL)
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        for _ in range(1200):
+            if len(active(cluster)) == 2:
+                break
+            await asyncio.sleep(0.1)
+        return first, heads, tails, len(on_victim)
+
+    first, heads, tails, moved = asyncio.run(main())
+    for (tokens, last), ref in zip(first, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+    for (head, _), (tail, last), ref in zip(heads, tails, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + tail == ref
+    after = cluster.mover.migrations
+    assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
+    assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)

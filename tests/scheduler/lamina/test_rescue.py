@@ -93,6 +93,28 @@ def test_unknown_requests_and_short_tables_give_nothing(engines):
     assert KVRescue(gone, 16).kv("x", 10) is None
 
 
+def test_workers_caught_while_one_restarts_give_no_copy(engines):
+    """A model worker described while one of its workers was being replaced (its address
+    gone for a moment) names only the others: their slices are not the request's KV, so no
+    copy comes of them (the request recomputes) instead of one with missing heads."""
+    plain, split, launcher = engines
+    reqs = run(split, until=4)
+    whole = launcher.describe()
+    assert whole.heads == split.cache.spec.num_kv_heads == 2
+    caught = LaminaWorkers(whole.model_id, whole.authkey, whole.workers[:1])
+    assert caught.heads == 1
+    for at in (caught, LaminaWorkers(whole.model_id, whole.authkey, whole.workers[1:])):
+        rescue = KVRescue(at, split.cache.block_size, heads=whole.heads)
+        assert rescue.kv(reqs[0].request_id, len(PROMPTS[0])) is None
+        rescue.close()
+    assert LaminaWorkers(whole.model_id, whole.authkey, whole.workers[1:]).heads == 0
+    rescue = KVRescue(whole, split.cache.block_size, heads=2)
+    assert rescue.kv(reqs[0].request_id, len(PROMPTS[0])) is not None
+    rescue.close()
+    for r in reqs:
+        split.abort(r.request_id)
+
+
 def worker() -> AttentionWorker:
     heads = head_slices(4, 2, 1)[0]
     spec = WorkerSpec(heads, 2, 8, 4, 16, torch.float32, (), 0.0, "torch")
