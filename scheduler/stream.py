@@ -9,6 +9,7 @@ StreamOwner methods) what happens: tokens served, a runner lost under it, its en
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Protocol
 
@@ -23,6 +24,8 @@ from punica_x.api import (
     StreamMoved,
 )
 from scheduler.policy.placement import Demand
+
+log = logging.getLogger(__name__)
 
 
 class StreamOwner(Protocol):
@@ -176,11 +179,21 @@ class ClusterStream:
                 continue
             except RunnerLost as exc:
                 if self.inner is inner:
-                    await self.owner.stream_lost(self, str(exc), exc.in_failed_step)
+                    await self._lost(str(exc), exc.in_failed_step)
                 continue
             except StopAsyncIteration:
                 continue
             return self._deliver(out)
+
+    async def _lost(self, error: str, in_failed_step: bool) -> None:
+        """Its runner is gone: the scheduler moves it on. Should that raise (a fault of the
+        scheduler's own), this request ends with a visible error rather than the exception
+        reaching whoever reads it (an HTTP handler: a broken stream, a bare 500)."""
+        try:
+            await self.owner.stream_lost(self, error, in_failed_step)
+        except Exception as bug:
+            log.exception("request %s could not be moved on after %s", self.request_id, error)
+            self.fail(f"the request could not be moved on after its runner failed: {bug!r}")
 
     def _deliver(self, out: RequestOutput) -> RequestOutput:
         self.token_ids += out.new_token_ids

@@ -174,8 +174,8 @@ class FairQueue(Generic[T]):
         back from a tenant at or below its share, however much it was served)."""
         if slots <= 0:
             return []
-        share = self.shares(slots)
-        running = {t: s.running for t, s in self.tenants.items()}
+        share = self.shares(slots)  # active tenants only: an idle one has none, gives none
+        running = {t: s.running for t, s in self.tenants.items() if t in share}
         wanting = {t: len(s.waiting) for t, s in self.tenants.items() if s.waiting}
         moves = []
         while True:

@@ -295,6 +295,33 @@ def test_no_runner_left_ends_streams_with_an_error_and_refuses_new_ones(shared, 
     assert last.retryable  # no runner could serve it: HTTP 503 with Retry-After
 
 
+def test_a_scheduler_fault_while_moving_a_request_on_ends_it_visibly(shared, reference):
+    """Should moving a dead runner's request on raise (a fault of the scheduler's own, as a
+    fairness KeyError once did), the request ends with an error output instead of the
+    exception reaching its reader (an HTTP handler: a broken stream, a bare 500)."""
+    prompts, _ = reference
+
+    async def main():
+        sched = make_cluster(shared, n=2, grow=False)
+        stream = await sched.open(EngineRequest(prompts[0], GREEDY, None, "q"))
+        await consume(stream, steps=2)
+
+        def boom(*args):
+            raise KeyError("tenant1")
+
+        def step():
+            raise RuntimeError("the runner fails")
+
+        sched.mover.lost = boom
+        stream.slot.handle.engine.step = step
+        _, _, last = await consume(stream)
+        sched.shutdown()
+        return last
+
+    last = asyncio.run(main())
+    assert last.finish_reason is FinishReason.ERROR and "KeyError" in last.error
+
+
 def test_scale_up_adds_a_runner_that_takes_work_with_every_adapter(
     shared, reference, tiny_adapters
 ):

@@ -152,9 +152,11 @@ def test_a_model_worker_killed_after_its_attention_worker_was_replaced_is_rescue
         streams = await open_all(cluster, prompts, adapters, "pair-worker")
         slot = streams[0].slot
         losses = slot.handle.stats().attention_worker_losses
-        await asyncio.gather(*(consume(s, until=8) for s in streams))
+        early = [await consume(s, until=8) for s in streams]
         os.kill(slot.handle.stats().attention_workers[0][1], signal.SIGKILL)
-        first = await asyncio.gather(*(consume(s) for s in streams))
+        first = [
+            (early[i], out) for i, out in enumerate(await asyncio.gather(*map(consume, streams)))
+        ]
         for _ in range(100):
             if slot.handle.stats().attention_worker_losses > losses:
                 break
@@ -171,11 +173,61 @@ def test_a_model_worker_killed_after_its_attention_worker_was_replaced_is_rescue
         return first, heads, tails, len(on_victim)
 
     first, heads, tails, moved = asyncio.run(main())
-    for (tokens, last), ref in zip(first, want):
+    for ((head, _), (tail, last)), ref in zip(first, want):  # recomputed on the new worker
         assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + tail == ref
     for (head, _), (tail, last), ref in zip(heads, tails, want):
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert head + tail == ref
     after = cluster.mover.migrations
     assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
     assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)
+
+
+async def kill_model_worker(cluster, slot) -> None:
+    """SIGKILL of `slot`'s model worker process (its replacement starts meanwhile)."""
+    os.kill(slot.handle.info.pid, signal.SIGKILL)
+
+
+async def until_two_active(cluster) -> None:
+    for _ in range(1200):  # a killed runner's replacement starts on this loop
+        if len(active(cluster)) == 2:
+            return
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("first", ["model_worker", "live_copy"])
+def test_a_rescue_holds_after_an_earlier_fault_on_the_runner(cluster, reference, first):
+    """Two faults in a row: first a model worker's death (its requests go on elsewhere from
+    its KV) or a live copy (drain in copy mode), then the model worker now holding the
+    requests is SIGKILLed: they continue from the KV its attention workers hold, every
+    request with the greedy tokens of a run nobody disturbed."""
+    prompts, adapters, want = reference
+
+    async def main():
+        await until_two_active(cluster)
+        streams = await open_all(cluster, prompts, adapters, f"then-{first}")
+        heads = [await consume(s, until=6) for s in streams]
+        victim = streams[0].slot
+        if first == "model_worker":
+            await kill_model_worker(cluster, victim)
+        else:
+            for s in [s for s in streams if s.slot is victim]:
+                assert await cluster.mover.migrate(s, "drain", mode="copy")
+        mids = [await consume(s, until=6) for s in streams]  # all on the other runner now
+        holder = streams[0].slot
+        assert holder is not None and holder is not victim
+        before = dict(cluster.mover.migrations)
+        on_holder = sum(s.slot is holder for s in streams)
+        await kill_model_worker(cluster, holder)
+        tails = await asyncio.gather(*(consume(s) for s in streams))
+        await until_two_active(cluster)
+        after = cluster.mover.migrations
+        copies = after["failure", "copy"] - before.get(("failure", "copy"), 0)
+        return heads, mids, tails, copies, on_holder
+
+    heads, mids, tails, copies, on_holder = asyncio.run(main())
+    for (head, _), (mid, _), (tail, last), ref in zip(heads, mids, tails, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + mid + tail == ref
+    assert copies == on_holder > 0

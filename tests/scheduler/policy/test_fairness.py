@@ -111,6 +111,19 @@ def test_rebalance_gives_a_slot_to_a_tenant_below_its_share():
     assert q.rebalance(32) == []
 
 
+def test_rebalance_passes_over_a_tenant_with_nothing_running_or_waiting():
+    """A tenant once seen but idle now has no share: rebalancing never looks its share up
+    (it raised KeyError into every request that was handing a dead runner's streams on, a
+    fault campaign found: benchmarks/bench_faults.py)."""
+    q = FairQueue()
+    q.started("idle")
+    q.stopped("idle")
+    for _ in range(32):
+        q.started("a")
+    q.push("b", "b0")
+    assert q.rebalance(32) == [Rebalance("a", "b")]
+
+
 def test_rebalance_takes_from_those_above_their_share():
     q = FairQueue()
     for _ in range(16):
