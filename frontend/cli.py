@@ -84,7 +84,10 @@ def server_config(args, limits):
     """serve's ServerConfig from its arguments; ValueError naming a bad flag or combination."""
     from frontend.config import ServerConfig
 
+    from punica_x.api import quiet_wait_s
+
     engine = engine_config(args)
+    quiet_wait_s()  # the environment's value, refused here rather than at the model's load
     if args.runner_backend is None:
         args.runner_backend = "ray" if args.ray_address else "thread"
     if args.ray_address and args.runner_backend != "ray":

@@ -35,6 +35,7 @@ _WHERE: dict[str, str] = {
     "ModelConfig": "punica_x.config",
     "MemoryConfig": "punica_x.config",
     "prepare_main": "punica_x.prepare",
+    "quiet_wait_s": "punica_x.models.invariant_choice",  # $PUNICA_X_QUIET_WAIT, checked
     # a runner: its engine, stepping on a thread, and what it tells about itself
     "Engine": "punica_x.engine.engine",
     "AsyncEngine": "punica_x.engine.async_engine",

@@ -173,3 +173,14 @@ def test_prepare_remeasures_the_batch_invariant_decision(tmp_path, monkeypatch, 
     assert done == ["forget", ("load", "auto")]
     out = capsys.readouterr().out
     assert "1 kept decisions forgotten" in out and "auto: on, measured now" in out
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "nan", "1e9"])
+def test_serve_refuses_a_bad_quiet_wait_at_start(bad, monkeypatch, capsys):
+    """$PUNICA_X_QUIET_WAIT (how long a first start waits to time the batch-invariant mode)
+    is refused before anything starts: exit 2 naming it."""
+    from frontend.cli import main
+
+    monkeypatch.setenv("PUNICA_X_QUIET_WAIT", bad)
+    assert main(["serve", "--data-dir", "unused"]) == 2
+    assert "PUNICA_X_QUIET_WAIT" in capsys.readouterr().err
