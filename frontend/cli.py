@@ -83,7 +83,6 @@ def serve(args) -> int:
 def server_config(args, limits):
     """serve's ServerConfig from its arguments; ValueError naming a bad flag or combination."""
     from frontend.config import ServerConfig
-
     from punica_x.api import quiet_wait_s
 
     engine = engine_config(args)

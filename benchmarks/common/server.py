@@ -51,8 +51,9 @@ def start_server(
 def wait_ready(proc: subprocess.Popen, url: str, seconds: float, log: Path) -> subprocess.Popen:
     """proc once GET url answers 200 (polled twice a second, also while it answers 503: a
     tighter poll steals the loading server's cores); RuntimeError naming the log if the
-    process exits, its /ready reports that loading failed (the body's "error": punica-x
-    stays up to say why) or `seconds` pass first (the process is killed then)."""
+    process exits (punica-x does when its model cannot be built), its /ready reports that
+    loading failed (the body's "error") or `seconds` pass first (the process is killed
+    then)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
