@@ -113,36 +113,41 @@ def forget(prefix: str) -> list[str]:
     path = _path()
     for k in [k for k in _memory if k.startswith(f"{path}:{prefix}")]:
         del _memory[k]
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            data = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, ValueError):
-            data = {}
-        gone = [k for k in data if k.startswith(prefix)]
-        if gone:
-            _write(path, {k: v for k, v in data.items() if k not in gone})
+    gone: list[str] = []
+
+    def drop(data: dict) -> None:
+        gone.extend(k for k in data if k.startswith(prefix))
+        for k in gone:
+            del data[k]
+
+    _update(path, drop)
     return gone
-
-
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
 
 
 def _store(key: str, entry: dict) -> None:
     path = _path()
     _memory[f"{path}:{key}"] = entry
+
+    def put(data: dict) -> None:
+        data[key] = entry
+        data.setdefault("_about", _about())
+
+    _update(path, put)
+
+
+def _update(path: Path, change: Callable[[dict], None]) -> None:
+    """Read the file under its lock (another process may time at once), change its data in
+    place, and write it back whole (a temporary file renamed over it)."""
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             data = json.loads(path.read_text()) if path.exists() else {}
         except (OSError, ValueError):
             data = {}
-        data[key] = entry
-        data.setdefault("_about", _about())
-        _write(path, data)
+        change(data)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
 
 
 def _about() -> dict:

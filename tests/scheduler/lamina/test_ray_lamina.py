@@ -64,6 +64,17 @@ async def open_all(cluster, prompts, adapters, tag: str) -> list:
     return streams
 
 
+def assert_rescued(cluster, before: dict, moved: int, heads, tails, want) -> None:
+    """Every request ended with the reference tokens; the `moved` ones of the killed model
+    worker continued from a KV copy (the rescue), none recomputed."""
+    for (head, _), (tail, last), ref in zip(heads, tails, want):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert head + tail == ref
+    after = cluster.mover.migrations
+    assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
+    assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)
+
+
 def test_attention_workers_are_actors_of_their_own(cluster, reference):
     prompts, adapters, want = reference
     rows = cluster.runners()
@@ -101,12 +112,7 @@ def test_sigkill_of_a_model_worker_continues_from_its_kv(cluster, reference):
         return heads, tails, took, len(on_victim)
 
     heads, tails, took, moved = asyncio.run(main())
-    for (head, _), (tail, last), ref in zip(heads, tails, want):
-        assert last.finish_reason is FinishReason.LENGTH, last.error
-        assert head + tail == ref
-    after = cluster.mover.migrations
-    assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
-    assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)
+    assert_rescued(cluster, before, moved, heads, tails, want)
     assert took < 10.0
     assert [s.rescue for s in cluster.slots if s.state == "dead"] == [None]  # workers let go
 
@@ -176,12 +182,7 @@ def test_a_model_worker_killed_after_its_attention_worker_was_replaced_is_rescue
     for ((head, _), (tail, last)), ref in zip(first, want):  # recomputed on the new worker
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert head + tail == ref
-    for (head, _), (tail, last), ref in zip(heads, tails, want):
-        assert last.finish_reason is FinishReason.LENGTH, last.error
-        assert head + tail == ref
-    after = cluster.mover.migrations
-    assert after["failure", "copy"] - before.get(("failure", "copy"), 0) == moved > 0
-    assert after["failure", "recompute"] == before.get(("failure", "recompute"), 0)
+    assert_rescued(cluster, before, moved, heads, tails, want)
 
 
 async def kill_model_worker(cluster, slot) -> None:
