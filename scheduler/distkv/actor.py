@@ -35,6 +35,10 @@ class KVActorMethods:
         )
         self.borrower.local = self.rm
         self.micro: dict[str, object] = {}
+        # DGFM: the release of each swap's hold (by token), and tokens released before their
+        # hold ran (it must not hold then)
+        self._dgfm_holds: dict[str, object] = {}
+        self._dgfm_cancelled: set[str] = set()
         self.kv_server = None
         if transport == "socket":
             host = ray.util.get_node_ip_address()
@@ -75,20 +79,29 @@ class KVActorMethods:
         return self.micro[debtor].run(layer, q, k, v, scale, state=state)
 
     # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
-    def dgfm_hold(self, timeout: float = 30.0) -> None:
-        """Hold the engine thread between two steps (a command that waits for dgfm_release)
-        and lend nothing meanwhile; returns once it is held."""
+    def dgfm_hold(self, token: str, timeout: float = 30.0) -> bool:
+        """Hold the engine thread between two steps (a command that waits for the release
+        of `token`) and lend nothing meanwhile; returns once it is held: True, or False when
+        `token` was released before this ran (its swap gave up on this runner: an actor's
+        calls need not run in the order they were sent)."""
+        if token in self._dgfm_cancelled:
+            self._dgfm_cancelled.discard(token)
+            return False
         try:  # (held 120 s at most: a scheduler that died mid-swap does not hold it forever)
-            self._dgfm_release = self.async_engine.hold(timeout, limit=120.0)
+            self._dgfm_holds[token] = self.async_engine.hold(timeout, limit=120.0)
         except TimeoutError as exc:
             raise TimeoutError(f"runner {self.runner_id}: {exc}") from None
         self.rm.frozen = True
+        return True
 
-    def dgfm_release(self) -> None:
-        self.rm.frozen = False
-        release = getattr(self, "_dgfm_release", None)
-        if release is not None:
-            release()
+    def dgfm_release(self, token: str) -> None:
+        """End the hold of `token` (or, when it has not run yet, make sure it never holds)."""
+        release = self._dgfm_holds.pop(token, None)
+        if release is None:
+            self._dgfm_cancelled.add(token)
+            return
+        release()
+        self.rm.frozen = bool(self._dgfm_holds)
 
     def dgfm_pick(self, creditor: str, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
         return self.engine.distkv.remote_picks(creditor, blocks)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from punica_x.api import MicroPlan, PeerLost, RemoteExtent
@@ -331,11 +332,12 @@ class RayKVGroup:
         def get(refs):
             return ray.get(refs, timeout=CALL_TIMEOUT_S)
 
-        held = []
-        try:
+        token = uuid.uuid4().hex
+        held = []  # every runner a hold was sent to: one that timed out here (a stopped
+        try:  # or slow runner) would hold its engine once it runs, until released
             for rid in swap.cycle:
-                get(actor[rid].dgfm_hold.remote())
                 held.append(rid)
+                get(actor[rid].dgfm_hold.remote(token))
             edges = swap.edges()
             picks = trim_picks(get([actor[d].dgfm_pick.remote(c, swap.blocks) for d, c in edges]))
             if not picks:
@@ -348,7 +350,7 @@ class RayKVGroup:
             return n
         finally:
             for rid in held:
-                actor[rid].dgfm_release.remote()
+                actor[rid].dgfm_release.remote(token)
 
     def _update(self) -> None:
         for rid, r in self.members.items():
