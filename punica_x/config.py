@@ -245,6 +245,9 @@ class BatchConfig:
     # requests a runner holds (running + waiting in its batcher) before more wait at the
     # scheduler: the batch under FCFS; under MLFQ a pool to choose the batch from (4x batch)
     mlfq_working_set: int | None = None
+    # DistKV (punica_x/kv/borrowing.py): the fraction of the local KV cache a request that
+    # borrows on peers leaves free for the requests beside it while its peers lend
+    borrow_headroom: float = 0.25
 
     def __post_init__(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
@@ -258,6 +261,9 @@ class BatchConfig:
             _positive("mlfq_levels", self.mlfq_levels)
         _positive("mlfq_working_set", self.mlfq_working_set)
         _positive("mlfq_job_tokens", self.mlfq_job_tokens)
+        h = self.borrow_headroom
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ValueError(f"borrow_headroom must be a number in [0, 1), got {h!r}")
 
     @property
     def max_working_set(self) -> int:

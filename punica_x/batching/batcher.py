@@ -185,8 +185,9 @@ class Batcher:
         """The step that ran `scheduled` took `seconds` (FCFS does not use it; see MLFQ)."""
 
     def _ensure(self, r: Request, num_tokens: int) -> bool:
-        """Room for num_tokens of r: more local blocks, unless it already grows on peers."""
-        if r.remote:
+        """Room for num_tokens of r: more local blocks, unless it borrows (it takes them
+        through KVBorrowing.borrow, which leaves the others their headroom)."""
+        if r.remote or self._borrows(r, num_tokens):
             held = len(r.block_ids) + sum(len(e.block_ids) for e in r.remote)
             return held >= blocks_needed(num_tokens, self.cache.block_size)
         return self.cache.ensure_capacity(r.block_ids, num_tokens)
@@ -198,9 +199,9 @@ class Batcher:
         return Borrow.NO if self.borrowing is None else self.borrowing.borrow(r, num_tokens)
 
     def _grow(self, r: Request, num_tokens: int, overflow: list[Request]) -> Borrow:
-        """Blocks for num_tokens of r (GOT), preempting the newest running requests if
-        needed (NO when r itself went), or borrowing, for a request too long for this
-        runner (WAIT when peers refuse; see KVBorrowing)."""
+        """Blocks for num_tokens of r (GOT), preempting the newest running requests that do
+        not borrow if needed (NO when r itself went), or borrowing, for a request too long
+        for this runner (WAIT when peers refuse; see KVBorrowing)."""
         while not self._ensure(r, num_tokens):
             if self._borrows(r, num_tokens):
                 got = self._borrow(r, num_tokens)
@@ -213,7 +214,7 @@ class Batcher:
                     self.running.remove(r)
                     overflow.append(r)
                 return got if got in (Borrow.GOT, Borrow.WAIT) else Borrow.NO
-            victim = self.running[-1]
+            victim = self._victim(r)
             if victim is r and len(self.running) == 1:
                 self.running.remove(r)
                 overflow.append(r)
@@ -222,6 +223,14 @@ class Batcher:
             if victim is r:
                 return Borrow.NO
         return Borrow.GOT
+
+    def _victim(self, r: Request) -> Request:
+        """The running request r preempts for a block: the newest that does not borrow (a
+        borrower's prefill is long to redo, and it leaves the others headroom), else r."""
+        for victim in reversed(self.running):
+            if victim is r or not self._borrows(victim, victim.num_tokens):
+                return victim
+        return r
 
     def preempt(self, r: Request) -> None:
         """Send a running request back to the head of the queue, its KV freed (it

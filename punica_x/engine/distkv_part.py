@@ -70,7 +70,8 @@ class DistKVPart:
                 "--batch-invariant off for DistKV on this device"
             )
         self.rmanager = RManager(runner_id, self.cache, attention, caps)
-        self.batcher.borrowing = KVBorrowing(self.cache, borrower)
+        headroom = self.batcher.config.borrow_headroom
+        self.batcher.borrowing = KVBorrowing(self.cache, borrower, headroom)
         # the chained order runs the parts one after another: nothing to overlap
         if overlap and self.fixed_order:
             log.info("DistKV: no overlap in the batch-invariant mode (parts run in key order)")

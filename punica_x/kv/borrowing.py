@@ -2,6 +2,12 @@
 for this runner's whole cache takes blocks from peers through a KVBorrower (rmanager.py),
 after its local prefix, as RemoteExtents (one per owner run).
 
+Such a request is known to borrow from its first block on (its prompt alone is too long), so
+it never preempts the requests beside it to grow, and it leaves HEADROOM of the local cache
+free for them while its peers lend (less where their capacity could not hold the rest; all
+of it once they refuse): one long prompt does not take a whole runner for as long as it runs
+while the short requests placed there wait.
+
 Peers may refuse (their blocks are in use). A refused request asks again after
 BORROW_RETRY_S keeping what it holds (WAIT); refused for longer than patience_s it gives
 every block back and starts over after a random pause (YIELD), so two requests that each
@@ -22,6 +28,7 @@ from punica_x.runtime import Request
 BORROW_RETRY_S = 0.05  # a request whose borrow was refused asks again after this long
 BORROW_PATIENCE_S = 2.0  # refused this long: it gives its blocks back (YIELD)
 BORROW_GIVE_UP_S = 120.0  # no block from its peers this long, over its yields: it ends
+HEADROOM = 0.25  # of the local cache a borrowing request leaves free (the default)
 
 
 class Borrow(enum.Enum):
@@ -37,12 +44,13 @@ class Borrow(enum.Enum):
 class KVBorrowing:
     """cache: this runner's; borrower: its way to the peers' rManagers."""
 
-    def __init__(self, cache: KVCache, borrower: KVBorrower) -> None:
+    def __init__(self, cache: KVCache, borrower: KVBorrower, headroom: float = HEADROOM) -> None:
         self.cache, self.borrower = cache, borrower
         self.refusals = 0
         self.yields = 0  # requests that gave their blocks back (patience_s)
         self.patience_s = BORROW_PATIENCE_S
         self.give_up_s = BORROW_GIVE_UP_S
+        self.headroom_fraction = headroom  # CacheConfig.borrow_headroom
 
     @property
     def runner_id(self) -> str:
@@ -53,13 +61,23 @@ class KVBorrowing:
         return self.borrower.capacity_blocks()
 
     def borrows(self, r: Request, num_tokens: int) -> bool:
-        """Whether r takes blocks from peers: it cannot fit in this runner's whole cache."""
-        need = blocks_needed(num_tokens, self.cache.block_size)
+        """Whether r takes blocks from peers: num_tokens, or the tokens it already has (the
+        whole prompt while its first chunks prefill), cannot fit in this runner's whole
+        cache."""
+        need = blocks_needed(max(num_tokens, r.num_tokens), self.cache.block_size)
         return bool(r.remote) or need > self.cache.allocator.num_blocks
 
+    def headroom(self, need: int) -> int:
+        """Free local blocks a borrowing request that needs `need` blocks leaves to the
+        requests beside it: headroom_fraction (HEADROOM) of the cache, less where the peers
+        could not lend the rest (capacity_blocks)."""
+        total = self.cache.allocator.num_blocks
+        leave = int(total * self.headroom_fraction)
+        return max(0, min(leave, total + self.capacity_blocks() - need))
+
     def borrow(self, r: Request, num_tokens: int) -> Borrow:
-        """Blocks for num_tokens of a request that borrows: the free local ones first (while
-        it holds no remote block), then from peers (see Borrow)."""
+        """Blocks for num_tokens of a request that borrows: the free local ones first, down to
+        the headroom, then from peers, and when they refuse the headroom too (see Borrow)."""
         if not self.borrows(r, num_tokens):
             return Borrow.NO
         need = blocks_needed(num_tokens, self.cache.block_size)
@@ -67,20 +85,28 @@ class KVBorrowing:
             return Borrow.NO
         missing = need - len(r.block_ids) - sum(len(e.block_ids) for e in r.remote)
         allocator = self.cache.allocator
-        local = allocator.allocate(min(missing, allocator.num_free)) or []
-        if r.remote:  # past the local prefix: free local blocks join as an extent of ours
-            append_extents(r, [RemoteExtent(self.runner_id, tuple(local))] if local else [])
-        else:
-            r.block_ids.extend(local)
-        missing -= len(local)
+        missing -= self._local(r, missing, allocator.num_free - self.headroom(need))
         if missing <= 0:
             return Borrow.GOT
         got = self.borrower.borrow(r.request_id, missing)
-        if got is None:
+        if got is None:  # the peers refuse: the headroom too, before it waits for them
+            missing -= self._local(r, missing, allocator.num_free)
+            if missing <= 0:
+                return Borrow.GOT
             return self._refused(r, time.monotonic())
         r.borrow_since = r.starving_since = None
         append_extents(r, got)
         return Borrow.GOT
+
+    def _local(self, r: Request, missing: int, spare: int) -> int:
+        """Give r up to min(missing, spare) free local blocks, after what it holds; how many."""
+        n = min(missing, spare)
+        local = (self.cache.allocator.allocate(n) or []) if n > 0 else []
+        if r.remote:  # past the local prefix: free local blocks join as an extent of ours
+            append_extents(r, [RemoteExtent(self.runner_id, tuple(local))] if local else [])
+        else:
+            r.block_ids.extend(local)
+        return len(local)
 
     def _refused(self, r: Request, now: float) -> Borrow:
         self.refusals += 1

@@ -244,7 +244,8 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
             EngineConfig(
                 model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
                 cache=CacheConfig(num_blocks=blocks),
-                batch=BatchConfig(max_batch_size=4),
+                # the blocks as counted above: a borrower takes every free local one
+                batch=BatchConfig(max_batch_size=4, borrow_headroom=0),
             ),
             rid,
         )
