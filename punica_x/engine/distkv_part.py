@@ -112,12 +112,14 @@ class DistKVPart:
         return self.cache.allocator.num_blocks + extra
 
     def lost_peer(self, owner: str) -> None:
-        """A runner holding borrowed blocks is gone: the requests with blocks there lose
-        them and recompute from their tokens (borrowing again elsewhere); this step's other
-        requests run again next step (what it wrote is rewritten identically)."""
+        """A runner holding borrowed blocks is gone: the requests with blocks there keep
+        their KV before the first of them and recompute from there, borrowing again
+        (KVBorrowing.cut_at); this step's other requests run again next step (what it wrote
+        is rewritten identically)."""
         self.peer_losses += 1
         log.warning("runner %s holding borrowed KV blocks is gone", owner)
         for r in list(self.batcher.running):
             if any(e.owner == owner for e in r.remote):
-                r.remote = [e for e in r.remote if e.owner != owner]
-                self.batcher.preempt(r)
+                kept = self.batcher.borrowing.cut_at(r, owner)
+                r.num_preemptions += 1  # its KV after `kept` is recomputed
+                log.info("%s recomputes from token %d of %d", r.request_id, kept, r.num_tokens)

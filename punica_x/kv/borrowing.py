@@ -124,6 +124,19 @@ class KVBorrowing:
         r.borrow_after = now + BORROW_RETRY_S
         return Borrow.WAIT
 
+    def cut_at(self, r: Request, owner: str) -> int:
+        """Runner `owner` is gone with the blocks it lent r: r keeps its KV before the first
+        of them (its local prefix and the extents before), gives the extents after it back
+        to their owners, and recomputes from there. Returns the tokens whose KV it kept."""
+        lost = next(i for i, e in enumerate(r.remote) if e.owner == owner)
+        kept, after = r.remote[:lost], [e for e in r.remote[lost:] if e.owner != owner]
+        r.remote = after
+        self.give_back(r)
+        r.remote = kept
+        blocks = len(r.block_ids) + sum(len(e.block_ids) for e in kept)
+        r.num_computed_tokens = min(r.num_computed_tokens, blocks * self.cache.block_size)
+        return r.num_computed_tokens
+
     def give_back(self, r: Request) -> None:
         """Free r's blocks after its local prefix: its own (moved home by a DGFM swap) here,
         the others back to their owners."""
