@@ -248,6 +248,10 @@ class BatchConfig:
     # DistKV (punica_x/kv/borrowing.py): the fraction of the local KV cache a request that
     # borrows on peers leaves free for the requests beside it while its peers lend
     borrow_headroom: float = 0.25
+    # a prefill chunk longer than this takes only this many tokens a step while other
+    # requests share the runner, so they join and decode beside a long prompt (vLLM's
+    # long_prefill_token_threshold); 0: a chunk takes what the token budget leaves
+    long_prefill_tokens: int = 512
 
     def __post_init__(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
@@ -261,6 +265,9 @@ class BatchConfig:
             _positive("mlfq_levels", self.mlfq_levels)
         _positive("mlfq_working_set", self.mlfq_working_set)
         _positive("mlfq_job_tokens", self.mlfq_job_tokens)
+        cap = self.long_prefill_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"long_prefill_tokens must be an int >= 0, got {cap!r}")
         h = self.borrow_headroom
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
             raise ValueError(f"borrow_headroom must be a number in [0, 1), got {h!r}")

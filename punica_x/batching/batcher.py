@@ -2,7 +2,8 @@
 
 FCFS (Punica sec. 5): running requests keep their place, oldest first; waiting requests join
 in arrival order while there is batch room, token budget and KV memory. A prompt longer
-than the step's token budget is prefilled in chunks over several steps. When a running
+than the step's token budget is prefilled in chunks over several steps (chunks of at most
+BatchConfig.long_prefill_tokens while other requests share the runner). When a running
 request needs a block and none is free, the NEWEST running request is preempted: its blocks
 are freed and it goes back to the head of the queue to be recomputed from its prompt and
 the tokens it already generated (migration by recomputation, locally). Requests whose
@@ -106,9 +107,7 @@ class Batcher:
                 i += 1
                 continue
             done = r.num_computed_tokens
-            n = r.num_tokens - done
-            if n > budget:
-                n = budget
+            n = self._chunk(r, budget)
             if r.remote or len(r.block_ids) * size < done + n:  # it needs more blocks
                 got = self._grow(r, r.num_computed_tokens + n, overflow)
                 if got is Borrow.WAIT:
@@ -133,7 +132,7 @@ class Batcher:
             fresh = self._fresh(r)
             if fresh and not self.prefix.reuse(r):
                 continue  # its next block is computed this step: it reuses it next step
-            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            n = self._chunk(r, budget)
             got = self._admit(r, r.num_computed_tokens + n)
             if got is not Borrow.GOT:
                 if fresh and got is not Borrow.WAIT:
@@ -149,6 +148,16 @@ class Batcher:
             if fresh:
                 self.prefix.admitted(r)
             self._computing(r, n)
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens r computes this step: what it has left, within the budget; a long prefill
+        at most long_prefill_tokens while other requests share the runner, so a step with
+        it stays short for them and the token budget admits them beside it."""
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        cap = self.config.long_prefill_tokens
+        if 0 < cap < n and self.num_unfinished > 1:
+            return cap
+        return n
 
     def _fresh(self, r: Request) -> bool:
         """Whether r holds no KV and may look for a cached prefix (prefix caching is on)."""

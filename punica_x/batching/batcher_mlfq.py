@@ -127,7 +127,7 @@ class MLFQBatcher(Batcher):
             fresh = self._fresh(r)
             if fresh and not self.prefix.reuse(r):
                 continue  # its next block is computed this step: it reuses it next step
-            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            n = self._chunk(r, budget)
             if self._make_room(r, r.num_computed_tokens + n, order[i + 1 :], strict):
                 scheduled.append(ScheduledRequest(r, n))
                 budget -= n
