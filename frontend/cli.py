@@ -82,7 +82,7 @@ def serve(args) -> int:
 
 def server_config(args, limits):
     """serve's ServerConfig from its arguments; ValueError naming a bad flag or combination."""
-    from frontend.config import ServerConfig
+    from frontend.config import ServerConfig, distkv_off
     from punica_x.api import quiet_wait_s
 
     engine = engine_config(args)
@@ -92,6 +92,8 @@ def server_config(args, limits):
     if args.ray_address and args.runner_backend != "ray":
         raise ValueError("--ray-address needs --runner-backend ray")
     devices = runner_devices(args)
+    if (why_no_distkv := distkv_off(engine)) is not None and not args.no_distkv:
+        logging.getLogger("punica_x.server").info("DistKV is off: %s", why_no_distkv)
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -103,7 +105,7 @@ def server_config(args, limits):
         devices=devices,
         ray_address=args.ray_address,
         autoscale=args.autoscale,
-        distkv=not args.no_distkv and not engine.attention_workers,  # their KV lends none
+        distkv=not args.no_distkv and why_no_distkv is None,
         fair_share=not args.no_fair_share,
         restart_runners=not args.no_runner_restart,
     )

@@ -33,6 +33,15 @@ class Limits:
     max_runners: int = 32  # POST /admin/runners refuses (409) to start more than this in all
 
 
+def distkv_off(engine: EngineConfig) -> str | None:
+    """Why DistKV cannot run beside the engine's other choices (docs/distkv.md), or None."""
+    if engine.attention_workers:
+        return "the attention workers (--attention-workers) hold the KV and lend none"
+    if engine.batch.policy != "fcfs":
+        return "the mlfq policy's KV swapping does not move borrowed blocks"
+    return None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -63,6 +72,8 @@ class ServerConfig:
                 "DistKV between thread runners on different devices is not supported "
                 "(remote attention results are not copied across GPUs): add --no-distkv"
             )
+        if self.distkv and distkv_off(self.engine) is not None:
+            raise ValueError(f"DistKV cannot run here: {distkv_off(self.engine)}: distkv=False")
         if self.autoscale is not None:
             from scheduler.autoscale import AutoscaleConfig
 

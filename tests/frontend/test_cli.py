@@ -184,3 +184,37 @@ def test_serve_refuses_a_bad_quiet_wait_at_start(bad, monkeypatch, capsys):
     monkeypatch.setenv("PUNICA_X_QUIET_WAIT", bad)
     assert main(["serve", "--data-dir", "unused"]) == 2
     assert "PUNICA_X_QUIET_WAIT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "distkv"),
+    [
+        ([], True),
+        (["--no-distkv"], False),
+        (["--policy", "mlfq"], False),
+        (["--policy", "mlfq", "--runner-backend", "ray"], False),
+        (["--attention-workers", "3"], False),
+    ],
+)
+def test_serve_runs_distkv_only_where_it_can(flags, distkv, caplog):
+    """DistKV is on by default, off with --no-distkv, and off (logged) beside the mlfq policy
+    or attention workers: a Ray runner under mlfq failed its kv_enable at start (exit 1)."""
+    from frontend.cli import server_config
+
+    args = build_parser().parse_args(["serve", *flags])
+    with caplog.at_level("INFO", logger="punica_x.server"):
+        assert server_config(args, None).distkv is distkv
+    logged = "DistKV is off" in caplog.text
+    assert logged is (not distkv and "--no-distkv" not in flags)
+
+
+def test_a_server_config_with_distkv_beside_mlfq_is_refused():
+    from dataclasses import replace
+
+    from frontend.config import ServerConfig
+    from punica_x.config import BatchConfig, EngineConfig
+
+    engine = replace(EngineConfig(), batch=BatchConfig(policy="mlfq"))
+    with pytest.raises(ValueError, match="mlfq policy's KV swapping"):
+        ServerConfig(engine=engine)
+    assert ServerConfig(engine=engine, distkv=False).distkv is False
