@@ -6,6 +6,9 @@ key (multiprocessing.connection's HMAC handshake), and serves each connected deb
 thread of its own while its engine steps (the attention kernels release the GIL). A debtor
 holds one KVChannel per creditor and sends it, per step, the MicroPlan (pickled, once) and,
 per layer, one frame with the query rows and the new tokens' K/V; the reply is (out, lse).
+A debtor may prepare several plans with one creditor in a step (the batch-invariant order
+sends a request's extents round by round, and one creditor may hold two of them): each plan
+has a slot, and each run names the slot of its plan.
 KV never travels at decode, and nothing goes through the scheduler or Ray's object store.
 
 Why sockets (benchmarks/bench_kv_transport.py, docs/distkv.md): a Ray actor call costs ~2.8 ms a
@@ -14,7 +17,7 @@ frame costs tens of microseconds, about what shared memory plus a pipe costs, an
 code runs over TCP between nodes.
 
 Frames (little endian), one message each way per call:
-    prepare  b"P" + pickle(MicroPlan)                       -> b"\\0"
+    prepare  b"P" + slot (u32) + pickle(MicroPlan)          -> b"\\0"
     run      b"R" + _RUN header + q | k | v raw bytes       -> b"\\0" + out | lse raw bytes
     chained  b"C" + _RUN header + q | k | v | state         -> b"\\0" + state raw bytes
     get      b"G" + pickle(block ids)                       -> b"\\0" + pickle(tensor)
@@ -51,7 +54,9 @@ import torch
 from punica_x.api import MicroPlan, PeerLost
 
 CALL_TIMEOUT_S = 30.0
-_RUN = struct.Struct("<IdB5I")  # layer, scale, dtype code, R, H_q, D, W, N_kv
+_RUN = struct.Struct("<IdB6I")  # layer, scale, dtype code, R, H_q, D, W, N_kv, slot
+_SLOT = struct.Struct("<I")
+KEPT_PLANS = 64  # prepared plans a creditor keeps per debtor (the newest; slots wrap at 2**32)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OK, _ERR = b"\0", b"\1"
 _BLOCK_FRAMES = (b"G", b"S", b"T", b"I")
@@ -151,23 +156,30 @@ class KVChannelServer:
     def _serve(self, conn: Connection) -> None:
         try:
             debtor = conn.recv()
-            micro = None
+            micros: dict[int, object] = {}  # slot -> prepared plan, oldest first
             while True:
                 msg = memoryview(conn.recv_bytes())
                 self.frames += 1
                 try:
                     kind = msg[0:1]
                     if kind == b"P":
-                        micro = self.handler.prepare(debtor, pickle.loads(msg[1:]))
+                        (slot,) = _SLOT.unpack_from(msg, 1)
+                        micros.pop(slot, None)
+                        micros[slot] = self.handler.prepare(
+                            debtor, pickle.loads(msg[1 + _SLOT.size :])
+                        )
+                        while len(micros) > KEPT_PLANS:
+                            del micros[next(iter(micros))]
                         conn.send_bytes(_OK)
                     elif kind in _BLOCK_FRAMES:
                         conn.send_bytes(_OK + _blocks(self.handler, kind, msg[1:]))
                     elif kind not in (b"R", b"C"):
                         raise ValueError(f"unknown frame kind {bytes(kind)!r}")
                     else:
-                        if micro is None:
-                            raise RuntimeError("run before prepare")
-                        conn.send_bytes(_run(micro, msg, chained=kind == b"C"))
+                        slot = _RUN.unpack_from(msg, 1)[-1]
+                        if slot not in micros:
+                            raise RuntimeError(f"run before prepare (plan slot {slot})")
+                        conn.send_bytes(_run(micros[slot], msg, chained=kind == b"C"))
                 except Exception as exc:
                     conn.send_bytes(_ERR + _dump(exc))
         except Exception:  # the debtor left, or close() shut the socket down under recv
@@ -196,7 +208,7 @@ class KVChannelServer:
 
 
 def _run(micro, msg: memoryview, chained: bool = False) -> bytes:
-    layer, scale, code, rows, heads, dim, w, kv_heads = _RUN.unpack_from(msg, 1)
+    layer, scale, code, rows, heads, dim, w, kv_heads, _ = _RUN.unpack_from(msg, 1)
     dtype = _DTYPES[code]
     at = 1 + _RUN.size
     sizes = (_nbytes(dtype, rows, heads, dim), _nbytes(dtype, w, kv_heads, dim))
@@ -245,6 +257,7 @@ class KVChannel:
     def __init__(self, owner: str, address: ChannelAddress, debtor: str, node: str, authkey: bytes):
         self.owner, self.address = owner, address
         self._lock = threading.Lock()
+        self._slot = 0  # the next plan's slot
         self.conn: Connection | None = None
         try:
             if address.node == node:
@@ -256,18 +269,25 @@ class KVChannel:
         except (OSError, EOFError, AuthenticationError) as exc:
             raise PeerLost(owner, f"runner {owner} holding borrowed KV blocks: {exc}") from None
 
-    def prepare(self, debtor: str, plan: MicroPlan) -> KVChannel:
-        """Send this step's plan over the blocks `owner` lent (KVPeer.prepare)."""
-        self._call(b"P" + pickle.dumps(plan))
-        return self
+    def prepare(self, debtor: str, plan: MicroPlan) -> PreparedPlan:
+        """Send a plan over the blocks `owner` lent (KVPeer.prepare); its runs go through
+        the PreparedPlan returned (the creditor keeps the newest KEPT_PLANS)."""
+        with self._lock:
+            slot, self._slot = self._slot, (self._slot + 1) % 2**32
+        self._call(b"P" + _SLOT.pack(slot) + pickle.dumps(plan))
+        return PreparedPlan(self, slot)
 
-    def run(self, layer: int, q, k, v, scale: float, state: torch.Tensor | None = None):
-        """(out [R, H_q, D] in q's dtype, lse [R, H_q] float32) of q over the blocks of this
-        step's plan, after writing k/v [W, N_kv, D] into its slots (MicroAttention.run); with
-        `state` ([R, H_q, D + 2] float32), the state going on from it instead."""
+    def run(
+        self, layer: int, q, k, v, scale: float, state: torch.Tensor | None = None, slot: int = 0
+    ):
+        """(out [R, H_q, D] in q's dtype, lse [R, H_q] float32) of q over the blocks of the
+        plan prepared in `slot`, after writing k/v [W, N_kv, D] into its slots
+        (MicroAttention.run); with `state` ([R, H_q, D + 2] float32), the state going on
+        from it instead."""
         rows, heads, dim = q.shape
         w, kv_heads = k.shape[0], k.shape[1] if k.dim() == 3 else 0
-        head = _RUN.pack(layer, scale, _DTYPES.index(q.dtype), rows, heads, dim, w, kv_heads)
+        code = _DTYPES.index(q.dtype)
+        head = _RUN.pack(layer, scale, code, rows, heads, dim, w, kv_heads, slot)
         parts = [b"R" if state is None else b"C", head, _raw(q)]
         if w:
             parts += [_raw(k.to(q.dtype)), _raw(v.to(q.dtype))]
@@ -324,3 +344,15 @@ class KVChannel:
             with contextlib.suppress(OSError):
                 self.conn.close()
             self.conn = None
+
+
+@dataclass(frozen=True)
+class PreparedPlan:
+    """One plan prepared on a creditor (KVChannel.prepare): run() goes to that plan, whatever
+    the debtor prepared with the creditor since."""
+
+    channel: KVChannel
+    slot: int
+
+    def run(self, layer: int, q, k, v, scale: float, state: torch.Tensor | None = None):
+        return self.channel.run(layer, q, k, v, scale, state, self.slot)

@@ -8,7 +8,7 @@ import platform
 import secrets
 
 from punica_x.api import PeerLost, WorkerRef, WorkerSpec
-from scheduler.distkv.channel import ChannelAddress, KVChannel
+from scheduler.distkv.channel import ChannelAddress, KVChannel, PreparedPlan
 from scheduler.lamina.rescue import LaminaWorkers, WorkerAt
 
 
@@ -46,7 +46,7 @@ class ChannelPeer:
         self._halt()
         self.channel = None
 
-    def prepare(self, debtor: str, plan) -> KVChannel:
+    def prepare(self, debtor: str, plan) -> PreparedPlan:
         return self._channel().prepare(debtor, plan)
 
     def read_blocks(self, ids: list[int]):

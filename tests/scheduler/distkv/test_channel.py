@@ -158,3 +158,32 @@ def test_a_server_without_a_real_key_is_refused():
     """multiprocessing skips authentication for an empty key: the server will not start so."""
     with pytest.raises(ValueError, match="authkey"):
         KVChannelServer(creditor(torch.float32, 4), b"", node="n")
+
+
+def test_two_plans_prepared_with_one_creditor_each_run_their_own():
+    """The batch-invariant order sends a request's extents round by round; when one creditor
+    holds two of them, the debtor prepares two plans there before running either: each run
+    goes to its own plan (one connection kept only the last: 'shape mismatch' on the
+    creditor, or keys of the wrong plan). A plan past the newest KEPT_PLANS is refused."""
+    from scheduler.distkv.channel import KEPT_PLANS
+
+    with connected(6) as (rm, _, ch):
+        first, second = rm.lend("d", "r", 2), rm.lend("d", "r", 3)
+        plans = [
+            MicroPlan(("r",), (SeqSpan(0, 1, 8, list(first)),), (first[1],), (1,)),
+            MicroPlan(("r",), (SeqSpan(0, 1, 12, list(second)),), (), ()),
+        ]
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, HEADS, DIM, generator=g)
+        new = torch.randn(1, KV_HEADS, DIM, generator=g)
+        none = torch.empty(0, KV_HEADS, DIM)
+        args = [(new, new), (none, none)]  # the first plan writes one token, the second none
+        prepared = [ch.prepare("d", p) for p in plans]
+        got = [prepared[i].run(0, q, *args[i], 0.3) for i in (1, 0)]  # either order
+        want = [rm.prepare("d", plans[i]).run(0, q, *args[i], 0.3) for i in (1, 0)]
+        for (o, s), (wo, ws) in zip(got, want):
+            assert torch.equal(o, wo) and torch.equal(s, ws)
+        for _ in range(KEPT_PLANS):
+            ch.prepare("d", plans[1])
+        with pytest.raises(RuntimeError, match="run before prepare"):
+            prepared[0].run(0, q, new, new, 0.3)
