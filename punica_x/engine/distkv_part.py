@@ -9,6 +9,7 @@ import logging
 
 from punica_x.attention.dist import DistContext
 from punica_x.kv import swap_home
+from punica_x.kv.blocks import blocks_needed
 from punica_x.kv.borrowing import KVBorrowing
 from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.rmanager import KVBorrower, LendCaps, RManager
@@ -114,12 +115,20 @@ class DistKVPart:
     def lost_peer(self, owner: str) -> None:
         """A runner holding borrowed blocks is gone: the requests with blocks there keep
         their KV before the first of them and recompute from there, borrowing again
-        (KVBorrowing.cut_at); this step's other requests run again next step (what it wrote
-        is rewritten identically)."""
+        (KVBorrowing.cut_at), or, when the runners left cannot hold them now, go back to the
+        queue to wait for room (as a new request would); this step's other requests run
+        again next step (what it wrote is rewritten identically)."""
         self.peer_losses += 1
         log.warning("runner %s holding borrowed KV blocks is gone", owner)
+        borrowing = self.batcher.borrowing
+        borrowing.borrower.lost(owner)  # its blocks leave the capacity now
         for r in list(self.batcher.running):
-            if any(e.owner == owner for e in r.remote):
-                kept = self.batcher.borrowing.cut_at(r, owner)
-                r.num_preemptions += 1  # its KV after `kept` is recomputed
-                log.info("%s recomputes from token %d of %d", r.request_id, kept, r.num_tokens)
+            if not any(e.owner == owner for e in r.remote):
+                continue
+            if blocks_needed(r.num_tokens, self.cache.block_size) > self.capacity_blocks():
+                r.remote = [e for e in r.remote if e.owner != owner]
+                self.batcher.preempt(r)  # the others cannot hold it now: it waits for room
+                continue
+            kept = borrowing.cut_at(r, owner)
+            r.num_preemptions += 1  # its KV after `kept` is recomputed
+            log.info("%s recomputes from token %d of %d", r.request_id, kept, r.num_tokens)

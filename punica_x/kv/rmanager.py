@@ -112,6 +112,10 @@ class KVBorrower(Protocol):
     def capacity_blocks(self) -> int:
         """The most blocks all peers together could lend (their caps): the cluster's limit."""
 
+    def lost(self, owner: str) -> None:
+        """Runner `owner` was found gone (PeerLost): what it could lend leaves
+        capacity_blocks now, before the membership says so."""
+
 
 class RManager:
     """The creditor side of one runner: lends blocks of `cache` and serves micro-attention

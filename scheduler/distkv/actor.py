@@ -46,8 +46,8 @@ class KVActorMethods:
             return self.kv_server.address
         return None
 
-    def kv_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
-        self.borrower.set_peers(peers, addresses, capacity)
+    def kv_peers(self, peers: dict, addresses: dict, capacity: int, shares=None) -> None:
+        self.borrower.set_peers(peers, addresses, capacity, shares)
 
     def kv_counts(self) -> dict[str, int]:
         """Now: blocks this runner lends (`lent`), micro-attention calls its rManager ran

@@ -191,3 +191,6 @@ class Borrower:
 
     def capacity_blocks(self) -> int:
         return self.network.capacity_blocks(self.runner_id)
+
+    def lost(self, owner: str) -> None:
+        """Nothing to do: capacity_blocks counts live rManagers only."""

@@ -81,7 +81,8 @@ class DataPlane:
 class RayBorrower:
     """A runner actor's KVBorrower: `peers` are the other runners' actor handles and
     `addresses` their channel servers, `capacity` the blocks they could lend together (their
-    caps), all updated as runners come and go. `local`: this runner's own RManager (extents
+    caps; `shares`: each one's), all updated as runners come and go; a peer found gone before
+    that update (lost) leaves the capacity at once. `local`: this runner's own RManager (extents
     of its own blocks, past a borrowed part, go through it)."""
 
     def __init__(
@@ -91,15 +92,20 @@ class RayBorrower:
         self.gmanager = gmanager
         self.peers = dict(peers)
         self.capacity = capacity
+        self.shares: dict[str, int] = {}
+        self.gone: set[str] = set()  # peers found gone since the last membership update
         self.plane = plane
         self.addresses: dict[str, ChannelAddress] = {}
         self.local = None
         self._channels: dict[str, KVChannel] = {}
         self._lock = threading.Lock()
 
-    def set_peers(self, peers: dict, addresses: dict, capacity: int) -> None:
+    def set_peers(
+        self, peers: dict, addresses: dict, capacity: int, shares: dict | None = None
+    ) -> None:
         """Membership changed: channels to runners that left (or moved) are closed."""
         self.peers, self.capacity = dict(peers), capacity
+        self.shares, self.gone = dict(shares or {}), set()
         self.addresses = dict(addresses)
         with self._lock:
             for rid in list(self._channels):
@@ -183,7 +189,10 @@ class RayBorrower:
             self._channels.clear()
 
     def capacity_blocks(self) -> int:
-        return self.capacity
+        return self.capacity - sum(self.shares.get(owner, 0) for owner in self.gone)
+
+    def lost(self, owner: str) -> None:
+        self.gone.add(owner)
 
 
 class RayPeer:
@@ -357,4 +366,5 @@ class RayKVGroup:
             r.kv_capacity = self._capacity(rid)
             peers = self._peers(rid)
             addresses = {p: a for p, a in self.addresses.items() if p in peers}
-            r.actor.kv_peers.remote(peers, addresses, r.kv_capacity)
+            shares = {p: self._caps(self.members[p]).max_blocks for p in peers}
+            r.actor.kv_peers.remote(peers, addresses, r.kv_capacity, shares)

@@ -8,6 +8,7 @@ import pytest
 from kv_engines import PROMPT, engine, network, run
 
 from punica_x.core import FinishReason
+from scheduler.distkv.network import default_caps
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,43 @@ def test_a_lost_lender_recomputes_only_after_the_kv_kept(shared, reference, whic
     survivors = [e for rid, e in (("b", b), ("c", c), ("d", d)) if rid != seen["lost"]]
     assert [e.cache.allocator.num_free for e in survivors] == [6, 6]
     assert net.ledger.debts() == {} and a.cache.allocator.num_free == 4
+
+
+def test_a_request_the_others_cannot_hold_waits_for_a_new_runner(shared, reference):
+    """Its lender lost, a request the runners left cannot hold goes back to the queue (it
+    would otherwise end with length, truncated), and completes once a runner joins."""
+    a, b, c = engine(shared, 4), engine(shared, 10), engine(shared, 6)
+    net = network({"a": a, "b": b, "c": c})
+    seen = {}
+
+    def kill(steps):
+        r = a.requests.get("q0")
+        if seen or r is None or len(r.output_token_ids) < 30:
+            return
+        lost = r.remote[0].owner
+        net.remove(lost, dead=True)
+        a.step()  # meets the loss: the runners left lend too little for its 12 blocks
+        seen["waiting"] = r in a.batcher.waiting and not r.remote and not r.block_ids
+        d = engine(shared, 10)
+        caps = default_caps(10)
+        net.attach("d", d.distkv.enable("d", net.add_runner("d"), caps, False, pool=net.pool))
+        seen["lost"] = lost
+
+    out = run(a, [PROMPT], on_step=kill)
+    assert seen == {"waiting": True, "lost": "b"}
+    assert out["q0"].token_ids == reference
+
+
+def test_a_ray_runner_counts_a_lost_lender_out_before_the_group_says_so():
+    """A Ray runner learns of members from the group, after the fleet notices a death; the
+    engine meets the loss first (PeerLost) and must not count the dead lender's blocks in
+    between (it would keep a request running that the others cannot hold)."""
+    from scheduler.distkv.ray_group import RayBorrower
+
+    borrower = RayBorrower("a", None, {}, 0, None)
+    borrower.set_peers({"b": None, "c": None}, {}, 20, {"b": 9, "c": 11})
+    assert borrower.capacity_blocks() == 20
+    borrower.lost("b")
+    assert borrower.capacity_blocks() == 11
+    borrower.set_peers({"c": None}, {}, 11, {"c": 11})  # the group's update
+    assert borrower.capacity_blocks() == 11 and borrower.gone == set()
