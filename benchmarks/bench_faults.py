@@ -163,6 +163,8 @@ async def campaign(c: Campaign, specs, refs, kinds, args) -> tuple[list, list]:
                 i = rng.choice(mine)
                 rec = await complete(h, c.keys[specs[i].tenant], specs[i], i)
                 rec.outcome = judge(rec, refs[i])
+                if rec.outcome != "ok":
+                    rec.reference = refs[i]
                 rec.started, rec.ended = rec.started - t0, rec.ended - t0
                 records.append(rec)
                 if rec.outcome == "refused":
@@ -228,7 +230,9 @@ def compact(rec) -> dict:
     out = {"spec": rec.spec, "started": round(rec.started, 2), "ended": round(rec.ended, 2),
            "outcome": rec.outcome}  # fmt: skip
     if rec.outcome != "ok":
-        out.update(status=rec.status, error=rec.error, text=rec.text)
+        out.update(status=rec.status, error=rec.error, text=rec.text, reference=rec.reference)
+        if rec.events:
+            out["chunks"] = rec.events
     return out
 
 

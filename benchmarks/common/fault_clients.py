@@ -50,7 +50,10 @@ class Record:
     text: str = ""
     error: str | None = None
     outcome: str = ""
+    # a streamed request's text chunks as they came ([seconds since it started, text]); the
+    # reference text, for one that did not end ok (kept in the JSON to tell what went wrong)
     events: list = field(default_factory=list)
+    reference: str = ""
 
 
 async def complete(client: httpx.AsyncClient, key: str, spec: Spec, index: int) -> Record:
@@ -98,7 +101,9 @@ async def _streamed(client, headers, spec: Spec, rec: Record) -> None:
             if "error" in event:
                 rec.error = event["error"].get("code", "error")
             elif event.get("choices"):
-                rec.text += event["choices"][0].get("text", "")
+                piece = event["choices"][0].get("text", "")
+                rec.text += piece
+                rec.events.append([round(time.monotonic() - rec.started, 2), piece])
         if not done and rec.error is None:
             rec.status = -3  # the stream ended without [DONE] or an error
 
