@@ -2,6 +2,7 @@
 (punica_x/engine/report.py), without reaching into the batcher, cache or adapter pool."""
 
 import dataclasses
+import json
 
 import pytest
 from helpers import tiny_llm
@@ -17,7 +18,11 @@ def test_describe_stats_and_limits_of_a_tiny_engine(tiny_model_dir):
     e = llm.engine
     info = e.describe()
     assert info.block_size == e.config.cache.block_size
-    assert info.kv_blocks_total == e.config.cache.num_blocks or info.kv_blocks_total > 0
+    # tiny_llm's 64 MiB of float32 K and V blocks, from the model's own config.json
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4
+    assert info.kv_blocks_total == (64 << 20) // (per_token * info.block_size)
     assert info.model.max_model_len == e.max_model_len and info.vocab_size > 0
     assert info.device == "cpu" and info.kv_blocks_swap == 0
     before = e.stats()

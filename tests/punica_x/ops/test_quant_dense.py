@@ -193,13 +193,36 @@ def test_choose_quant_times_each_row_count(monkeypatch, tmp_path):
     b = random_blocks("Q4_1", 8, 64)
     assert b.shape == (8, 40) and b.dtype == torch.uint8
     backend = choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (1, 64))
-    assert backend.dequant_from in (None, 1, 64)
     made = autotune._lookup("quant:Q4_1 96x64 rows=64")
     assert made is not None and set(made["timings_ms"]) == {"blocks", "dequant"}
+    assert made["name"] == min(made["timings_ms"], key=made["timings_ms"].get)
+    one = autotune._lookup("quant:Q4_1 96x64 rows=1")  # timed only where 64 rows dequantize
+    want = None if made["name"] == "blocks" else 1 if one["name"] == "dequant" else 64
+    assert backend.dequant_from == want
     monkeypatch.setenv("PUNICA_X_AUTOTUNE", "0")
     assert (
         choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (64,)).dequant_from is None
     )
+
+
+@pytest.mark.parametrize(
+    ("at64", "at1", "want"),
+    [("blocks", "dequant", None), ("dequant", "blocks", 64), ("dequant", "dequant", 1)],
+)
+def test_choose_quant_dequantizes_from_where_it_wins_down(monkeypatch, tmp_path, at64, at1, want):
+    """From the largest row count down while dequantizing wins (the choices kept as if
+    timed): a win at 1 row below a loss at 64 does not count."""
+    from punica_x.ops import autotune
+    from punica_x.ops.quant_dense import choose_quant
+
+    monkeypatch.setenv("PUNICA_X_CACHE", str(tmp_path))
+    for rows, name in ((64, at64), (1, at1)):
+        timings = (
+            {"blocks": 1.0, "dequant": 2.0} if name == "blocks" else {"blocks": 2.0, "dequant": 1.0}
+        )
+        autotune.remember(f"quant:Q4_1 96x64 rows={rows}", {"name": name, "timings_ms": timings})
+    backend = choose_quant("Q4_1", torch.device("cpu"), torch.float32, 96, 64, (1, 64))
+    assert backend.dequant_from == want
 
 
 # the integer-activation kernel's largest |xq| per x_bits (int16: two int8 parts, 128 xh + xl)
