@@ -49,6 +49,10 @@ class EventStreams:
         self._pump: asyncio.Task | None = None
         self._acked = 0  # highest event seq the pump has dispatched
         self._delivered: dict[str, int] = {}  # request id -> seq of its last delivered event
+        # request id -> the last seq a take handed over: the pump may bring those events
+        # again until it acknowledges past them, and a request taken here and placed back
+        # here at once (a fair-share yield) has the same id: they are not its new stream's
+        self._taken: dict[str, int] = {}
         self.kv_capacity = 0  # blocks its peers could lend one request (DistKV; RayKVGroup)
 
     async def _remote(self, method: str, *args):
@@ -106,6 +110,8 @@ class EventStreams:
         resume, events = await self._call("take", request_id, with_kv)
         self._dispatch(events)  # what the pump has not delivered yet, in order
         self._forget(request_id)
+        if events:
+            self._taken[request_id] = max(e.seq for e in events)
         return resume
 
     # -- the pump -----------------------------------------------------------------------------
@@ -128,6 +134,8 @@ class EventStreams:
             self._dispatch(events)
             if events:
                 self._acked = max(self._acked, events[-1].seq)
+                if self._taken:  # what the core will not send again
+                    self._taken = {r: s for r, s in self._taken.items() if s > self._acked}
 
     async def _on_snapshot(self, snapshot: Snapshot) -> None:
         """A subclass's look at each poll's snapshot (the Ray runner's Lamina workers)."""
@@ -137,7 +145,8 @@ class EventStreams:
         for event in events:
             rid = event.request_id
             entry = self._streams.get(rid)
-            if entry is None or event.seq <= self._delivered.get(rid, 0):
+            floor = max(self._delivered.get(rid, 0), self._taken.get(rid, 0))
+            if entry is None or event.seq <= floor:
                 continue
             self._delivered[rid] = event.seq
             deliver, on_preempt = entry
