@@ -58,6 +58,10 @@ class Request:
     # starving_since: when its peers first refused it since it last got blocks, kept over its
     # yields (KVBorrowing.give_up_s bounds the whole wait)
     starving_since: float | None = None
+    # the most blocks its runner and the peers could hold for it when it got blocks: a
+    # running request that needs no more than that, refused for want of peers (one died),
+    # waits for room instead of ending with length (Batcher._grow)
+    borrow_room: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

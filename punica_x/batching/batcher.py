@@ -211,6 +211,7 @@ class Batcher:
         """Blocks for num_tokens of r (GOT), preempting the newest running requests that do
         not borrow if needed (NO when r itself went), or borrowing, for a request too long
         for this runner (WAIT when peers refuse; see KVBorrowing)."""
+        need = blocks_needed(num_tokens, self.cache.block_size)
         while not self._ensure(r, num_tokens):
             if self._borrows(r, num_tokens):
                 got = self._borrow(r, num_tokens)
@@ -219,6 +220,8 @@ class Batcher:
                 elif got is Borrow.GIVE_UP:
                     self.running.remove(r)
                     self._starved.append(r)
+                elif got is Borrow.NO and need <= r.borrow_room:  # peers left: it waits
+                    self._preempt(r)
                 elif got is Borrow.NO:  # the whole cluster cannot hold it
                     self.running.remove(r)
                     overflow.append(r)

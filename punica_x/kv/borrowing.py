@@ -81,8 +81,10 @@ class KVBorrowing:
         if not self.borrows(r, num_tokens):
             return Borrow.NO
         need = blocks_needed(num_tokens, self.cache.block_size)
-        if need > self.cache.allocator.num_blocks + self.capacity_blocks():
+        room = self.cache.allocator.num_blocks + self.capacity_blocks()
+        if need > room:
             return Borrow.NO
+        r.borrow_room = max(r.borrow_room, room)
         missing = need - len(r.block_ids) - sum(len(e.block_ids) for e in r.remote)
         allocator = self.cache.allocator
         missing -= self._local(r, missing, allocator.num_free - self.headroom(need))

@@ -95,3 +95,32 @@ def test_a_ray_runner_counts_a_lost_lender_out_before_the_group_says_so():
     assert borrower.capacity_blocks() == 11
     borrower.set_peers({"c": None}, {}, 11, {"c": 11})  # the group's update
     assert borrower.capacity_blocks() == 11 and borrower.gone == set()
+
+
+def test_a_request_whose_peers_lend_less_than_it_got_waits_instead_of_ending(shared, reference):
+    """Its peers lend less than when it got blocks (here a cap lowered; a lender that died
+    and has no replacement yet, in the campaign): growing past what they hold now, it goes
+    back to the queue (before: it ended with length, truncated) and ends
+    with its whole output once they lend again."""
+    import dataclasses
+
+    a, b = engine(shared, 4), engine(shared, 10)
+    network({"a": a, "b": b})
+    rm = b.distkv.rmanager
+    full = rm.caps
+    seen = []
+
+    def squeeze(steps):
+        r = a.requests.get("q0")
+        if r is None:
+            return
+        if not seen and r.remote and len(r.output_token_ids) == 5:
+            rm.caps = dataclasses.replace(full, max_blocks=rm.lent_blocks)  # no more
+            seen.append("squeezed")
+        elif seen == ["squeezed"] and r.num_preemptions:
+            rm.caps = full
+            seen.append(("waited after", len(r.output_token_ids)))
+
+    out = run(a, [PROMPT], on_step=squeeze)
+    assert seen[0] == "squeezed" and seen[1][0] == "waited after"
+    assert out["q0"].token_ids == reference
