@@ -146,6 +146,11 @@ def test_kv_shortage_moves_the_newest_request_to_the_other_process(
     async def main():
         runners = [RayRunner(config, f"runner-{i}") for i in range(2)]
         sched = Scheduler(runners, tokenizer=describe_model(config.model).tokenizer)
+        # a warm runner first: a fresh cache's first steps (kernel timings) could hold the
+        # actor so long that "new" lands after "old" holds every block: it then waits for
+        # "old" to end instead of being preempted (a fresh clone's make test saw it once)
+        warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        await consume(await sched.open(EngineRequest(prompts[2], warm, None, "warm")))
         a = await sched.open(EngineRequest(prompts[0], sp, None, "old"))
         b = await sched.open(EngineRequest(prompts[1], sp, None, "new"))
         results = await asyncio.gather(consume(a), consume(b))
