@@ -34,7 +34,7 @@ class KVActorMethods:
             self.runner_id, self.borrower, caps, overlap, pool=self.kv_pool
         )
         self.borrower.local = self.rm
-        self.micro: dict[str, object] = {}
+        self.micro: dict[tuple[str, int], object] = {}  # (debtor, slot) -> prepared plan
         # DGFM: the release of each swap's hold (by token), and tokens released before their
         # hold ran (it must not hold then)
         self._dgfm_holds: dict[str, object] = {}
@@ -67,16 +67,23 @@ class KVActorMethods:
         self.rm.reclaim(debtor, request_id, block_ids)
 
     def kv_reclaim_debtor(self, debtor: str) -> int:
-        self.micro.pop(debtor, None)
+        for key in [k for k in self.micro if k[0] == debtor]:
+            del self.micro[key]
         return self.rm.reclaim_debtor(debtor)
 
-    def kv_prepare(self, debtor: str, plan) -> None:
-        """One debtor step's plan over blocks lent to it (replaces its previous step's)."""
-        self.micro[debtor] = self.rm.prepare(debtor, plan)
+    def kv_prepare(self, debtor: str, plan, slot: int = 0) -> None:
+        """A debtor's plan over blocks lent to it, in `slot` (a debtor may prepare several
+        in a step: channel.py; the newest KEPT_PLANS are kept)."""
+        from scheduler.distkv.channel import KEPT_PLANS
 
-    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float, state=None):
-        """MicroAttention.run of the debtor's prepared plan (state: the chained order)."""
-        return self.micro[debtor].run(layer, q, k, v, scale, state=state)
+        self.micro.pop((debtor, slot), None)
+        self.micro[debtor, slot] = self.rm.prepare(debtor, plan)
+        while len(self.micro) > KEPT_PLANS:
+            del self.micro[next(iter(self.micro))]
+
+    def kv_run(self, debtor: str, layer: int, q, k, v, scale: float, state=None, slot: int = 0):
+        """MicroAttention.run of the debtor's plan in `slot` (state: the chained order)."""
+        return self.micro[debtor, slot].run(layer, q, k, v, scale, state=state)
 
     # -- DGFM (scheduler/distkv/ray_group.py RayKVGroup.defragment drives these) -------------
     def dgfm_hold(self, token: str, timeout: float = 30.0) -> bool:

@@ -198,29 +198,32 @@ class RayBorrower:
 class RayPeer:
     def __init__(self, owner: str, handle, get) -> None:
         self.owner, self.handle, self._get = owner, handle, get
+        self._slot = 0  # the next plan's slot (one debtor may prepare several in a step)
 
     def prepare(self, debtor: str, plan: MicroPlan) -> RayMicro:
         import ray
 
+        slot, self._slot = self._slot, (self._slot + 1) % 2**32
         try:
-            self._get(self.handle.kv_prepare.remote(debtor, plan))
+            self._get(self.handle.kv_prepare.remote(debtor, plan, slot))
         except ray.exceptions.RayActorError:
             raise PeerLost(self.owner) from None
         except ray.exceptions.RayTaskError as exc:
             raise _cause(exc, self.owner) from None
-        return RayMicro(self, debtor)
+        return RayMicro(self, debtor, slot)
 
 
 class RayMicro:
-    def __init__(self, peer: RayPeer, debtor: str) -> None:
-        self.peer, self.debtor = peer, debtor
+    def __init__(self, peer: RayPeer, debtor: str, slot: int = 0) -> None:
+        self.peer, self.debtor, self.slot = peer, debtor, slot
 
     def run(self, layer: int, q, k, v, scale: float, state=None):
         import ray
 
         p = self.peer
         try:
-            return p._get(p.handle.kv_run.remote(self.debtor, layer, q, k, v, scale, state))
+            run = p.handle.kv_run.remote(self.debtor, layer, q, k, v, scale, state, self.slot)
+            return p._get(run)
         except ray.exceptions.RayActorError:
             raise PeerLost(p.owner) from None
         except ray.exceptions.RayTaskError as exc:
