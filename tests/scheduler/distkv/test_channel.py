@@ -187,3 +187,27 @@ def test_two_plans_prepared_with_one_creditor_each_run_their_own():
             ch.prepare("d", plans[1])
         with pytest.raises(RuntimeError, match="run before prepare"):
             prepared[0].run(0, q, new, new, 0.3)
+
+
+def test_ray_transport_runs_each_prepared_plan_too():
+    """The same over Ray's transport (actor methods kv_prepare / kv_run, called here without
+    Ray): two plans prepared with one creditor each run their own."""
+    from scheduler.distkv.actor import KVActorMethods
+
+    rm = creditor(torch.float32, 8)
+    actor = KVActorMethods.__new__(KVActorMethods)
+    actor.rm, actor.micro = rm, {}
+    first, second = rm.lend("d", "r", 2), rm.lend("d", "r", 3)
+    plans = [
+        MicroPlan(("r",), (SeqSpan(0, 1, 8, list(first)),), (), ()),
+        MicroPlan(("r",), (SeqSpan(0, 1, 12, list(second)),), (), ()),
+    ]
+    q, none = torch.randn(1, HEADS, DIM), torch.empty(0, KV_HEADS, DIM)
+    for slot, plan in enumerate(plans):
+        actor.kv_prepare("d", plan, slot)
+    for slot, plan in enumerate(plans):
+        got = actor.kv_run("d", 0, q, none, none, 0.3, None, slot)
+        want = rm.prepare("d", plan).run(0, q, none, none, 0.3)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    actor.kv_reclaim_debtor("d")
+    assert actor.micro == {}
