@@ -5,10 +5,23 @@ defined, so the kernels run on CPU tensors through numpy. Two of the interpreter
 arithmetic faults (triton 3.9) are mended for the tests' duration by `mended()`:
 * tl.dot is numpy's matmul: of bfloat16 it multiplies the raw 16-bit patterns as integers
   (the interpreter stores bfloat16 as uint16), and of float32 it is BLAS, whose order of
-  additions depends on where a row sits in the tile. Mended: the operands widened to float32
-  (exactly), each output element's products summed over k = 0, 1, ... in that order, then
-  added to the accumulator: the same for every row, as a GPU's MMA instruction treats every
-  row of its tile alike, and a change of the K tile changes the bits, as on a GPU;
+  additions depends on where a row sits in the tile. Mended by `_dot`: the operands widened
+  to float32 (exactly), each output element's K products summed into a partial in an order
+  that is a function of the dot's shape (the tile: M x N over K) alone, then the partial
+  added to the accumulator. The order is the same for every element of one tile, as a GPU's
+  MMA instruction treats every row and column of its tile alike: a row's position in the
+  tile or the batch changes nothing. But it differs from tile shape to tile shape, as on a
+  GPU, where another BLOCK_M/BLOCK_N/BLOCK_K (or warp count, or split-K) is another MMA
+  instruction mix with its own internal order of additions: a kernel that picks its tile by
+  the row count gives a row other bits alone than in a batch, here as there. (A fixed order
+  k = 0, 1, ... for every shape, as this module had, let such a kernel pass.) The model
+  (`_dot_order`): with s = bits(M) + 2 bits(N) + 3 bits(K) (bits: int.bit_length), k runs in
+  groups of g = 2 << (s % 4) (at most the largest power of two dividing K), each group
+  summed as a pairwise tree when (s // 4) is odd, else from its first k up, the groups'
+  sums added in k order; doubling any one of M, N, K changes g (K >= 16). The orders are
+  arbitrary (no GPU's own): what the tests need is that it is one per shape and not one for
+  all shapes. The interpreter sees the dot's shape only: a warp or stage count chosen by the
+  row count, the same tile otherwise, changes no bits here;
 * float32 -> bfloat16 truncates: rounded to nearest even, as the GPU and torch round.
 Neither touches a GPU run."""
 
@@ -43,6 +56,33 @@ def _round_bf16(data: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def _dot_order(m: int, n: int, k: int) -> tuple[int, bool]:
+    """(g, tree) of an M x N tile over K: the products summed in groups of g k's, each group
+    a pairwise tree or in k order, the groups' sums in k order (module docstring)."""
+    s = m.bit_length() + 2 * n.bit_length() + 3 * k.bit_length()
+    return min(2 << s % 4, k & -k), (s // 4) % 2 == 1
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x [..., M, K] @ y [..., K, N] in float32, each element's sum in its tile's order."""
+    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
+    g, tree = _dot_order(m, n, k)
+    xk, yk = np.moveaxis(x, -1, 0), np.moveaxis(y, -2, 0)  # k first: [K, ..., M], [K, ..., N]
+    prod = (xk[..., :, None] * yk[..., None, :]).reshape(k // g, g, *xk.shape[1:], n)
+    if tree:
+        while prod.shape[1] > 1:
+            prod = prod[:, 0::2] + prod[:, 1::2]
+        groups = prod[:, 0]
+    else:
+        groups = prod[:, 0]
+        for i in range(1, g):
+            groups = groups + prod[:, i]
+    part = groups[0]
+    for j in range(1, k // g):
+        part = part + groups[j]
+    return part
+
+
 @contextlib.contextmanager
 def mended():
     """The interpreter with bfloat16 dot products and float32 -> bfloat16 rounding mended
@@ -60,10 +100,7 @@ def mended():
         return _widen(h.data) if h.dtype.scalar == tl.bfloat16 else h.data.astype(np.float32)
 
     def create_dot(self, a, b, d, *args):
-        x, y = wide(a), wide(b)
-        part = x[..., :, 0:1] * y[..., 0:1, :]
-        for i in range(1, x.shape[-1]):
-            part = part + x[..., :, i : i + 1] * y[..., i : i + 1, :]
+        part = _dot(wide(a), wide(b))
         return it.TensorHandle(d.data.astype(np.float32) + part, d.dtype.scalar)
 
     def cast_impl(self, src, dst_type):
