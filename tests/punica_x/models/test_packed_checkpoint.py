@@ -15,24 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from punica_x import SamplingParams
 from punica_x.layers.linear import Dense
-from punica_x.models.packed_checkpoint import (
-    AWQ_ORDER,
-    PackedFormat,
-    packed_format,
-    read_packed,
-    unpack,
-)
+from punica_x.models.packed_checkpoint import PackedFormat, packed_format, read_packed, unpack
 from punica_x.ops.quant_dense import QuantBlocks, QuantCpuDense, dequantize_blocks
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = ["the quick brown fox", "hello world, this is", "paged attention keeps"]
-
-
-def _words(codes: torch.Tensor) -> torch.Tensor:
-    """[..., 8] 4-bit codes -> [...] int32 words, code i in bits 4i..4i+3."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-    w = ((codes.long() & 15) << shifts).sum(-1)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
 
 
 def quantize_group_wise(w: torch.Tensor, group: int, sym: bool, lowest_zero: int = 0):
@@ -51,22 +38,72 @@ def quantize_group_wise(w: torch.Tensor, group: int, sym: bool, lowest_zero: int
     return q.clamp(0, 15).long().view(n, k), z.t().contiguous(), s.t().contiguous()
 
 
+# The two published layouts, written out here from their packers rather than taken from
+# punica_x (issue 77: a layout mistake shared by the product and its test passed). A word is
+# an int32; its code i (4 bits) sits at bits [4i, 4i + 4).
+#
+# AWQ "gemm" (AutoAWQ's WQLinear_GEMM.from_linear, awq/modules/linear/gemm.py, read at
+# casper-hansen/AutoAWQ 88e4c76): intweight [K, N]; for each word col of a row,
+# `order_map = [0, 2, 4, 6, 1, 3, 5, 7]` and
+# `qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << (i * 4)`, qzeros [G, N / 8] the
+# same from zeros [G, N]; W = (q - z) * s. vLLM's awq_triton.py unpacks it with the reverse
+# order [0, 4, 1, 5, 2, 6, 3, 7]: column j of a word is `(word >> (4 * reverse[j])) & 0xF`.
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _int32(acc: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) as the int32 of the same bits (what the packers store)."""
+    return torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+
+
+def gptq_pack(q, z, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (AutoGPTQ's QuantLinear.pack, auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py,
+    read at AutoGPTQ/AutoGPTQ 9f7d370): `qweight[row] |= intweight[j] << (bits * (j - i))`
+    for the 8 consecutive k = i.. i+7 of a row, so qweight [K / 8, N]; then `zeros -= 1` and
+    `qzeros[:, col] |= zeros[:, j] << (bits * (j - i))` for 8 consecutive n: qzeros
+    [G, N / 8] holding z - 1. vLLM's gptq q_gemm.cu adds it back, `zero_offset =
+    use_v2_format ? 0 : 1`: the v1 ("gptq") checkpoint_format stores z - 1, "gptq_v2" z.
+    q: codes [N, K]; z: zero points [G, N]."""
+    n, k = q.shape
+    intweight = q.t().long()  # [K, N]
+    qweight = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        qweight |= intweight[j::8] << (4 * j)  # row r, code j: k = 8r + j
+    stored = z.long() - (1 if v1 else 0)
+    assert stored.min() >= 0, "v1 stores z - 1: a zero point of 0 is not representable"
+    qzeros = torch.zeros(z.shape[0], n // 8, dtype=torch.int64)
+    for j in range(8):
+        qzeros |= stored[:, j::8] << (4 * j)  # word c, code j: n = 8c + j
+    return _int32(qweight), _int32(qzeros)
+
+
+def awq_pack(q, z) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ gemm (above): qweight [K, N / 8], qzeros [G, N / 8], code i of word c holding
+    column n = 8c + AWQ_PACK_ORDER[i]. q: codes [N, K]; z: zero points [G, N]."""
+    n, k = q.shape
+    intweight, zeros = q.t().long(), z.long()  # [K, N], [G, N]
+    qweight = torch.zeros(k, n // 8, dtype=torch.int64)
+    qzeros = torch.zeros(z.shape[0], n // 8, dtype=torch.int64)
+    for i, column in enumerate(AWQ_PACK_ORDER):
+        qweight |= intweight[:, column::8] << (4 * i)
+        qzeros |= zeros[:, column::8] << (4 * i)
+    return _int32(qweight), _int32(qzeros)
+
+
 def pack(q, z, s, method: str, zero_offset: int, group: int) -> dict[str, torch.Tensor]:
-    """The packed parts of one projection (the layouts models.packed_checkpoint reads)."""
+    """The packed parts of one projection: codes q [N, K], zero points z and fp16 scales s
+    [G, N]; zero_offset 1: GPTQ's v1 checkpoint_format (z - 1 stored)."""
     n, k = q.shape
     if method == "gptq":
-        qweight = _words(q.t().reshape(k // 8, 8, n).permute(0, 2, 1))  # [K/8, N]
-        qzeros = _words((z - zero_offset).view(z.shape[0], n // 8, 8))  # [G, N/8]
+        qweight, qzeros = gptq_pack(q, z, v1=zero_offset == 1)
         g = k if group == -1 else group
         return {
             "qweight": qweight,
             "qzeros": qzeros,
             "scales": s,
-            "g_idx": (torch.arange(k) // g).to(torch.int32),
+            "g_idx": (torch.arange(k) // g).to(torch.int32),  # desc_act False: k // group
         }
-    order = list(AWQ_ORDER)
-    qweight = _words(q.t().reshape(k, n // 8, 8)[..., order])  # [K, N/8]
-    qzeros = _words(z.view(z.shape[0], n // 8, 8)[..., order])
+    qweight, qzeros = awq_pack(q, z)
     return {"qweight": qweight, "qzeros": qzeros, "scales": s}
 
 
@@ -213,6 +250,68 @@ def test_q4_1_blocks_are_within_the_fp16_rounding_of_the_min(method):
     err = (dequantize_blocks(blocks, torch.float32) - exact).abs()
     bound = (zk * s.t().float().repeat_interleave(64, dim=1)).abs() * 2**-11
     assert (err <= bound).all() and err.max() > 0
+
+
+def _read_as(quantization_config: dict) -> PackedFormat:
+    """The format punica_x reads a checkpoint of this quantization_config as."""
+    qc = {"bits": 4, "group_size": 32, **quantization_config}
+    return packed_format(type("C", (), {"quantization_config": qc}))
+
+
+def _assert_unpacks_to(parts: dict, fmt: PackedFormat, want: torch.Tensor) -> None:
+    """The float32 values and the blocks of one projection both equal want [N, K]."""
+    assert torch.equal(unpack("p", parts, fmt, False), want)
+    assert torch.equal(dequantize_blocks(unpack("p", parts, fmt, True), torch.float32), want)
+
+
+def test_a_hand_packed_awq_word_unpacks_to_the_columns_autoawq_packed_it_from():
+    """qweight[k=1, word 1] = 0x87654321, code i (value i + 1) at bits 4i: AutoAWQ put
+    column 8 + order_map[i] there, so (vLLM's reverse order [0, 4, 1, 5, 2, 6, 3, 7]: column
+    j <- code reverse[j]) columns n = 8..15 of k = 1 hold 1, 5, 2, 6, 3, 7, 4, 8.
+    qzeros[0, word 0] = 0x00000300: code 2 = 3, column order_map[2] = 4's zero point."""
+    k, n = 32, 16
+    qweight = torch.zeros(k, n // 8, dtype=torch.int32)
+    qweight[1, 1] = 0x87654321 - 2**32  # the int32 of those bits
+    qzeros = torch.zeros(1, n // 8, dtype=torch.int32)
+    qzeros[0, 0] = 0x00000300
+    scales = torch.full((1, n), 0.5, dtype=torch.float16)
+    codes, zeros = torch.zeros(n, k), torch.zeros(1, n)
+    codes[8:16, 1] = torch.tensor([1.0, 5, 2, 6, 3, 7, 4, 8])
+    zeros[0, 4] = 3
+    want = (codes - zeros.t()) * 0.5  # W[n, k] = s * (q - z)
+    assert want[9, 1] == 2.5 and want[10, 1] == 1.0 and want[15, 1] == 4.0
+    assert want[4, 0] == want[4, 31] == -1.5 and want[2, 1] == 0
+    parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    _assert_unpacks_to(parts, _read_as({"quant_method": "awq", "version": "gemm"}), want)
+    got = awq_pack(codes.long(), zeros.long())  # this file's packer writes those words
+    assert torch.equal(got[0], qweight) and torch.equal(got[1], qzeros)
+
+
+@pytest.mark.parametrize(("checkpoint_format", "z1", "z_rest"), [("gptq", 8, 1), ("gptq_v2", 7, 0)])
+def test_a_hand_packed_gptq_word_unpacks_to_the_rows_autogptq_packed_it_from(
+    checkpoint_format, z1, z_rest
+):
+    """qweight[word 1, n=2] = 0x87654321: code j (value j + 1) is k = 8 + j, column 2.
+    qzeros[0, word 0] = 0x00000070: code 1 = 7 is column 1's stored zero, every other one
+    stores 0; the v1 "gptq" format stores z - 1 (zero points 8 and 1), "gptq_v2" z."""
+    k, n = 32, 8
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    qweight[1, 2] = 0x87654321 - 2**32
+    qzeros = torch.full((1, n // 8), 0x00000070, dtype=torch.int32)
+    scales = torch.full((1, n), 0.5, dtype=torch.float16)
+    codes = torch.zeros(n, k)
+    codes[2, 8:16] = torch.arange(1.0, 9.0)
+    zeros = torch.full((1, n), float(z_rest))
+    zeros[0, 1] = z1
+    want = (codes - zeros.t()) * 0.5
+    assert want[2, 8] == 0.5 * (1 - z_rest) and want[2, 15] == 0.5 * (8 - z_rest)
+    assert want[1, 0] == -0.5 * z1 and want[2, 16] == -0.5 * z_rest
+    g_idx = (torch.arange(k) // 32).to(torch.int32)
+    parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    qc = {"quant_method": "gptq", "desc_act": False, "checkpoint_format": checkpoint_format}
+    _assert_unpacks_to(parts, _read_as(qc), want)
+    got = gptq_pack(codes.long(), zeros.long(), v1=checkpoint_format == "gptq")
+    assert torch.equal(got[0], qweight) and torch.equal(got[1], qzeros)
 
 
 def block_reference(packed: Path, out: Path) -> Path:
