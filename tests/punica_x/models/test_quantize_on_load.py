@@ -22,6 +22,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize(("mode", "proj"), [("int8", "Q8_0"), ("int4", "Q4_1")])
 def test_on_load_quantization_serves_blocks(mode, proj, tied, dtype, tmp_path):
+    """Every projection and the head are blocks (what they compute: the test below)."""
     src = make_tiny_llama(tmp_path / "m", tie_word_embeddings=tied)
     llm = tiny_llm(src, quantization=mode, dtype=dtype)
     model = llm.engine.model
@@ -31,37 +32,62 @@ def test_on_load_quantization_serves_blocks(mode, proj, tied, dtype, tmp_path):
     assert dense["lm_head"].backend.format == "Q8_0"
     assert model.weight_formats() == ",".join(sorted({proj, "Q8_0"}))
     assert model.embed_from_head == tied  # an untied embedding stays a float table
-    out = llm.generate(["hello world"], sampling=SamplingParams(max_tokens=8, temperature=0))
-    assert len(out[0].token_ids) == 8
 
 
-@pytest.mark.parametrize(("mode", "proj"), [("int8", "Q8_0"), ("int4", "Q4_1")])
-def test_quantized_model_matches_its_dequantized_weights(mode, proj, tmp_path):
-    """Greedy tokens and prompt logprobs of the quantized model equal those of a float
-    checkpoint holding the same blocks' dequantized values: the quantization is the only
-    difference from the float model."""
-    src = make_tiny_llama(tmp_path / "m")
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
+def dequantized_copy(src, dst, proj: str, tied: bool, dtype: str):
+    """A float32 checkpoint holding what the blocks of `src` served in `dtype` dequantize to:
+    the projections in `proj`, the head in Q8_0 (a tied head is the embedding, which the
+    engine then reads from the head's blocks); an untied embedding stays as it is. The
+    engine quantizes the weights as it holds them, rounded to the serving dtype first."""
+    shutil.copytree(src, dst)
     state = load_file(str(src / "model.safetensors"))
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, w in state.items():
         fmt = proj if any(f".{p}." in name for p in PROJECTIONS) else None
-        fmt = "Q8_0" if name == "lm_head.weight" else fmt
+        fmt = "Q8_0" if name == head else fmt
         if fmt:
-            state[name] = dequantize_blocks(quantize_blocks(name, w, fmt), torch.float32)
-    save_file(state, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    prompts = ["the quick brown fox", "hello world, this is", "paged attention keeps"]
+            held = w.to(getattr(torch, dtype))
+            state[name] = dequantize_blocks(quantize_blocks(name, held, fmt), torch.float32)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def scored(llm, prompts):
+    """(greedy tokens of each prompt, the prompt logprobs of all, in order)."""
     greedy = SamplingParams(max_tokens=12, temperature=0)
-    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    runs = {}
-    quantized = tiny_llm(src, quantization=mode, quant_activations="float")
-    for label, llm in (("q", quantized), ("ref", tiny_llm(ref_dir))):
-        tokens = [o.token_ids for o in llm.generate(prompts, sampling=greedy)]
-        lps = llm.generate([prompts[1]], sampling=scored)[0].prompt_logprobs[1:]
-        runs[label] = (tokens, [p.logprob for p in lps])
-    assert runs["q"][0] == runs["ref"][0]
-    deltas = [abs(a - b) for a, b in zip(runs["q"][1], runs["ref"][1])]
-    assert deltas and max(deltas) < 1e-4, deltas
+    score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    tokens = [o.token_ids for o in llm.generate(prompts, sampling=greedy)]
+    lps = [p.logprob for o in llm.generate(prompts, sampling=score) for p in o.prompt_logprobs[1:]]
+    return tokens, lps
+
+
+def largest_delta(a, b) -> float:
+    assert len(a[1]) == len(b[1]) > 10
+    return max(abs(x - y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(("mode", "proj"), [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_quantized_model_matches_its_dequantized_weights(mode, proj, tied, dtype, tmp_path):
+    """The quantized model against a float32 checkpoint holding its blocks' dequantized
+    values, tied or not: the quantization is the only difference from the float model.
+    float32: the same greedy tokens and prompt logprobs within 1e-4 (another order of sums).
+    bfloat16: its prompt logprobs no further from the float32 reference than twice as far as
+    the reference itself served in bfloat16 is (+0.01): bf16's rounding of activations is
+    all the blocks may add (measured on an Intel AMX Xeon: 0.05-0.18 for both; a tied
+    embedding read from the wrong rows of the head's blocks: 5+)."""
+    src = make_tiny_llama(tmp_path / "m", tie_word_embeddings=tied)
+    ref_dir = dequantized_copy(src, tmp_path / "dequantized", proj, tied, dtype)
+    prompts = ["the quick brown fox", "hello world, this is", "paged attention keeps"]
+    q = scored(tiny_llm(src, quantization=mode, quant_activations="float", dtype=dtype), prompts)
+    ref = scored(tiny_llm(ref_dir), prompts)
+    if dtype == "float32":
+        assert q[0] == ref[0]
+        assert largest_delta(q, ref) < 1e-4
+    else:
+        floor = largest_delta(scored(tiny_llm(ref_dir, dtype=dtype), prompts), ref)
+        assert largest_delta(q, ref) <= 2 * floor + 0.01, floor
 
 
 def test_refusals_name_the_tensor():
