@@ -31,7 +31,8 @@
 // min meets the rounded x too, so the error scales with the centred |w|, not with |d q|). int8
 // is llama.cpp's arithmetic, and a block holding one of a model's outlier activations rounds
 // its other values coarsely (SmolLM2-135M: prompt logprobs move by up to ~1 nat); int16 moves
-// them by float32-summation amounts. qgemm_cpu keeps x exact (the reference).
+// them by up to ~0.01 nat in float32, as the same rounding written out in HF moves them
+// (tests/punica_x/test_quantized_default_lora.py). qgemm_cpu keeps x exact (the reference).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
