@@ -26,6 +26,7 @@ import torch
 from helpers import chat_prompts, hf_default_model, llm_with_adapters, make_peft_adapter
 
 from punica_x import SamplingParams
+from punica_x.config import ModelConfig
 from punica_x.ops.quant_dense import QuantCpuDense
 
 pytestmark = pytest.mark.slow
@@ -133,8 +134,9 @@ def spread(delta: torch.Tensor) -> tuple[float, float]:
 def served(adapters, dtype, **kwargs):
     """The default model in blocks with `adapters`; every block multiplies int16-rounded x
     (asserted), also in prefill where batch_invariant="on" (no dequantize-and-matmul)."""
+    assert ModelConfig().quantization == "auto"  # the default: the file's own blocks
     llm = llm_with_adapters(adapters, dtype=dtype, quantization="auto", **kwargs)
-    assert "Q4_1" in llm.engine.describe().model.weight_format
+    assert llm.engine.model.weight_formats() == "Q4_1,Q8_0"
     blocks = [
         m.backend
         for m in llm.engine.model.modules()

@@ -202,15 +202,3 @@ def test_quantized_float_mix_in_one_layer_is_dequantized():
     assert (layer.weight[32:] == 1).all() and not layer.quant_parts
     with pytest.raises(ValueError, match="expected a weight of 32 x 64"):
         layer.load_slice(1, "weight", QuantBlocks("k", "Q8_0", torch.from_numpy(q[:8].copy()), 64))
-
-
-@pytest.mark.slow
-def test_default_model_natively_in_bfloat16_answers():
-    """The default settings serve the default file in its own blocks; in bf16, the serving
-    dtype of AVX512-BF16 / AMX CPUs (x and y in bf16, float32 sums)."""
-    assert ModelConfig().quantization == "auto"
-    llm = LLM(dtype="bfloat16")
-    assert llm.engine.model.weight_formats() == "Q4_1,Q8_0"
-    prompts = chat_prompts(llm.tokenizer, ["What is the capital of France?"])
-    out = llm.generate(prompts, sampling=SamplingParams(max_tokens=12, temperature=0))
-    assert "Paris" in llm.tokenizer.decode(out[0].token_ids)
