@@ -8,6 +8,9 @@ step, never cached: each of these runs recomputes it for every token it computes
 from __future__ import annotations
 
 import random
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +21,15 @@ from helpers import (
     make_tiny_family,
     tiny_llm,
 )
+from safetensors.torch import load_file, save_file
 
 from punica_x import SamplingParams
 from punica_x.config import BatchConfig, CacheConfig, EngineConfig, ModelConfig
 from punica_x.engine import Engine
 from punica_x.engine.memory import weights_bytes
 from punica_x.models.loader import load_model
+from punica_x.models.quantize import quantize_blocks
+from punica_x.ops.quant_dense import QuantCpuDense, dequantize_blocks
 
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
 NAMES = [None, "experts", "attn", None, "experts", "attn"]
@@ -179,17 +185,61 @@ def test_the_memory_plan_counts_every_experts_weights(moe):
     assert [o.token_ids for o in planned.generate(prompts, NAMES[:3], SP)] == want
 
 
-@pytest.mark.parametrize("mode, fmt", [("int8", "Q8_0"), ("int4", "Q4_1")])
-def test_on_load_quantization_blocks_every_expert_and_keeps_the_router(moe, mode, fmt):
-    """--quantization int8 / int4 on a mixture of experts serves every expert (the bulk of
-    its weights) from blocks, not only the attention; the router stays float; expert
-    adapters run over the blocks."""
-    from punica_x.ops.quant_dense import QuantCpuDense
+# what --quantization turns into blocks (quantize_on_load): every projection, expert (fused
+# stacks and Mixtral's w1|w3|w2 included) and shared expert; not the router (mlp.gate), the
+# shared expert's gate, the norms or an untied embedding. The head: in Q8_0.
+BLOCKED = re.compile(r"\.(experts\.|shared_expert\.|[a-z]+_proj\.)")
 
-    llm = make(moe, quantization=mode)
+
+def dequantized_moe(src, dst, fmt: str) -> tuple[Path, set[str]]:
+    """A float32 copy of the checkpoint `src` holding what its blocks dequantize to, and the
+    names replaced. The engine blocks each weight by rows, 32 values along its input dim
+    (the last); an expert's gate|up [2I, hidden] is its gate's rows then its up's, and a
+    fused stack [E, out, in] is E such weights, so each checkpoint tensor, seen as rows of
+    its last dim, is blocked here as the engine blocks it."""
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    replaced = set()
+    for name, w in state.items():
+        form = "Q8_0" if name == "lm_head.weight" else fmt if BLOCKED.search(name) else None
+        if form is not None:
+            blocks = quantize_blocks(name, w.reshape(-1, w.shape[-1]), form)
+            state[name] = dequantize_blocks(blocks, torch.float32).reshape(w.shape)
+            replaced.add(name)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst, replaced
+
+
+def scored(llm, prompts) -> tuple[list[list[int]], list[float]]:
+    """One mixed batch (the adapters NAMES): each prompt's greedy tokens, and the logprobs of
+    every prompt token after the first and of every generated token, in order."""
+    sp = SamplingParams(
+        max_tokens=10, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    outs = llm.generate(prompts, NAMES, sp)
+    lps = [p.logprob for o in outs for p in [*o.prompt_logprobs[1:], *o.logprobs]]
+    return [o.token_ids for o in outs], lps
+
+
+@pytest.mark.parametrize("mode, fmt", [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_on_load_quantization_blocks_every_expert_and_keeps_the_router(moe, mode, fmt, tmp_path):
+    """--quantization int8 / int4 on a mixture of experts serves every expert (the bulk of
+    its weights) from blocks, not only the attention; the router stays float. What it
+    computes, expert and attention adapters over the blocks in one batch: the same greedy
+    tokens and logprobs (within 1e-4, another order of sums) as a float32 checkpoint holding
+    the blocks' dequantized values with the same adapters (measured: < 2e-5)."""
+    folder, adapters = moe
+    llm = make(moe, quantization=mode, quant_activations="float")
     block = llm.engine.model.layers[0].mlp
     assert all(isinstance(m.backend, QuantCpuDense) for m in block.experts())
     assert {m.backend.format for m in block.experts()} == {fmt}
     assert not isinstance(block.gate.backend, QuantCpuDense)
-    outs = llm.generate(workload()[:3], NAMES[:3], SP)
-    assert all(len(o.token_ids) == SP.max_tokens for o in outs)
+    ref_dir, replaced = dequantized_moe(folder, tmp_path / "dequantized", fmt)
+    assert "model.layers.0.mlp.gate.weight" not in replaced
+    assert sum(".experts." in n for n in replaced) == 3 * block.num_experts
+    prompts = workload()
+    got, want = scored(llm, prompts), scored(make((ref_dir, adapters)), prompts)
+    assert got[0] == want[0]
+    assert len(got[1]) == len(want[1]) > 6 * 40
+    delta = max(abs(x - y) for x, y in zip(got[1], want[1]))
+    assert delta < 1e-4, delta
