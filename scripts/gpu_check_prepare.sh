@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Before the first call to a lent GPU machine (it has no network): put into .whl/ the wheels
 # of the packages its image lacks (the versions of this checkout's .venv, for CPython 3.12 on
-# x86-64 Linux) and SmolLM2's tokenizer files into .gpu/tokenizer; both are excluded from git
+# x86-64 Linux), SmolLM2's tokenizer files into .gpu/tokenizer and a stand-in of the default
+# model into .gpu/standin.gguf (scripts/gguf_standin.py); both folders are excluded from git
 # here and must be named in the device call's `carry`. Then, there: bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +33,6 @@ for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     if (src / name).exists():
         shutil.copy(src / name, Path(".gpu/tokenizer") / name)
 PYEOF
+# the default model's first 2 layers (~36 MB; the whole 98 MB file is over what a call carries)
+"$PY" scripts/gguf_standin.py .gpu/standin.gguf --layers 2
 du -sh .whl .gpu
