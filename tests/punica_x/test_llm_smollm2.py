@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chat_prompts, hf_default_model, llm_with_adapters, make_peft_adapter
+from helpers import (
+    SMOL_ADAPTERS,
+    chat_prompts,
+    hf_default_model,
+    llm_with_adapters,
+    make_smol_adapters,
+)
 
 from punica_x import SamplingParams
 
@@ -23,12 +29,7 @@ QUESTIONS = [
     "What color is the sky?",
     "Give me a tip for sleeping well.",
 ]
-ADAPTERS = {  # name: (rank, target modules)
-    "r4": (4, ["q_proj", "v_proj"]),
-    "r8": (8, ["k_proj", "o_proj", "down_proj"]),
-    "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "r64": (64, ["gate_proj", "up_proj"]),
-}
+ADAPTERS = SMOL_ADAPTERS
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
@@ -40,10 +41,7 @@ def hf_base():
 @pytest.fixture(scope="module")
 def adapters(hf_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("smol-adapters")
-    return {
-        name: make_peft_adapter(hf_base, root / name, rank, targets, seed=10 + i, alpha=rank / 2)
-        for i, (name, (rank, targets)) in enumerate(ADAPTERS.items())
-    }
+    return make_smol_adapters(hf_base, root, seed=10)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chat_prompts, hf_default_model, llm_with_adapters, make_peft_adapter
+from helpers import (
+    CHAT_QUESTIONS,
+    SMOL_ADAPTERS,
+    chat_prompts,
+    hf_default_model,
+    llm_with_adapters,
+    make_smol_adapters,
+)
 
 from punica_x import SamplingParams
 from punica_x.config import ModelConfig
@@ -31,22 +38,10 @@ from punica_x.ops.quant_dense import QuantCpuDense
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Who wrote Hamlet?",
-]
-ADAPTERS = {  # name: (rank, target modules)
-    "r4": (4, ["q_proj", "v_proj"]),
-    "r8": (8, ["k_proj", "o_proj", "down_proj"]),
-    "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "r64": (64, ["gate_proj", "up_proj"]),
-}
+QUESTIONS = CHAT_QUESTIONS[:5]
+ADAPTERS = SMOL_ADAPTERS
 ROWS = [(name, i) for name in [*ADAPTERS, None] for i in (0, 3)]
 SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-TOL_INT16 = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +52,7 @@ def hf_base():
 @pytest.fixture(scope="module")
 def adapters(hf_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized-lora")
-    return {
-        name: make_peft_adapter(hf_base, root / name, rank, targets, seed=60 + i, alpha=rank / 2)
-        for i, (name, (rank, targets)) in enumerate(ADAPTERS.items())
-    }
+    return make_smol_adapters(hf_base, root, seed=60)
 
 
 def int16_rounded(x: torch.Tensor) -> torch.Tensor:
