@@ -146,6 +146,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to do for the token beyond the argmax of the model's logits:
+        no logit_bias, penalties, min_tokens, JSON schema or logprobs (the sampler's fast
+        path; a Request keeps it, runtime.Request.plain)."""
+        plain = self.greedy and not self.logit_bias and self.min_tokens == 0
+        plain = plain and self.json_schema is None and self.logprobs is None
+        plain = plain and self.repetition_penalty == 1 and not self.frequency_penalty
+        return plain and not self.presence_penalty
+
 
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
 _FLOAT_FIELDS = (

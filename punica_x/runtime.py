@@ -91,6 +91,11 @@ class Request:
     num_inflight: int = 0
     inflight_row: int = 0
     final_in_flight: bool = False
+    # sampling.plain, read per step by the sampler's fast path (step_sampling.sample_step)
+    plain: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.plain = self.sampling.plain
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -109,6 +114,26 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class InputFills:
+    """Input tokens still in flight when a batch was planned (overlapped steps): input_ids
+    [where] take the previous step's samples [source]; where / source int64 [F] (host)."""
+
+    where: torch.Tensor
+    source: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.where.numel())
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, int]]) -> InputFills | None:
+        """From (row of input_ids, row of the previous step's samples) pairs; None if none."""
+        if not pairs:
+            return None
+        t = torch.tensor(pairs, dtype=torch.int64).T
+        return cls(t[0], t[1])
 
 
 @dataclass(frozen=True)
@@ -144,7 +169,6 @@ class Batch:
     sample_rows: torch.Tensor
     logit_rows: torch.Tensor | None = None
     prompt_targets: tuple[tuple[Request, tuple[int, ...]], ...] = ()
-    # overlapped steps (engine/overlap.py): (row of input_ids, row of the previous step's
-    # samples) of each input token still in flight when the batch was planned; the device
-    # fills them before the forward. Empty: every input is known.
-    input_fills: tuple[tuple[int, int], ...] = ()
+    # overlapped steps (engine/overlap.py): the input tokens still in flight when the batch
+    # was planned; the device fills them before the forward. None: every input is known.
+    input_fills: InputFills | None = None

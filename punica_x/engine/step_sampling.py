@@ -32,6 +32,11 @@ def sample_step(
     request whose own part fails gets None and its error in `failed` (see isolate)."""
     n = len(sampling)
     sample_logits = logits[:n]
+    plain = all(r.plain and r.matcher is None for r in sampling)
+    if plain and not prompt_targets and not failed:
+        tokens = sampler.plain(sample_logits)  # one batched argmax, nothing per request
+        if tokens is not None:
+            return tokens, [None] * n
 
     def sample(rows: list[int]) -> list[int]:
         return sampler(_rows(sample_logits, rows), [sampling[i] for i in rows])

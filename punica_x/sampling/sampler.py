@@ -86,6 +86,15 @@ class Sampler:
         return tokens
 
     @staticmethod
+    def plain(logits: torch.Tensor) -> list[int] | None:
+        """logits: [B, V] of requests whose SamplingParams are all plain -> their argmax
+        tokens, the same as __call__'s; None when a row's maximum is not finite (__call__
+        then handles that row: _finite_argmax or NoTokenAllowed)."""
+        values, best = logits.max(dim=-1)
+        tokens = torch.where(torch.isfinite(values), best, -1).tolist()  # one copy to the host
+        return None if -1 in tokens else tokens
+
+    @staticmethod
     def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, then min-p, top-k and top-p (nucleus) filtering; returns [B, V] probs
         (a row with non-finite logits may come out non-finite: the caller checks)."""

@@ -145,7 +145,10 @@ def test_a_request_whose_logprobs_raise_ends_alone(engine, undisturbed, monkeypa
 
 
 def poison(monkeypatch, fill):
-    """Make the processed logits of the BAD request's row `fill(row)` (in place on a copy)."""
+    """Make the processed logits of the BAD request's row `fill(row)` (in place on a copy).
+    Only requests that are not SamplingParams.plain have their logits processed: a plain
+    greedy one is sampled from the model's logits (step_sampling's fast path), whose
+    non-finite rows test_sampler covers."""
     process, bad = sampler_mod.process_logits, []
 
     def poisoned(logits, requests, *args):
@@ -164,7 +167,8 @@ def poison(monkeypatch, fill):
 def test_a_request_with_no_finite_logit_ends_alone(engine, undisturbed, monkeypatch, temperature):
     sabotage = poison(monkeypatch, lambda row: row.fill_(float("-inf")))
     params = [GREEDY] * 4
-    params[BAD] = replace(GREEDY, temperature=temperature)
+    # a logit bias of 0 changes no logit and makes the request's logits processed
+    params[BAD] = replace(GREEDY, temperature=temperature, logit_bias={5: 0.0})
     outs, streams = generate(engine, params, sabotage)
     assert_failed(outs[BAD], "no token is allowed", streams[BAD])
     assert outs[BAD].token_ids == []

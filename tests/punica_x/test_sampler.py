@@ -286,3 +286,65 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert Sampler(eos_token_ids=eos)(torch.zeros(1, 12), [biased]) != [2]
     biased.output_token_ids.append(0)
     assert Sampler(eos_token_ids=eos)(torch.zeros(1, 12), [biased]) == [2]
+
+
+# -- the plain fast path ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(logit_bias={3: 0.0}),
+        dict(min_tokens=1),
+        dict(json_schema='{"type": "object"}'),
+        dict(logprobs=0),
+        dict(repetition_penalty=1.1),
+        dict(frequency_penalty=0.5),
+        dict(presence_penalty=-0.5),
+    ],
+)
+def test_plain_is_greedy_with_nothing_before_or_after_the_argmax(kw):
+    assert SamplingParams(temperature=0).plain and SamplingParams(top_k=1).plain
+    assert req(temperature=0).plain
+    kw = {"temperature": 0, **kw}
+    assert not SamplingParams(**kw).plain and not req(**kw).plain
+
+
+def test_plain_requests_are_sampled_as_the_general_path_samples_them():
+    from punica_x.engine.step_sampling import sample_step
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 40, generator=g)
+    logits[2, 5] = float("nan")  # the general path takes the finite argmax
+    logits[6] = float("-inf")  # no token allowed: that request alone fails
+    rs = [req(temperature=0) for _ in range(8)]
+    assert all(r.plain for r in rs)
+    assert Sampler.plain(logits) is None  # a non-finite maximum: not the fast path's
+    failed = {}
+    tokens, logprobs = sample_step(Sampler(), logits, rs, (), failed)
+    finite = torch.where(torch.isfinite(logits), logits, float("-inf"))
+    assert tokens[:6] + tokens[7:] == [int(finite[i].argmax()) for i in (0, 1, 2, 3, 4, 5, 7)]
+    assert tokens[6] is None and "no token is allowed" in failed[rs[6]]
+    assert logprobs == [None] * 8
+    ok = torch.randn(8, 40, generator=g)
+    assert Sampler.plain(ok) == ok.argmax(-1).tolist() == sample_step(Sampler(), ok, rs, (), {})[0]
+
+
+def test_a_matcher_on_a_plain_request_takes_the_general_path():
+    """The fast path reads Request.plain (its SamplingParams) and that it has no matcher: a
+    matcher set on the request (as the engine does for json_schema) is asked for its mask,
+    here one that raises, so the request fails alone (the fast path would not ask it)."""
+    from punica_x.engine.step_sampling import sample_step
+
+    class Exploding:
+        def __getattr__(self, name):
+            raise RuntimeError("matcher asked")
+
+    logits = torch.randn(2, 40)
+    rs = [req(temperature=0), req(temperature=0)]
+    rs[1].matcher = Exploding()
+    failed = {}
+    tokens, _ = sample_step(Sampler(), logits, rs, (), failed)
+    assert tokens == [int(logits[0].argmax()), None]
+    assert "matcher asked" in failed[rs[1]]
