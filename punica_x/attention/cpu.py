@@ -187,6 +187,7 @@ class CpuAttention:
         the kernel, the batch-invariant mode)."""
         self.ext = load_extension("attention_cpu", isa)
         self.isa, self.flash = isa, flash
+        self._consts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def fixed_order(self) -> CpuAttention:
         """This backend in batch-invariant mode (no flash attention)."""
@@ -204,6 +205,42 @@ class CpuAttention:
         """In place: row dst[i] of (out [T, H, D], lse [T, H] float32) absorbs row src[i] of
         (o, s), the same query's attention over other keys (exact ScaleReduce, one call)."""
         self.ext.merge_rows(out, lse, o, s, dst, src)
+
+    def decode_plan(
+        self, tables: torch.Tensor, kv_len: torch.Tensor, block_size: int, device: torch.device
+    ) -> CpuAttentionPlan:
+        """The plan of S single-row decodes (batching/persistent.py): row i is sequence i, of
+        kv_len[i] tokens (int64 [S], its new token's included) in blocks tables[i] (int32
+        [S, W], padded with block 0: the kernel reads a sequence's first ceil(kv_len / P)).
+        The same plan as plan() of their spans, the block table padded."""
+        s, width = tables.shape
+        last = kv_len - 1
+        seqs, table_start = self._decode_consts(s, width)
+        seqs[2] = kv_len
+        block = tables.gather(1, (last // block_size).unsqueeze_(1)).squeeze_(1)
+        return CpuAttentionPlan(
+            ext=self.ext,
+            short=KernelSeqs(seqs, table_start, tables.view(-1)),
+            long_prefills=(),
+            long_masks=(),
+            every=None,
+            slot_blocks=block.to(torch.int64),
+            slot_offsets=last.remainder_(block_size),
+        )
+
+    def _decode_consts(self, s: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For S decodes of tables W wide: a fresh seqs int32 [3, S] (rows 0..S-1, one row
+        each, kv_len to fill) and the table starts int32 [S + 1] (0, W, 2W, ...: read only)."""
+        key = (s, width)
+        kept = self._consts.get(key)
+        if kept is None:
+            if len(self._consts) > 64:
+                self._consts.clear()
+            i32 = torch.int32
+            rows = torch.stack([torch.arange(s), torch.ones(s, dtype=torch.int64)]).to(i32)
+            starts = torch.arange(0, (s + 1) * width, width, dtype=i32)
+            kept = self._consts[key] = (torch.cat([rows, rows[:1]]), starts)
+        return kept[0].clone(), kept[1]
 
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device) -> CpuAttentionPlan:
         slot_blocks: list[int] = []

@@ -52,6 +52,19 @@ class TritonAttention:
         """Batch-invariant already: this backend."""
         return self
 
+    def decode_plan(
+        self, tables: torch.Tensor, kv_len: torch.Tensor, block_size: int, device: torch.device
+    ) -> TritonAttentionPlan:
+        """The plan of S single-row decodes (batching/persistent.py): row i is sequence i, of
+        kv_len[i] tokens (int64 [S] on the host, its new token's included) in blocks
+        tables[i] (int32 [S, W] on the host, padded with block 0); tensors moved to `device`.
+        The same plan as plan() of their spans, its tables as wide as the persistent batch's."""
+        last = kv_len - 1
+        block = tables.gather(1, (last // block_size).unsqueeze(1)).squeeze(1)
+        rows = torch.arange(kv_len.numel(), dtype=torch.int32)
+        host = (block.to(torch.int64), last % block_size, last.to(torch.int32), rows, tables)
+        return TritonAttentionPlan(*(t.to(device) for t in host), decode_only=True)
+
     def plan(self, spans: list[SeqSpan], block_size: int, device: torch.device):
         rows = max((sp.row_start + sp.num_rows for sp in spans), default=0)
         slot_blocks, slot_offsets = [0] * rows, [0] * rows

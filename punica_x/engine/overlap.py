@@ -37,15 +37,14 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from punica_x.batching.schedule import Schedule, ScheduledRequest
 from punica_x.core import FinishReason, RequestOutput, TokenLogprob
 from punica_x.engine.outputs import emit
 from punica_x.engine.step_sampling import sample_step
 from punica_x.env import OVERLAP
+from punica_x.host_ints import int64
 from punica_x.models.simulated import SimulatedForward
-from punica_x.runtime import Batch, Request
+from punica_x.runtime import Batch, Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +76,15 @@ def waits_for_host(r: Request) -> bool:
 class PlannedStep:
     """A step planned for the device: its batch and rows in the planner's order, where each
     row started (num_computed_tokens before it) and the request's preemption count then, its
-    sampling requests in sample-row order, its request ids, the prefix cache's blocks it
-    completes; `logits` once launched (the device's future)."""
+    sample row (-1: it does not sample), its sampling requests in sample-row order, its
+    request ids, the prefix cache's blocks it completes; `logits` once launched (the device's
+    future)."""
 
     batch: Batch
     ordered: list[ScheduledRequest]
     starts: list[int]
     preemptions: list[int]
+    rows: list[int]
     sampling: list[Request]
     ids: tuple[str, ...]
     pending: set[bytes]  # the prefix cache's blocks it completes (named when postprocessed)
@@ -143,11 +144,12 @@ class SimulatedQueue:
 def fill_inputs(batch: Batch, tokens: list[int | None]) -> None:
     """Put the previous step's samples into the batch's in-flight inputs (Batch.input_fills);
     a row whose sampling failed feeds 0 (its request ends: the row is wasted)."""
-    if batch.input_fills:
-        where, source = zip(*batch.input_fills)
-        values = [0 if tokens[i] is None else tokens[i] for i in source]
-        ids = torch.tensor(values, dtype=batch.input_ids.dtype)
-        batch.input_ids[list(where)] = ids.to(batch.input_ids.device, non_blocking=True)
+    fills = batch.input_fills
+    if fills:
+        ids = batch.input_ids
+        values = int64([0 if t is None else t for t in tokens])
+        values = values.index_select(0, fills.source)
+        ids[fills.where.to(ids.device)] = values.to(ids.device, non_blocking=True)
 
 
 def part_for(engine, config) -> OverlapPart | None:
@@ -258,23 +260,24 @@ class OverlapPart:
         pending = set(e.batcher.prefix.pending) if e.batcher.prefix is not None else set()
         batch, ordered = e.planner.plan(schedule.rows)
         assert not batch.prompt_targets, "prompt logprobs run in synchronous steps"
-        starts, preemptions, sampling = [], [], []
+        starts = [s.request.num_computed_tokens for s in ordered]
+        preemptions = [s.request.num_preemptions for s in ordered]
+        rows, sampling = [], []
         max_len = e.max_model_len
-        for s in ordered:
-            r, samples = s.request, s.samples  # before num_computed_tokens moves
-            starts.append(r.num_computed_tokens)
-            preemptions.append(r.num_preemptions)
-            r.num_computed_tokens += s.num_new_tokens  # the device computes them in order
-            if samples:
-                r.inflight_row = len(sampling)
-                r.num_inflight += 1
-                sampling.append(r)
-                r.final_in_flight = (
-                    len(r.output_token_ids) + r.num_inflight >= r.sampling.max_tokens
-                    or r.num_tokens >= max_len
-                )
+        for s, start in zip(ordered, starts):
+            r, n = s
+            r.num_computed_tokens = end = start + n  # the device computes them in order
+            if end != r.num_tokens:  # it does not sample (a prompt chunk before its last)
+                rows.append(-1)
+                continue
+            rows.append(len(sampling))
+            r.inflight_row = len(sampling)
+            r.num_inflight += 1
+            sampling.append(r)
+            out = len(r.output_token_ids) + r.num_inflight  # its tokens, in flight included
+            r.final_in_flight = out >= r.sampling.max_tokens or end + 1 >= max_len
         ids = tuple(s.request.request_id for s in ordered)
-        return PlannedStep(batch, ordered, starts, preemptions, sampling, ids, pending)
+        return PlannedStep(batch, ordered, starts, preemptions, rows, sampling, ids, pending)
 
     def _sample(self, step: PlannedStep) -> Sampled:
         """Wait for a launched step's logits and sample them (every earlier token of its
@@ -303,39 +306,38 @@ class OverlapPart:
         prefix = e.batcher.prefix
         outputs = []
         now = time.monotonic()
-        rows = {id(r): i for i, r in enumerate(step.sampling)}
-        for s, start, preemptions in zip(step.ordered, step.starts, step.preemptions):
-            r = s.request
-            row = rows.get(id(r))
-            if row is not None:
+        overflowed, size = self.overflowed, prefix.block_size if prefix is not None else 0
+        advance, failed = e._advance, sampled.failed  # bound once: e is a proxy
+        tokens, logprobs = sampled.tokens, sampled.logprobs
+        rows = zip(step.ordered, step.starts, step.preemptions, step.rows)
+        for (r, n), start, preemptions, row in rows:
+            if row >= 0:
                 r.num_inflight -= 1
-            if r.finished:  # aborted, taken or ended meanwhile: its rows are wasted
-                self.overflowed.discard(r)
+            if r.status is RequestStatus.FINISHED:  # aborted, taken or ended meanwhile: its
+                overflowed.discard(r)  # rows are wasted
                 continue
-            if prefix is not None and r.num_preemptions == preemptions:
-                prefix.computed(r, start, s.num_new_tokens)  # its input tokens are known now
-            if row is None:
+            # its input tokens are known now: name the blocks they completed
+            if size and start % size + n >= size and r.num_preemptions == preemptions:
+                prefix.computed(r, start, n)
+            if row < 0:
                 continue
             r.final_in_flight = False
-            outputs.append(self._advance(r, row, sampled, now))
-            if r in self.overflowed:
-                self.overflowed.discard(r)
+            out = None
+            if r not in failed:
+                out = advance(r, tokens[row], logprobs[row], now, failed)
+            if out is None:
+                out = e._finish_and_emit(r, FinishReason.ERROR, error=failed[r])
+            elif r.on_output is not None:
+                emit(r, out)
+            outputs.append(out)
+            if overflowed and r in overflowed:
+                overflowed.discard(r)
                 if not r.finished:
                     outputs += e._end_unschedulable(Schedule([], [r], [], []))
         e.batcher.after_step(step.ordered, 0.0)
         if prefix is not None:
             prefix.inflight_pending = set()
         return outputs
-
-    def _advance(self, r: Request, row: int, sampled: Sampled, now: float) -> RequestOutput:
-        e, failed = self.engine, sampled.failed
-        out = None
-        if r not in failed:
-            out = e._advance(r, sampled.tokens[row], sampled.logprobs[row], now, failed)
-        if out is None:
-            return e._finish_and_emit(r, FinishReason.ERROR, error=failed[r])
-        emit(r, out)
-        return out
 
 
 def _wait_quietly(step: PlannedStep) -> None:

@@ -101,3 +101,25 @@ def test_blocks_larger_than_a_key_tile_walk_in_tiles_of_16(kw):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
         assert torch.equal(alone[0], out[37])
+
+
+def test_a_decode_plan_from_padded_tables_is_the_spans_plan():
+    """decode_plan (the persistent batch's: batching/persistent.py) from block tables padded
+    wider than the sequences need: the same slots, positions and attention bits as plan()."""
+    kv, g = _cache(torch.float32, seed=3)
+    lens = [14, 17, 3, 1]
+    blocks = [SEQ_A[:4], SEQ_B, [23], [9]]
+    spans = [SeqSpan(i, 1, n, b) for i, (n, b) in enumerate(zip(lens, blocks))]
+    width = 7  # wider than any sequence's blocks, padded with block 0
+    tables = torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32)
+    attn = TritonAttention()
+    fast = attn.decode_plan(tables, torch.tensor(lens), P, kv.device)
+    slow = attn.plan(spans, P, kv.device)
+    for name in ("slot_blocks", "slot_offsets", "row_pos", "row_seq"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    assert fast.decode_only and slow.decode_only
+    q = _q(len(lens), torch.float32, g)
+    with mended():
+        a, a_lse = fast.attend(q, kv, 0, 0.3)
+        b, b_lse = slow.attend(q, kv, 0, 0.3)
+    assert torch.equal(a, b) and torch.equal(a_lse, b_lse)
