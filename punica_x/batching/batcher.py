@@ -117,7 +117,8 @@ class Batcher:
             scheduled.append(ScheduledRequest(r, n))
             budget -= n
             i += 1
-            self._computing(r, n)
+            if n > 1:  # a decode completes no block before it is computed
+                self._computing(r, n)
         return budget
 
     def _schedule_waiting(self, budget: int, now: float, scheduled: list[ScheduledRequest]) -> None:

@@ -64,7 +64,15 @@ class OutputProcessor:
     def output(self, r: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         """The step's delta for `r`; the request's totals only when it finished, its prompt on
         its first output and the final one (see RequestOutput)."""
-        done, with_logprobs = r.finished, r.sampling.logprobs is not None
+        done, sp = r.finished, r.sampling
+        if not done and r.prompt_sent and sp.logprobs is None and sp.prompt_logprobs is None:
+            # a step's delta and nothing else (positional: the most common output, made
+            # once per request per step)
+            return RequestOutput(
+                r.request_id, [], [], "", new_ids, new_text, False, r.finish_reason,
+                r.stop_reason, r.error,
+            )  # fmt: skip
+        with_logprobs = sp.logprobs is not None
         prompt = r.prompt_token_ids if done or not r.prompt_sent else []
         r.prompt_sent = True
         new_logprobs = None

@@ -65,6 +65,10 @@ class Detokenizer:
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = DetokenizerState()
+        elif not stop and st.stream and st.read == st.fed == len(token_ids) - 1:
+            new = self._next_piece(st, token_ids)
+            if new is not None:
+                return new, None
         text = self._decode(st, token_ids, skip_special, final)
         matched = None
         if stop and check_stop:
@@ -83,6 +87,27 @@ class Detokenizer:
         new = text[st.emitted : upto]
         st.emitted = upto
         return new, matched
+
+    def _next_piece(self, st: DetokenizerState, ids: list[int]) -> str | None:
+        """update's common step, without stop strings: a live stream whose text was complete
+        before ids' last token takes that token; returns the new text as update would, or None
+        when the stream holds the token or fails (st then as _decode leaves it, for update's
+        general path to go on from: the window decoded here)."""
+        n = len(ids)
+        st.fed = n
+        try:
+            piece = st.stream.step(self.backend, ids[-1])
+        except Exception:  # as _decode: this request goes on with the windows decoded here
+            st.stream = False
+            return None
+        if piece is None:
+            return None
+        st.done += piece
+        st.prefix, st.read = st.read, n
+        text = st.text = st.done
+        upto = max(st.emitted, len(text))
+        new, st.emitted = text[st.emitted : upto], upto
+        return new
 
     def prime(
         self, request_id: str, token_ids: list[int], skip_special: bool, emitted: int
