@@ -4,6 +4,7 @@ and again at the end; the deltas add up to the totals."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import tiny_llm
 
 from punica_x import SamplingParams
@@ -55,17 +56,19 @@ def test_outputs_carry_deltas_and_the_final_one_the_totals(tiny_model_dir):
             assert len(final.prompt_logprobs) == len(final.prompt_token_ids)
 
 
-def test_a_stream_interval_sends_the_first_token_then_every_n_joined(tiny_model_dir):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_stream_interval_sends_the_first_token_then_every_n_joined(tiny_model_dir, overlap):
     """stream_interval=4: a request's callback gets its first token at once, then outputs of
     4 tokens (the deltas, logprobs and prompt logprobs of the steps joined), the end at once
-    with the totals; step() still returns an output per token; a take hands over what was
-    held first, so the caller has every token the moved request made here."""
+    with the totals; step() still returns an output per token (and drain() an overlapped
+    step's); a take hands over what was held first, so the caller has every token the moved
+    request made here (overlapped: the one in flight too, which the take's drain brings)."""
     from dataclasses import replace
 
     from punica_x.engine.engine import Engine
 
     base = tiny_llm(tiny_model_dir).engine
-    engine = Engine(replace(base.config, stream_interval=4), base.loaded)
+    engine = Engine(replace(base.config, stream_interval=4, overlap=overlap), base.loaded)
     sp = SamplingParams(
         max_tokens=13, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
     )
@@ -76,7 +79,9 @@ def test_a_stream_interval_sends_the_first_token_then_every_n_joined(tiny_model_
     while engine.has_unfinished():
         per_token += [o for o in engine.step() if o.request_id == "a"]
         if "b" in engine.requests and len(engine.requests["b"].output_token_ids) == 6:
+            per_token += [o for o in engine.drain() if o.request_id == "a"]  # take's drain
             resume = engine.take("b")
+    per_token += [o for o in engine.drain() if o.request_id == "a"]  # the last step's
     assert [len(o.new_token_ids) for o in got["a"]] == [1, 4, 4, 4]
     assert [len(o.new_token_ids) for o in per_token] == [1] * 13
     final = got["a"][-1]
@@ -86,7 +91,8 @@ def test_a_stream_interval_sends_the_first_token_then_every_n_joined(tiny_model_
     assert [lp for o in got["a"] for lp in o.new_logprobs] == final.logprobs
     assert got["a"][0].prompt_logprobs == final.prompt_logprobs is not None
     assert got["a"][1].prompt_token_ids == [] and got["a"][0].prompt_token_ids
-    assert [len(o.new_token_ids) for o in got["b"]] == [1, 4, 1]  # the 6th: held, then handed
+    # the 6th (and overlapped, the 7th that was in flight): held, then handed at the take
+    assert [len(o.new_token_ids) for o in got["b"]] == [1, 4, 1 + (overlap == "on")]
     assert [t for o in got["b"] for t in o.new_token_ids] == list(resume.output_token_ids)
     assert not any(o.finished for o in got["b"])
 
