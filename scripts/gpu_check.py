@@ -10,7 +10,9 @@ is written after every step.
 
 Steps: env (the GPU, torch, the carried packages), build (punica-x prepare: the host's CPU
 kernels and sgmv_cuda), gpu_tests (pytest -m "gpu or triton", junit XML; the Triton
-kernels' tests run on the GPU), bench_generate (--device cuda,
+kernels' tests run on the GPU), host (bench_host_cuda.py: the 8B shape's decode step at 1, 32,
+128 and 256 requests against its byte floor, GPU busy, overlapped eager steps beside graphs,
+the profiler's top host costs), bench_generate (--device cuda,
 the Llama-3-8B shape, 32 and 128 requests, CUDA graphs on and off), bench_sgmv (the SGMV
 kernels alone over the adapter-popularity workloads, the split-K shrink beside the write-once
 one), serve (punica-x serve on
@@ -175,6 +177,8 @@ def steps_for(args, work: Path) -> list[Step]:
         serve += ["--adapters", "2", "--requests", "4", "--clients", "2", "--max-tokens", "4"]
         tests = [*pytest_argv, "tests/punica_x/test_engine_cuda.py"]
         sgmv = [py, "benchmarks/bench_sgmv.py", "--device", "cpu", "--repeats", "1"]
+        host = [py, "benchmarks/bench_host_cuda.py", "--device", "cpu", "--dry-run", *model]
+        host += ["--batches", "1,4", "--max-tokens", "16", "--steps", "4", "--adapters", "2"]
     else:
         bench = [py, "benchmarks/bench_generate.py", "--device", "cuda", "--model", "llama-3-8b"]
         bench += ["--gpu-requests", args.gpu_requests, "--rounds", "2", "--decode-steps", "8"]
@@ -184,10 +188,13 @@ def steps_for(args, work: Path) -> list[Step]:
         tests = [*pytest_argv, *gpu_test_files()]
         sgmv = [py, "benchmarks/bench_sgmv.py", "--device", "cuda", "--repeats", "20"]
         sgmv += ["--batches", args.sgmv_batches]
+        host = [py, "benchmarks/bench_host_cuda.py", "--device", "cuda", *tok]
+        host += ["--model", "llama-3-8b", "--batches", args.host_batches]
     return [
         Step("env", [py, "-c", env_probe], 60),
         Step("build", [py, "-m", "punica_x.prepare", "--no-model"], 360),
         Step("gpu_tests", tests, args.tests_timeout_s),
+        Step("host", host, args.host_timeout_s, results_env),
         Step("bench_generate", bench, args.bench_timeout_s, results_env),
         Step("bench_sgmv", sgmv, args.sgmv_timeout_s, results_env),
         Step("serve", serve, args.serve_timeout_s, results_env),
@@ -238,6 +245,10 @@ def figures_of(result: StepResult, work: Path) -> dict:
         ]
         data = read_json(found[-1]) if found else {}
         return {"summary": data.get("summary", {}), "rows": data.get("rows", [])}
+    if result.name == "host":
+        found = sorted(results.glob("*/bench_host_cuda*.json"))
+        data = read_json(found[-1]) if found else {}
+        return {"summary": data.get("summary", {}), "rows": data.get("rows", [])}
     if result.name == "bench_sgmv":
         found = sorted(results.glob("*/bench_sgmv*.json"))
         return {"rows": read_json(found[-1]).get("rows", [])} if found else {}
@@ -282,6 +293,12 @@ def markdown(report: dict) -> str:
             lines += [f"- failed: {n}" for n in figs.get("failed_names", [])]
         if s["name"] == "bench_generate" and figs.get("rows"):
             lines += ["", "## bench_generate", "", _table(figs["rows"])]
+        if s["name"] == "host" and figs.get("rows"):
+            summary = figs.get("summary", {})
+            lines += ["", "## host (decode step vs its byte floor)", "", _table(figs["rows"])]
+            lines += ["", f"copy bandwidth {summary.get('copy_GB_s', 0):.0f} GB/s"]
+            if summary.get("top_host_costs"):
+                lines += ["", "Top host costs a step", "", _table(summary["top_host_costs"])]
         if s["name"] == "bench_sgmv" and figs.get("rows"):
             lines += ["", "## bench_sgmv", "", _table(figs["rows"])]
         if s["name"] == "serve" and figs.get("summary"):
@@ -363,11 +380,20 @@ def parse_args(argv=None):
     ap.add_argument("--sgmv-timeout-s", type=float, default=120.0)
     ap.add_argument("--sgmv-batches", default="1,2,4,8,16,32,48,64,128,256,512")
     ap.add_argument("--serve-timeout-s", type=float, default=200.0)
+    ap.add_argument("--host-timeout-s", type=float, default=300.0)
+    ap.add_argument("--host-batches", default="1,32,128,256", help="bench_host_cuda's batches")
     ap.add_argument("--only", default=None, help="comma-separated steps to run, in that order")
     args = ap.parse_args(argv)
     if args.budget_s <= 0 or not args.budget_s < float("inf"):
         ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
-    for name in ("tests_timeout_s", "test_timeout_s", "bench_timeout_s", "serve_timeout_s"):
+    try:
+        batches = [int(b) for b in args.host_batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        ap.error(f"--host-batches wants positive integers, got {args.host_batches!r}")
+    timeouts = ("tests_timeout_s", "test_timeout_s", "bench_timeout_s", "serve_timeout_s")
+    for name in (*timeouts, "host_timeout_s"):
         value = getattr(args, name)
         if not 0 < value < float("inf"):
             ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")

@@ -43,7 +43,8 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     assert "where the minutes went" in proc.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    names = ["env", "build", "gpu_tests", "bench_generate", "bench_sgmv", "serve", "invariance"]
+    names = ["env", "build", "gpu_tests", "host", "bench_generate", "bench_sgmv", "serve"]
+    names.append("invariance")
     assert list(steps) == names
     assert all(s["status"] == "ok" and s["seconds"] > 0 for s in steps.values())
     assert steps["env"]["figures"]["gpu"] is None  # no CUDA here
@@ -52,6 +53,12 @@ def test_dry_run_end_to_end(tmp_path, tiny_model_dir):
     rows = steps["bench_generate"]["figures"]["rows"]
     assert {r["workload"] for r in rows} >= {"backbone", "distinct"}
     assert all(r["tok_s"] > 0 for r in rows)
+    host = steps["host"]["figures"]
+    assert [r["batch"] for r in host["rows"]] == [1, 4]
+    assert all(
+        r["step_ms"] > 0 and r["floor_ms"] > 0 and r["eager_overlap_ms"] > 0 for r in host["rows"]
+    )
+    assert host["summary"]["copy_GB_s"] > 0 and host["summary"]["top_host_costs"]
     sgmv = steps["bench_sgmv"]["figures"]["rows"]
     assert {r["workload"] for r in sgmv} >= {"distinct", "identical"}
     assert all(r["sgmv_ms"] > 0 for r in sgmv)
@@ -132,6 +139,10 @@ def test_junit_counts(tmp_path):
         ["--budget-s", "nan"],
         ["--budget-s", "inf"],
         ["--tests-timeout-s", "-1"],
+        ["--host-timeout-s", "0"],
+        ["--host-timeout-s", "nan"],
+        ["--host-batches", "1,x"],
+        ["--host-batches", "0"],
         ["--only", "nosuchstep"],
         ["--only", "env,env"],
         ["--only", ""],

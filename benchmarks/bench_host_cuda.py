@@ -1,0 +1,231 @@
+"""On a GPU, does the host make the device wait? (issue 72: scripts/gpu_check.sh's `host` step)
+
+The 8B shape (random weights, bfloat16; --model), --adapters rank-16 adapters round robin over
+the requests (bench_host's workload), greedy, for each batch B of --batches: B requests, every
+one decoding, and per decode step:
+- step_ms: the median step as the engine serves by default (CUDA graphs; their steps are
+  synchronous: overlap is off with graphs), and eager_overlap_ms: the same with graphs off and
+  overlapped scheduling on (engine/overlap.py);
+- kernel_ms (common/gpu_kernels: torch.profiler over eager steps) and gpu_busy = kernel_ms /
+  step_ms;
+- floor_ms, the step's byte floor: (the weights' bytes + the bytes of the batch's distinct
+  adapters + the KV the step reads: B x context x KV bytes a token) / the device's copy
+  bandwidth (common/timing.copy_bandwidth: a large copy, read and write counted), and
+  step_over_floor;
+then the torch profiler's top host (CPU) costs of one step at the largest B, graphs on.
+Issue 72's targets: gpu_busy >= 90% at 32, 128 and 256; step <= 1.5 x floor there, one stream
+<= 1.3 x.
+
+--dry-run: the same path on the CPU at the sizes given (a tiny shape), for scripts/gpu_check.sh
+--dry-run and the suite: no GPU figure means anything then.
+
+    python benchmarks/bench_host_cuda.py [--device cuda] [--model llama-3-8b]
+        [--batches 1,32,128,256] [--adapters 8] [--max-tokens 64] [--steps 16] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import sys
+import time
+
+import torch
+from common.args import add_adapters, add_max_tokens, parser
+from common.engine_timing import decode_step_time, start_decoding, stop_all, warm_up
+from common.gpu_generate import write_random_adapters
+from common.gpu_kernels import step_kernel_ms
+from common.report import describe_machine, log, print_table, write_json
+from common.scratch import scratch_dir
+from common.shapes import model_path
+from common.timing import copy_bandwidth
+from common.workload import make_prompts
+
+from punica_x import LLM, SamplingParams
+from punica_x.config import GiB
+
+COLUMNS = [
+    "batch",
+    "step_ms",
+    "eager_overlap_ms",
+    "kernel_ms",
+    "gpu_busy",
+    "floor_ms",
+    "step_over_floor",
+    "weights_GB",
+    "adapters_MB",
+    "kv_MB",
+]
+
+
+def parse_args():
+    """The flags; bad values exit 2 naming the flag."""
+    ap = parser(__doc__)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--model", default=None, help="a shape (default llama-3-8b) or a folder")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per figure")
+    ap.add_argument("--dry-run", action="store_true", help="the path on the CPU, toy sizes")
+    add_max_tokens(ap, default=64)
+    add_adapters(ap, default=8)
+    ap.add_argument("--name", default="bench_host_cuda")
+    args = ap.parse_args()
+    try:
+        args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches wants positive integers separated by commas, got {args.batches!r}")
+    if not all(0 < b <= 4096 for b in args.batch_sizes):
+        ap.error(f"--batches wants integers in 1..4096, got {args.batches!r}")
+    if not 1 <= args.steps <= 1000 or not 1 <= args.max_tokens <= 4096:
+        ap.error("--steps wants 1..1000 and --max-tokens 1..4096")
+    if not 1 <= args.adapters <= 64:
+        ap.error(f"--adapters wants 1..64, got {args.adapters}")
+    if args.dry_run != (args.device == "cpu"):
+        ap.error("--dry-run and --device cpu go together (the GPU path on the CPU)")
+    if args.steps + 8 > args.max_tokens:
+        ap.error("--max-tokens must leave room for the warm-up and --steps decode steps")
+    return args
+
+
+def build(args, overlap: str, graphs: bool = True) -> LLM:
+    """The engine on --model with room for the largest batch; CUDA graphs as by default (or
+    none: overlapped steps need eager ones)."""
+    model = model_path(
+        args.model or ("smollm2-135m" if args.dry_run else "llama-3-8b"), args.tokenizer
+    )
+    biggest = max(args.batch_sizes)
+    memory = (
+        {"kv_fraction": 0.5, "host_bytes": 8 * GiB}
+        if args.device == "cuda"
+        else {"kv_cache_bytes": 256 << 20}
+    )
+    return LLM(
+        model=model,
+        device=args.device,
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        overlap=overlap,
+        cuda_graphs=graphs,
+        max_batch_size=biggest,
+        max_batched_tokens=max(2048, 64 * biggest),
+        max_lora_rank=16,
+        **memory,
+    )
+
+
+def step_bytes(llm: LLM, batch: int, adapters: list, context: int) -> dict:
+    """What one decode step of `batch` requests must read: the weights, each distinct adapter
+    of the batch once, and every request's KV over `context` tokens."""
+    info = llm.engine.describe()
+    picked = {f"a{i % len(adapters)}" for i in range(batch)}
+    return {
+        "weights": info.model.weight_bytes,
+        "adapters": sum(adapters[int(a[1:])].nbytes for a in picked),
+        "kv": batch * context * info.kv_bytes_per_token,
+    }
+
+
+def top_host_costs(llm: LLM, prompts, names, sp, top: int = 12) -> list[dict]:
+    """The torch profiler's largest self CPU times over 4 steps of the batch (graphs as the
+    engine has them): where a step's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = start_decoding(llm, prompts, names, sp)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(4):
+                engine.step()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        return [
+            {
+                "op": e.key[:80],
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 4e3,
+                "calls": e.count,
+            }
+            for e in events
+        ]
+    finally:
+        stop_all(llm)
+
+
+def measure(args, llm: LLM, adapters: list, bandwidth: float) -> list[dict]:
+    """A row per batch size (module docstring), appended as each is measured."""
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = make_prompts(llm.tokenizer, batch)
+        names = [f"a{i % len(adapters)}" for i in range(batch)]
+        step = decode_step_time(llm, prompts, names, sp, args.steps)
+        kernel = step_kernel_ms(llm, prompts, names, sp)
+        context = statistics.mean(len(llm.tokenizer.encode(p)) for p in prompts) + args.steps
+        need = step_bytes(llm, batch, adapters, int(context))
+        floor = sum(need.values()) / bandwidth
+        row = {
+            "batch": batch,
+            "step_ms": step * 1e3,
+            "kernel_ms": kernel,
+            "gpu_busy": kernel / (step * 1e3) if isinstance(kernel, float) else None,
+            "floor_ms": floor * 1e3,
+            "step_over_floor": step / floor,
+            "weights_GB": need["weights"] / 1e9,
+            "adapters_MB": need["adapters"] / 1e6,
+            "kv_MB": need["kv"] / 1e6,
+        }
+        rows.append(row)
+        log(f"{row}")
+    return rows
+
+
+def overlapped(args, adapters_paths, rows: list[dict]) -> None:
+    """eager_overlap_ms of every row: a second engine, graphs off, overlap on."""
+    llm = build(args, "on", graphs=False)
+    for i, p in enumerate(adapters_paths):
+        llm.load_adapter(f"a{i}", str(p))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    warm_up(llm, make_prompts(llm.tokenizer, 4))
+    for row in rows:
+        prompts = make_prompts(llm.tokenizer, row["batch"])
+        names = [f"a{i % len(adapters_paths)}" for i in range(row["batch"])]
+        row["eager_overlap_ms"] = decode_step_time(llm, prompts, names, sp, args.steps) * 1e3
+    llm.engine.shutdown()
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    print(describe_machine(), flush=True)
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth(device=args.device)
+    llm = build(args, "auto")
+    paths = write_random_adapters(
+        llm.engine.loaded.model_dir, args.adapters, 16, scratch_dir("bh-cuda-")
+    )
+    adapters = [llm.load_adapter(f"a{i}", str(p)) for i, p in enumerate(paths)]
+    warm_up(llm, make_prompts(llm.tokenizer, 4))
+    summary = {"copy_GB_s": bandwidth / 1e9, "graphs": llm.engine.graphs is not None}
+    rows: list[dict] = []
+    try:
+        rows += measure(args, llm, adapters, bandwidth)
+        biggest = max(args.batch_sizes)
+        prompts = make_prompts(llm.tokenizer, biggest)
+        names = [f"a{i % len(adapters)}" for i in range(biggest)]
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        summary["top_host_costs"] = top_host_costs(llm, prompts, names, sp)
+        llm.engine.shutdown()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        overlapped(args, paths, rows)
+    finally:  # a timeout (SIGTERM) keeps what was measured
+        summary["seconds"] = time.perf_counter() - started
+        write_json(args.name, {"args": vars(args), "summary": summary, "rows": rows})
+    title = (
+        f"decode step vs its byte floor ({args.adapters} rank-16 adapters, copy "
+        f"{bandwidth / 1e9:.0f} GB/s)"
+    )
+    print_table(rows, COLUMNS, title)
+    print_table(summary["top_host_costs"], ["op", "self_cpu_ms_per_step", "calls"], "host costs")
+
+
+if __name__ == "__main__":
+    main()
