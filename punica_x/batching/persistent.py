@@ -17,7 +17,8 @@ step over a subset of those requests, in any order:
   input fills, all in one tensor: InputFills).
 Anything else (a prefill chunk, a request that did not run in the last step, one whose length
 is not the last step's plus its token, remote KV, prompt logprobs to score) is planned from
-spans by BatchPlanner, and the rows kept are that step's."""
+spans by BatchPlanner, and the rows kept are that step's. An engine that swaps KV to the host
+(MLFQ) keeps no rows: a swap-in gives a request new blocks at the same length."""
 
 from __future__ import annotations
 

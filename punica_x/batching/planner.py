@@ -45,8 +45,16 @@ def _append_inputs(
 
 class BatchPlanner:
     def __init__(
-        self, target: LoraTarget, block_size: int, device: torch.device, attention
+        self,
+        target: LoraTarget,
+        block_size: int,
+        device: torch.device,
+        attention,
+        keep_rows: bool = True,
     ) -> None:
+        """keep_rows: plan decode steps from the last step's rows (batching/persistent.py)
+        where the attention backend can; False where a request may get new blocks at the
+        same length (KV swapped to the host and back: MLFQ)."""
         self.attention = attention
         self.dist: DistContext | None = None  # set when the runner takes part in DistKV
         self.block_size = block_size
@@ -59,7 +67,7 @@ class BatchPlanner:
         # every step from spans)
         self.rows = None
         self._last_lora: LoraBatchMeta | None = None
-        if hasattr(attention, "decode_plan"):
+        if keep_rows and hasattr(attention, "decode_plan"):
             self.rows = DecodeRows(block_size, attention, device)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> tuple[Batch, list[ScheduledRequest]]:

@@ -86,13 +86,13 @@ class Engine:
 
     def _build(self, config: EngineConfig) -> None:
         """The engine's parts around the loaded model, sized by `config`."""
-        d, device, dtype = self.model.dims, self.device, self.dtype
+        d, device, dtype, size = self.model.dims, self.device, self.dtype, config.cache.block_size
         target = lora_target(d, self.model.edge_digests)
         self.adapters = AdapterPool(target, config.lora, device, self.lora_dtype)
         self.invariance = engine_invariance(self.loaded.invariance, config)  # ops.invariance
         attention, workers = lamina_part.attention_and_workers(self, config)
         self.cache, self.swap, self.batcher = build_kv(config, d, device, dtype, workers)
-        self.planner = BatchPlanner(target, config.cache.block_size, device, attention)
+        self.planner = BatchPlanner(target, size, device, attention, keep_rows=self.swap is None)
         self.sampler = Sampler(config.seed, self.loaded.eos_token_ids)
         self.grammars: Grammars | None = None  # built on the first JSON-schema request
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -210,3 +210,12 @@ def test_an_engine_gives_the_same_tokens_with_and_without_the_kept_rows(
         llm.engine.shutdown()
     assert results[0] == results[1]
     assert len(results[0][3][0]) < 40  # it stopped at its stop token
+
+
+def test_an_engine_that_swaps_kv_keeps_no_rows(tiny_model_dir):
+    """MLFQ swaps KV to the host and back: a swapped-in request has new blocks at the same
+    length, which kept tables would not know; its engine plans every step from spans."""
+    swapping = tiny_llm(tiny_model_dir, policy="mlfq", num_blocks=32, swap_blocks=64)
+    assert swapping.engine.swap is not None and swapping.engine.planner.rows is None
+    plain = tiny_llm(tiny_model_dir, num_blocks=32)
+    assert plain.engine.swap is None and plain.engine.planner.rows is not None
