@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from common.args import add_adapters, add_max_tokens, add_rank, parser
+from common.args import add_adapters, add_max_tokens, add_rank, batch_sizes, parser
 from common.report import describe_machine, log, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.shapes import random_model
@@ -192,12 +192,7 @@ def parse_args():
     )
     ap.add_argument("--name", default="bench_host")
     args = ap.parse_args()
-    try:
-        args.batch_sizes = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        ap.error(f"--batches wants positive integers separated by commas, got {args.batches!r}")
-    if not all(0 < b <= 4096 for b in args.batch_sizes):
-        ap.error(f"--batches wants integers in 1..4096, got {args.batches!r}")
+    args.batch_sizes = batch_sizes(ap, args.batches)
     args.backends = [b.strip() for b in args.runner_backends.split(",")]
     if not args.backends or not set(args.backends) <= {"thread", "process"}:
         ap.error(f"--runner-backends wants thread and/or process, got {args.runner_backends!r}")

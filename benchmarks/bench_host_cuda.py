@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from common.args import add_adapters, add_max_tokens, parser
+from common.args import add_adapters, add_max_tokens, batch_sizes, parser
 from common.engine_timing import decode_step_time, start_decoding, stop_all, warm_up
 from common.gpu_generate import write_random_adapters
 from common.gpu_kernels import step_kernel_ms
@@ -71,12 +71,7 @@ def parse_args():
     add_adapters(ap, default=8)
     ap.add_argument("--name", default="bench_host_cuda")
     args = ap.parse_args()
-    try:
-        args.batch_sizes = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        ap.error(f"--batches wants positive integers separated by commas, got {args.batches!r}")
-    if not all(0 < b <= 4096 for b in args.batch_sizes):
-        ap.error(f"--batches wants integers in 1..4096, got {args.batches!r}")
+    args.batch_sizes = batch_sizes(ap, args.batches)
     if not 1 <= args.steps <= 1000 or not 1 <= args.max_tokens <= 4096:
         ap.error("--steps wants 1..1000 and --max-tokens 1..4096")
     if not 1 <= args.adapters <= 64:

@@ -105,3 +105,15 @@ def check_shape_model(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     if args.tokenizer and args.model not in SHAPES:
         ap.error("--tokenizer needs --model naming a shape")
+
+
+def batch_sizes(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--batches' request counts: integers in 1..4096 separated by commas (ap.error, exit 2,
+    naming the flag otherwise)."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        ap.error(f"--batches wants positive integers separated by commas, got {text!r}")
+    if not all(0 < b <= 4096 for b in sizes):
+        ap.error(f"--batches wants integers in 1..4096, got {text!r}")
+    return sizes
