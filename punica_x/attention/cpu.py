@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 
 from punica_x.attention.paged import PrefillSeq, SeqSpan
+from punica_x.host_ints import int32, int64
 from punica_x.ops._build import load_extension
 
 LONG_PREFILL = 64
@@ -54,13 +55,12 @@ class KernelSeqs:
         for sp in spans:
             table.extend(sp.block_ids[: -(-sp.kv_len // block_size)])
             starts.append(len(table))
-        cols = [[sp.row_start for sp in spans], [sp.num_rows for sp in spans]]
-        cols.append([sp.kv_len for sp in spans])
-        i32 = torch.int32
+        cols = [sp.row_start for sp in spans] + [sp.num_rows for sp in spans]
+        cols += [sp.kv_len for sp in spans]
         return cls(
-            seqs=torch.tensor(cols, dtype=i32).view(3, len(spans)),
-            table_start=torch.tensor(starts, dtype=i32),
-            block_table=torch.tensor(table, dtype=i32),
+            seqs=int32(cols).view(3, len(spans)),
+            table_start=int32(starts),
+            block_table=int32(table),
         )
 
 
@@ -263,8 +263,8 @@ class CpuAttention:
             long_prefills=tuple(long),
             long_masks=tuple(causal_mask(seq) for seq in long),
             every=KernelSeqs.of(spans, block_size) if long else None,
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64),
+            slot_blocks=int64(slot_blocks),
+            slot_offsets=int64(slot_offsets),
         )
 
 

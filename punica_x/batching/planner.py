@@ -14,6 +14,7 @@ from punica_x.attention.paged import SeqSpan
 from punica_x.batching.lora_plan import LoraPlanner
 from punica_x.batching.persistent import DecodeRows
 from punica_x.batching.schedule import ScheduledRequest
+from punica_x.host_ints import int64
 from punica_x.lora.adapter import GROUPS, LoraTarget
 from punica_x.runtime import Batch, InputFills, LoraBatchMeta, Request
 
@@ -134,16 +135,12 @@ class BatchPlanner:
         else:
             attention = self.attention.plan(spans, self.block_size, dev)
         batch = Batch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=int64(ids).to(dev),
+            positions=int64(positions).to(dev),
             attention=attention,
             lora=self._plan_lora(ordered, len(ids)),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            logit_rows=(
-                torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
-                if prompt_rows
-                else None
-            ),
+            sample_rows=int64(sample_rows).to(dev),
+            logit_rows=int64(sample_rows + prompt_rows).to(dev) if prompt_rows else None,
             prompt_targets=tuple(prompt_targets),
             input_fills=InputFills.of(fills),
         )
