@@ -23,11 +23,11 @@ from typing import Protocol
 
 from punica_x.api import EngineStats, RequestLimits, UnknownAdapterError, in_side_thread, thaw
 from scheduler.errors import ClusterError
-from scheduler.policy.placement import ACTIVE, RunnerSnapshot, blocks_for
+from scheduler.policy.placement import ACTIVE, RunnerSnapshot
 from scheduler.prefix_index import PrefixIndex
 from scheduler.rows import RunnerRow, runner_row
 from scheduler.runners.interface import RunnerHandle
-from scheduler.stream import ClusterStream
+from scheduler.stream_table import StreamTable
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class RunnerSlot:
     backend: str
     handle: RunnerHandle | None = None
     state: str = "starting"
-    streams: dict[str, ClusterStream] = field(default_factory=dict)
+    streams: StreamTable = field(default_factory=StreamTable)
     idle_since: float = field(default_factory=time.monotonic)
     error: str | None = None
     active_since: float = field(default_factory=time.monotonic)
@@ -90,11 +90,7 @@ class RunnerSlot:
         if h is None:
             return RunnerSnapshot(self.runner_id, self.state, 0, 0, 0, 0, 1, index=self.index)
         i = h.info
-        committed = sum(
-            min(blocks_for(s.num_tokens, i.block_size), i.kv_blocks_total)  # a DistKV one
-            for s in self.streams.values()  # holds at most this runner's blocks here
-        )
-        committed += kv_lent(h)
+        committed = self.streams.committed(i.block_size, i.kv_blocks_total) + kv_lent(h)
         return RunnerSnapshot(
             runner_id=self.runner_id,
             state=self.state,

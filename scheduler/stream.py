@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from punica_x.api import (
     EngineRequest,
@@ -49,6 +49,10 @@ class StreamOwner(Protocol):
 class ClusterStream:
     """One request's outputs as its client sees them, across moves between runners."""
 
+    # changed whenever any stream's num_tokens may have (tokens delivered, a resume set): a
+    # sum over streams kept by increments (StreamTable.committed) is summed again after it
+    tokens_epoch: ClassVar[int] = 0
+
     def __init__(self, owner: StreamOwner, request: EngineRequest, tenant: str = "") -> None:
         self.owner = owner
         self.request = request  # as its caller made it; each runner gets it with `resume`
@@ -60,7 +64,7 @@ class ClusterStream:
         self.slot = None  # the RunnerSlot it is on (scheduler/cluster.py), None while queued
         self.inner: RequestStream | None = None
         self.on_runner = asyncio.Event()  # set while it is on a runner (or failed)
-        self.resume: Resume | None = None
+        self._resume: Resume | None = None
         self.moving = False
         self.yielding = False  # giving its slot to another tenant's request (fair share)
         self.closed = False
@@ -77,6 +81,16 @@ class ClusterStream:
         self.prompt_logprobs: list | None = None
         self._text: list[str] = []
         self._emitted_chars = 0
+
+    @property
+    def resume(self) -> Resume | None:
+        """Where a runner takes the request up (None: from its prompt)."""
+        return self._resume
+
+    @resume.setter
+    def resume(self, value: Resume | None) -> None:
+        self._resume = value
+        ClusterStream.tokens_epoch += 1
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -203,6 +217,7 @@ class ClusterStream:
         self._text.append(out.new_text)
         self._emitted_chars += len(out.new_text)
         if out.new_token_ids:
+            ClusterStream.tokens_epoch += 1
             self.owner.stream_served(self, len(out.new_token_ids))
         if out.finished:
             self._finish()
