@@ -98,7 +98,27 @@ async def serve(address: str, parent_pid: int) -> None:
         except Exception as exc:
             reply = wire.encode_reply(False, exc)
         if call_id:
-            await sock.send_multipart([peer, call_id, reply])
+            reply_soon(peer, call_id, reply)
+
+    replies: list[tuple[bytes, bytes, bytes]] = []
+
+    def reply_soon(peer: bytes, call_id: bytes, reply: bytes) -> None:
+        """Send on the loop's next turn, one message per peer with every reply of this turn
+        (a blocking caller's, call id "sync", alone: it reads one reply)."""
+        replies.append((peer, call_id, reply))
+        if len(replies) == 1:
+            asyncio.get_running_loop().call_soon(flush_replies)
+
+    def flush_replies() -> None:
+        by_peer: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        for peer, call_id, reply in replies:
+            if call_id == b"sync":
+                sock.send_multipart([peer, call_id, reply])
+            else:
+                by_peer.setdefault(peer, []).append((call_id, reply))
+        replies.clear()
+        for peer, pairs in by_peer.items():
+            sock.send_multipart([peer, *wire.frames(pairs)])
 
     async def watch_parent() -> None:
         while os.getppid() == parent_pid:
@@ -109,9 +129,10 @@ async def serve(address: str, parent_pid: int) -> None:
     async def receive() -> None:
         while True:
             peer, call_id, body = await sock.recv_multipart()
-            task = asyncio.get_running_loop().create_task(answer(peer, call_id, body))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            for one_id, one_body in wire.pairs(call_id, body):
+                task = asyncio.get_running_loop().create_task(answer(peer, one_id, one_body))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
 
     workers = [asyncio.create_task(receive()), asyncio.create_task(watch_parent())]
     await done.wait()

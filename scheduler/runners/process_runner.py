@@ -61,6 +61,7 @@ class ProcessRunner(EventStreams):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock = None
         self._pending: dict[bytes, asyncio.Future] = {}
+        self._outbox: list[tuple[bytes, bytes]] = []  # calls to send on the loop's next turn
         self._init_streams()
         try:
             self.info = self._blocking("start", config, runner_id)
@@ -104,6 +105,7 @@ class ProcessRunner(EventStreams):
             self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.address)
+            self._outbox = []
             self._reader = self._loop.create_task(self._read())
         return self._sock
 
@@ -113,10 +115,10 @@ class ProcessRunner(EventStreams):
         try:
             while (gone := self._exited()) is None:
                 if await sock.poll(int(POLL_S * 1000)):
-                    call_id, body = await sock.recv_multipart()
-                    future = self._pending.pop(call_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(body)
+                    for call_id, body in wire.pairs(*await sock.recv_multipart()):
+                        future = self._pending.pop(call_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(body)
         except Exception as exc:  # the socket itself failed
             gone = f"engine process unreachable: {exc}"
         finally:
@@ -127,27 +129,49 @@ class ProcessRunner(EventStreams):
             sock.close()
 
     async def _remote(self, method: str, *args):
-        sock = self._channel()
+        self._channel()
         gone = self._exited()
         if gone is not None or self._reader.done():
             raise RemoteRunnerLost(gone or self.error or "engine channel closed")
         call_id = next(self._ids).to_bytes(8, "little")
         future = self._loop.create_future()
         self._pending[call_id] = future
-        await sock.send_multipart([call_id, wire.encode((method, args))])
+        self._queue(call_id, wire.encode((method, args)))
         return _result(await future)
 
+    def _queue(self, call_id: bytes, body: bytes) -> None:
+        """Send the call on this loop's next turn, in one message with every other call made
+        on this turn (process_wire.py's batches), in the order they were made."""
+        self._outbox.append((call_id, body))
+        if len(self._outbox) == 1:
+            self._loop.call_soon(self._flush_calls)
+
+    def _flush_calls(self) -> None:
+        calls, self._outbox = self._outbox, []
+        if not calls:
+            return
+        try:
+            if self._sock.closed:
+                raise RuntimeError("the channel is closed")
+            self._sock.send_multipart(wire.frames(calls))
+        except Exception as exc:  # what waits on these calls learns it now
+            for call_id, _ in calls:
+                future = self._pending.pop(call_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(RemoteRunnerLost(f"engine channel failed: {exc}"))
+
     def _send(self, method: str, *args) -> None:
-        """Fire and forget, from any thread."""
-        frames = [b"", wire.encode((method, args))]
+        """Fire and forget, from any thread (after the calls made before it)."""
+        body = wire.encode((method, args))
         loop = self._loop
         if loop is None or loop.is_closed():
             with contextlib.suppress(Exception), zmq.Context.instance().socket(zmq.DEALER) as s:
                 s.setsockopt(zmq.LINGER, 1000)
                 s.connect(self.address)
-                s.send_multipart(frames)
+                s.send_multipart([b"", body])
             return
-        loop.call_soon_threadsafe(lambda: self._sock.closed or self._sock.send_multipart(frames))
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody to tell
+            loop.call_soon_threadsafe(self._queue, b"", body)
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(

@@ -21,6 +21,7 @@ from punica_x.lora.pool import UnknownAdapterError
 from punica_x.models.loader import describe_model
 from punica_x.request import EngineRequest
 from scheduler.cluster import Scheduler
+from scheduler.runners import process_wire as wire
 from scheduler.runners.process_runner import ProcessRunner
 
 
@@ -70,6 +71,33 @@ def test_engine_processes_serve_the_in_process_tokens(cluster, reference):
     for i, (tokens, last) in enumerate(results):
         assert last.finish_reason is FinishReason.LENGTH, last.error
         assert tokens == last.token_ids == ref[sps[i].seed, adapters[i]][i]
+
+
+def test_a_burst_of_calls_crosses_in_few_messages(cluster, reference, monkeypatch):
+    """Opens made on one turn of the loop cross as one message (process_wire's batches)
+    and their replies come back batched too: every request gets its own tokens, and one
+    closed at once (its abort queued behind its open) ends without harming the others."""
+    prompts, ref = reference
+    sizes = []
+    real = wire.frames
+    monkeypatch.setattr(wire, "frames", lambda pairs: sizes.append(len(pairs)) or real(pairs))
+
+    async def main():
+        adapters = [None, "r8"] * 6
+        streams = await asyncio.gather(
+            *(
+                cluster.open(EngineRequest(prompts[i % 6], SP, adapters[i], f"burst{i}"))
+                for i in range(12)
+            )
+        )
+        await streams[0].aclose()  # aborted before it could finish
+        return adapters, await asyncio.gather(*(consume(s) for s in streams[1:]))
+
+    adapters, results = asyncio.run(main())
+    for i, (tokens, last) in enumerate(results, start=1):
+        assert last.finish_reason is FinishReason.LENGTH, last.error
+        assert tokens == ref[SP.seed, adapters[i]][i % 6]
+    assert max(sizes) > 1, sizes
 
 
 def test_errors_cross_as_their_own_type(cluster, tiny_adapters):

@@ -59,3 +59,13 @@ def test_an_address_is_a_private_ipc_socket():
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     finally:
         shutil.rmtree(folder)
+
+
+def test_calls_of_one_turn_cross_as_one_message():
+    alone = [(b"id1", wire.encode(("poll", (0,))))]
+    assert wire.frames(alone) == [b"id1", alone[0][1]]
+    assert wire.pairs(*wire.frames(alone)) == alone
+    several = alone + [(b"", wire.encode(("abort", ("r",)))), (b"id2", b"\x00" * 40_000)]
+    message = wire.frames(several)
+    assert message[0] == wire.BATCH and len(message) == 2
+    assert wire.pairs(*message) == several
