@@ -71,12 +71,38 @@ CALLS = frozenset(
 BLOCKING = frozenset({"start"})  # run on a worker thread: the loop keeps answering
 
 
+class Replies:
+    """Replies sent on the loop's next turn, one message per peer with every reply of this
+    turn (process_wire's batches); a blocking caller's (call id "sync") alone: it reads one."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.queued: list[tuple[bytes, bytes, bytes]] = []
+
+    def add(self, peer: bytes, call_id: bytes, reply: bytes) -> None:
+        self.queued.append((peer, call_id, reply))
+        if len(self.queued) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        by_peer: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        for peer, call_id, reply in self.queued:
+            if call_id == b"sync":
+                self.sock.send_multipart([peer, call_id, reply])
+            else:
+                by_peer.setdefault(peer, []).append((call_id, reply))
+        self.queued = []
+        for peer, pairs in by_peer.items():
+            self.sock.send_multipart([peer, *wire.frames(pairs)])
+
+
 async def serve(address: str, parent_pid: int) -> None:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.bind(address)
     core = EngineProcess()
+    replies = Replies(sock)
     done = asyncio.Event()
     tasks: set[asyncio.Task] = set()
 
@@ -98,27 +124,7 @@ async def serve(address: str, parent_pid: int) -> None:
         except Exception as exc:
             reply = wire.encode_reply(False, exc)
         if call_id:
-            reply_soon(peer, call_id, reply)
-
-    replies: list[tuple[bytes, bytes, bytes]] = []
-
-    def reply_soon(peer: bytes, call_id: bytes, reply: bytes) -> None:
-        """Send on the loop's next turn, one message per peer with every reply of this turn
-        (a blocking caller's, call id "sync", alone: it reads one reply)."""
-        replies.append((peer, call_id, reply))
-        if len(replies) == 1:
-            asyncio.get_running_loop().call_soon(flush_replies)
-
-    def flush_replies() -> None:
-        by_peer: dict[bytes, list[tuple[bytes, bytes]]] = {}
-        for peer, call_id, reply in replies:
-            if call_id == b"sync":
-                sock.send_multipart([peer, call_id, reply])
-            else:
-                by_peer.setdefault(peer, []).append((call_id, reply))
-        replies.clear()
-        for peer, pairs in by_peer.items():
-            sock.send_multipart([peer, *wire.frames(pairs)])
+            replies.add(peer, call_id, reply)
 
     async def watch_parent() -> None:
         while os.getppid() == parent_pid:
