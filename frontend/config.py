@@ -63,6 +63,9 @@ class ServerConfig:
     # (scheduler/policy/fairness.py)
     fair_share: bool = True
     restart_runners: bool = True  # a dead runner is replaced (scheduler RestartPolicy)
+    # POST /v1/load_lora_adapter reads tenant T's adapters from <this>/T/ (None: the route is
+    # off); frontend/tenancy/lora_sources.py
+    lora_source_root: Path | None = None
 
     def __post_init__(self) -> None:
         if self.runners < 1:

@@ -110,12 +110,15 @@ class FrontendManager:
 
     # -- adapters -----------------------------------------------------------------------------
     async def upload_adapter(
-        self, caller: Caller, name: str, files: dict[str, bytes]
+        self, caller: Caller, name: str, files: dict[str, bytes], source: str | None = None
     ) -> AdapterRecord:
-        return await self.adapters.upload(caller.tenant, name, files)
+        return await self.adapters.upload(caller.tenant, name, files, source)
 
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
         return self.adapters.list(caller.tenant)
+
+    def has_adapter(self, caller: Caller, name: str) -> bool:
+        return self.store.current_adapter(caller.tenant.id, name) is not None
 
     def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
         return self.adapters.get(caller.tenant, name)
@@ -126,8 +129,11 @@ class FrontendManager:
     def collect_garbage(self) -> None:
         self.adapters.collect_garbage()
 
-    def model_ids(self, caller: Caller) -> list[tuple[str, float]]:
-        return [(self.model_id, 0.0)] + [(a.name, a.created) for a in self.list_adapters(caller)]
+    def model_ids(self, caller: Caller) -> list[tuple[str, float, str]]:
+        """(id, created, root) of the base model and the caller's adapters; an adapter's root
+        is where it was loaded from (its name for an upload), as vLLM lists a LoRA's path."""
+        adapters = [(a.name, a.created, a.source or a.name) for a in self.list_adapters(caller)]
+        return [(self.model_id, 0.0, self.model_id)] + adapters
 
     def resolve_model(self, caller: Caller, model: str) -> str | None:
         """Runner adapter key of `model` (None = the base model); 404 if not the caller's."""

@@ -20,11 +20,13 @@ from starlette.exceptions import HTTPException
 from frontend.config import ServerConfig
 from frontend.http.errors import ApiError
 from frontend.http.openapi import build_openapi
-from frontend.routes import adapters, admin, openai, system, ws
+from frontend.routes import adapters, admin, lora_api, openai, system, ws
 from frontend.state import ServerState
 
 log = logging.getLogger("punica_x.server")
-ENDPOINTS = system.ENDPOINTS + openai.ENDPOINTS + adapters.ENDPOINTS + admin.ENDPOINTS
+ENDPOINTS = (
+    system.ENDPOINTS + openai.ENDPOINTS + adapters.ENDPOINTS + lora_api.ENDPOINTS + admin.ENDPOINTS
+)
 
 
 @functools.lru_cache(maxsize=2)

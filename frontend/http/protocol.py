@@ -53,3 +53,22 @@ class AdapterUpload(Strict):
     frontend/tenancy/uploads.py)."""
 
     name: Name
+
+
+class LoadLoraAdapter(Strict):
+    """POST /v1/load_lora_adapter (vLLM's dynamic LoRA API). lora_name: the adapter's name
+    among the caller's; lora_path: where in the caller's source folder its PEFT files are
+    (frontend/tenancy/lora_sources.py); load_inplace: replace an adapter of that name with a
+    new version (false: 400 if the name is taken, as vLLM answers)."""
+
+    lora_name: Name
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapter(Strict):
+    """POST /v1/unload_lora_adapter. lora_int_id: vLLM's field, accepted and not used (an
+    adapter is named by lora_name here)."""
+
+    lora_name: Name
+    lora_int_id: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None

@@ -27,17 +27,22 @@ _DONE = object()
 def list_models(manager: FrontendManager, caller: Caller) -> JSONResponse:
     """OpenAI's model list; each entry also names the base model's family (an adapter's is
     its base model's), as `family`; the base model's entry says what its weights are served
-    as and their bytes on one runner (`weight_format`, `weight_bytes`)."""
+    as and their bytes on one runner (`weight_format`, `weight_bytes`). As vLLM lists them,
+    `root` (an adapter's: the path it was loaded from) and `parent` (an adapter's: the base
+    model; the base model's: null)."""
+    base = manager.model_id
     data = [
         {
             "id": mid,
             "object": "model",
             "created": int(created),
-            "owned_by": "punica-x" if mid == manager.model_id else caller.tenant.name,
+            "owned_by": "punica-x" if mid == base else caller.tenant.name,
+            "root": root,
+            "parent": None if mid == base else base,
             "family": manager.family,
-            **(manager.weights if mid == manager.model_id else {}),
+            **(manager.weights if mid == base else {}),
         }
-        for mid, created in manager.model_ids(caller)
+        for mid, created, root in manager.model_ids(caller)
     ]
     return JSONResponse({"object": "list", "data": data})
 

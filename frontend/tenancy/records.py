@@ -20,14 +20,15 @@ CREATE TABLE IF NOT EXISTS adapters (
     id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id), name TEXT NOT NULL,
     version INTEGER NOT NULL, rank INTEGER NOT NULL, target_modules TEXT NOT NULL,
     sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
-    state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, UNIQUE (tenant_id, name, version));
+    state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, source TEXT,
+    UNIQUE (tenant_id, name, version));
 """
 TENANT_COLUMNS = (
     "id, name, created, revoked, max_concurrent, tokens_per_minute, weight, share_prefix_cache"
 )
 ADAPTER_COLUMNS = (
     "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
-    "state, stored_dtype"
+    "state, stored_dtype, source"
 )
 STATES = ("pending", "live", "deleted", "aborted", "broken")
 
@@ -64,6 +65,8 @@ class AdapterRecord:
     # dtype of the uploaded A/B tensors ("float16"; "bfloat16,float32" when the file mixes
     # them); None for rows from before the column existed (reported as null)
     stored_dtype: str | None = None
+    # the lora_path it was loaded from (POST /v1/load_lora_adapter); None for an upload
+    source: str | None = None
 
     def public(self, serving_dtype: str) -> dict:
         """The API's view; serving_dtype: the runners' dtype, which the adapter is cast to."""
@@ -77,6 +80,7 @@ class AdapterRecord:
             "size_bytes": self.size_bytes,
             "created": int(self.created),
             "dtype": {"stored": self.stored_dtype, "serving": serving_dtype},
+            "source": self.source,
         }
 
 
@@ -98,4 +102,5 @@ def adapter_from_row(row) -> AdapterRecord:
         row[9],
         row[10],
         row[11],
+        row[12],
     )

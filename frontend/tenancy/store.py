@@ -92,6 +92,8 @@ class Store:
             self._db.execute("UPDATE adapters SET state = 'deleted' WHERE deleted = 1")
         if "stored_dtype" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN stored_dtype TEXT")
+        if "source" not in columns:
+            self._db.execute("ALTER TABLE adapters ADD COLUMN source TEXT")
 
     def _rows(self, sql: str, *args) -> list[tuple]:
         with self._lock:
@@ -230,6 +232,7 @@ class Store:
         sha256: str,
         size_bytes: int,
         stored_dtype: str | None = None,
+        source: str | None = None,
     ) -> AdapterRecord:
         """A `pending` row with the next version of `name` (never reused: versions of aborted,
         deleted and broken rows count) and the directory its files will move to."""
@@ -243,8 +246,8 @@ class Store:
             path = self.adapter_dir / str(tenant_id) / name / f"v{version}"
             cur = db.execute(
                 "INSERT INTO adapters (tenant_id, name, version, rank, target_modules, sha256, "
-                "size_bytes, path, created, state, stored_dtype) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                "size_bytes, path, created, state, stored_dtype, source) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
                 (
                     tenant_id,
                     name,
@@ -256,6 +259,7 @@ class Store:
                     str(path),
                     time.time(),
                     stored_dtype,
+                    source,
                 ),
             )
             return cur.lastrowid

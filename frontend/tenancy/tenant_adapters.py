@@ -92,17 +92,20 @@ class TenantAdapters:
                     exc,
                 )
 
-    async def upload(self, tenant: Tenant, name: str, files: dict[str, bytes]) -> AdapterRecord:
-        """Store and serve a new version of `name`. Write order (see store.py): staged files
-        (fsynced) -> a `pending` row reserving the version -> rename into the version's own
-        directory -> the runners load it, checking the sha256 -> the row committed `live`
-        (older versions `deleted` in the same transaction). A kill anywhere leaves nothing
-        that is served without a commit; recovery.py cleans the rest at start."""
+    async def upload(
+        self, tenant: Tenant, name: str, files: dict[str, bytes], source: str | None = None
+    ) -> AdapterRecord:
+        """Store and serve a new version of `name` (source: the lora_path it was loaded from,
+        None for an upload). Write order (see store.py): staged files (fsynced) -> a
+        `pending` row reserving the version -> rename into the version's own directory -> the
+        runners load it, checking the sha256 -> the row committed `live` (older versions
+        `deleted` in the same transaction). A kill anywhere leaves nothing that is served
+        without a commit; recovery.py cleans the rest at start."""
         if name == self.model_id:
             raise bad_request("invalid_name", "adapter names differ from the base model id", "name")
         key = adapter_key(tenant.id, name)
         async with self._lock(key):
-            pending = await self._install(tenant, name, files)
+            pending = await self._install(tenant, name, files, source)
             previous = self.store.current_adapter(tenant.id, name)
             try:
                 await self.scheduler.register_adapter(
@@ -127,7 +130,9 @@ class TenantAdapters:
             self._retire(old)
         return record
 
-    async def _install(self, tenant: Tenant, name: str, files: dict[str, bytes]) -> AdapterRecord:
+    async def _install(
+        self, tenant: Tenant, name: str, files: dict[str, bytes], source: str | None
+    ) -> AdapterRecord:
         """Stage the files, run the checks that need no tensor values on them (off the event
         loop), reserve the version (a `pending` row) and move the files into its directory."""
         staging = await _storage(asyncio.to_thread(self.store.stage, files))
@@ -149,6 +154,7 @@ class TenantAdapters:
                     parsed.sha256,
                     size,
                     parsed.stored_dtype,
+                    source,
                 )
             )
             try:

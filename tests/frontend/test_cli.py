@@ -218,3 +218,12 @@ def test_a_server_config_with_distkv_beside_mlfq_is_refused():
     with pytest.raises(ValueError, match="mlfq policy's KV swapping"):
         ServerConfig(engine=engine)
     assert ServerConfig(engine=engine, distkv=False).distkv is False
+
+
+def test_serve_refuses_a_lora_source_root_that_is_not_a_folder(tmp_path, capsys):
+    from frontend.cli import main
+
+    (tmp_path / "file").write_text("x")
+    for value in (tmp_path / "missing", tmp_path / "file"):
+        assert main(["serve", "--lora-source-root", str(value)]) == 2
+        assert "--lora-source-root" in capsys.readouterr().err

@@ -30,6 +30,8 @@ def fuzz_server(srv_model_dir, tmp_path_factory):
         srv_model_dir,
         tmp_path_factory.mktemp("fuzz") / "data",
         *("--limit", "max_tokens=16", "--limit", "max_runners=2"),
+        # the dynamic LoRA routes on, over a folder with nothing in it
+        *("--lora-source-root", str(tmp_path_factory.mktemp("fuzz-sources"))),
     )
     yield srv
     srv.stop()
@@ -54,6 +56,8 @@ def test_openapi_lists_every_route_with_its_body_schema(server):
         ("/v1/models", "get"),
         ("/v1/adapters", "post"),
         ("/v1/adapters/{name}", "delete"),
+        ("/v1/load_lora_adapter", "post"),
+        ("/v1/unload_lora_adapter", "post"),
         ("/admin/tenants", "post"),
         ("/admin/runners", "post"),
     ]:

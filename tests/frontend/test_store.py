@@ -199,10 +199,11 @@ def test_databases_from_before_stored_dtype_migrate(tmp_path):
     db.close()
     store = Store(data)
     (old,) = store.adapters(1)
-    assert (old.name, old.state, old.stored_dtype) == ("old", "live", None)
+    assert (old.name, old.state, old.stored_dtype, old.source) == ("old", "live", None, None)
     assert old.public("float32")["dtype"] == {"stored": None, "serving": "float32"}
-    new = store.reserve_adapter(1, "new", 4, ("q_proj",), "s2", 9, "bfloat16")
+    new = store.reserve_adapter(1, "new", 4, ("q_proj",), "s2", 9, "bfloat16", "lora/new")
     assert store.adapter_by_id(new.id).stored_dtype == "bfloat16"
+    assert store.adapter_by_id(new.id).public("float32")["source"] == "lora/new"
     Store(data)  # opening a migrated database again changes nothing
 
 
