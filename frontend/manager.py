@@ -18,6 +18,7 @@ from frontend.openai.logprobs_format import TokenText
 from frontend.tenancy.auth import hash_key, new_api_key
 from frontend.tenancy.cache_scope import cache_salt
 from frontend.tenancy.limits import Admission
+from frontend.tenancy.lora_on_request import load_on_request
 from frontend.tenancy.records import AdapterRecord, Tenant
 from frontend.tenancy.store import Store
 from frontend.tenancy.tenant_adapters import TenantAdapters, adapter_key
@@ -117,9 +118,6 @@ class FrontendManager:
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
         return self.adapters.list(caller.tenant)
 
-    def has_adapter(self, caller: Caller, name: str) -> bool:
-        return self.store.current_adapter(caller.tenant.id, name) is not None
-
     def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
         return self.adapters.get(caller.tenant, name)
 
@@ -135,12 +133,25 @@ class FrontendManager:
         adapters = [(a.name, a.created, a.source or a.name) for a in self.list_adapters(caller)]
         return [(self.model_id, 0.0, self.model_id)] + adapters
 
-    def resolve_model(self, caller: Caller, model: str) -> str | None:
-        """Runner adapter key of `model` (None = the base model); 404 if not the caller's."""
+    async def load_adapter(
+        self, caller: Caller, name: str, read, source: str, replace: bool
+    ) -> AdapterRecord | None:
+        """TenantAdapters.load: None when the caller has `name` and not `replace`."""
+        return await self.adapters.load(caller.tenant, name, read, source, replace)
+
+    async def resolve_model(self, caller: Caller, model: str) -> str | None:
+        """Runner adapter key of `model` (None = the base model); 404 if not the caller's.
+        With --lora-source-root, an adapter the caller does not have yet is loaded from its
+        source folder first when a folder of that name is there
+        (frontend/tenancy/lora_on_request.py)."""
         if model == self.model_id:
             return None
         if self.store.current_adapter(caller.tenant.id, model) is None:
-            raise ApiError(404, "model_not_found", f"the model {model!r} does not exist", "model")
+            root = self.config.lora_source_root
+            if root is None or not await load_on_request(self, caller, root, model):
+                raise ApiError(
+                    404, "model_not_found", f"the model {model!r} does not exist", "model"
+                )
         return adapter_key(caller.tenant.id, model)
 
     # -- generation ---------------------------------------------------------------------------

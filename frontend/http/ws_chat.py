@@ -75,7 +75,7 @@ class _Session:
         streams: list = []
         generated, reason, prompt = 0, "cancelled", []
         try:
-            adapter = m.resolve_model(self.caller, frame.model)
+            adapter = await m.resolve_model(self.caller, frame.model)
             gen = await m.requests.chat(frame, adapter)
             prompt = gen.choices[0].prompt
             streams = await m.start(self.caller, gen)

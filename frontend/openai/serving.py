@@ -50,7 +50,7 @@ def list_models(manager: FrontendManager, caller: Caller) -> JSONResponse:
 async def completions(manager: FrontendManager, caller: Caller, request: Request, chat: bool):
     data = await read_json(request, manager.limits.max_body_bytes)
     body = validate(ChatCompletionRequest if chat else CompletionRequest, data)
-    adapter = manager.resolve_model(caller, body.model)
+    adapter = await manager.resolve_model(caller, body.model)
     builder = manager.requests
     gen = await (builder.chat(body, adapter) if chat else builder.completion(body, adapter))
     streams = await manager.start(caller, gen)

@@ -13,7 +13,7 @@ version they started with, and its files go when the last of them ends. The rout
 
 from __future__ import annotations
 
-import asyncio
+import functools
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -32,14 +32,12 @@ async def load_lora_adapter(request: Request):
     manager, who = state.caller(request)
     body = validate(LoadLoraAdapter, await read_json(request, BODY_LIMIT))
     root = _root(state)
-    name = body.lora_name
-    if not body.load_inplace and manager.has_adapter(who, name):
+    name, path = body.lora_name, body.lora_path
+    read = functools.partial(load_files, root, who.tenant.name, path, state.config.limits)
+    if await manager.load_adapter(who, name, read, path, replace=body.load_inplace) is None:
         raise bad_request(
             "adapter_exists", f"The lora adapter '{name}' has already been loaded.", "lora_name"
         )
-    limits = state.config.limits
-    files = await asyncio.to_thread(load_files, root, who.tenant.name, body.lora_path, limits)
-    await manager.upload_adapter(who, name, files, source=body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from frontend.http.errors import ApiError, bad_request, not_found
@@ -101,31 +102,55 @@ class TenantAdapters:
         runners load it, checking the sha256 -> the row committed `live` (older versions
         `deleted` in the same transaction). A kill anywhere leaves nothing that is served
         without a commit; recovery.py cleans the rest at start."""
+        key = self._key(tenant, name)
+        async with self._lock(key):
+            return await self._upload(tenant, name, key, files, source)
+
+    async def load(
+        self,
+        tenant: Tenant,
+        name: str,
+        read: Callable[[], dict[str, bytes]],
+        source: str,
+        replace: bool,
+    ) -> AdapterRecord | None:
+        """upload() of the files read() returns (blocking I/O, run off the event loop), unless
+        the tenant has `name` already and not `replace`: then None and nothing is read. Under
+        the name's lock, so loads of one new name racing each other make one version."""
+        key = self._key(tenant, name)
+        async with self._lock(key):
+            if not replace and self.store.current_adapter(tenant.id, name) is not None:
+                return None
+            files = await asyncio.to_thread(read)
+            return await self._upload(tenant, name, key, files, source)
+
+    def _key(self, tenant: Tenant, name: str) -> str:
         if name == self.model_id:
             raise bad_request("invalid_name", "adapter names differ from the base model id", "name")
-        key = adapter_key(tenant.id, name)
-        async with self._lock(key):
-            pending = await self._install(tenant, name, files, source)
-            previous = self.store.current_adapter(tenant.id, name)
-            try:
-                await self.scheduler.register_adapter(
-                    key, pending.path, pending.sha256, version=pending.id
-                )
-            except BaseException as exc:
-                await asyncio.to_thread(self._abort, pending)
-                if isinstance(exc, AdapterError):
-                    raise ApiError(400, exc.code, str(exc)) from None
-                raise
-            try:
-                record, replaced = await _storage(
-                    asyncio.to_thread(self.store.commit_adapter, pending)
-                )
-            except BaseException:
-                # The runners serve the new files, but the store could not commit them: put
-                # the runners back on what the store says, and undo the reservation.
-                await self._serve(key, previous)
-                await asyncio.to_thread(self._abort, pending)
-                raise
+        return adapter_key(tenant.id, name)
+
+    async def _upload(
+        self, tenant: Tenant, name: str, key: str, files: dict[str, bytes], source: str | None
+    ) -> AdapterRecord:
+        pending = await self._install(tenant, name, files, source)
+        previous = self.store.current_adapter(tenant.id, name)
+        try:
+            await self.scheduler.register_adapter(
+                key, pending.path, pending.sha256, version=pending.id
+            )
+        except BaseException as exc:
+            await asyncio.to_thread(self._abort, pending)
+            if isinstance(exc, AdapterError):
+                raise ApiError(400, exc.code, str(exc)) from None
+            raise
+        try:
+            record, replaced = await _storage(asyncio.to_thread(self.store.commit_adapter, pending))
+        except BaseException:
+            # The runners serve the new files, but the store could not commit them: put
+            # the runners back on what the store says, and undo the reservation.
+            await self._serve(key, previous)
+            await asyncio.to_thread(self._abort, pending)
+            raise
         for old in replaced:
             self._retire(old)
         return record

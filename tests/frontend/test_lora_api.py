@@ -35,7 +35,8 @@ def lora_server(srv_model_dir, tmp_path_factory, source_root):
         *("--lora-source-root", str(source_root[0])),
         *("--limit", "max_upload_bytes=200000"),
     )
-    srv.keys = {t: srv.create_tenant(t) for t in ("acme", "acme2", "other", "hostile")}
+    tenants = ("acme", "acme2", "other", "hostile", "bytes")
+    srv.keys = {t: srv.create_tenant(t) for t in tenants}
     yield srv
     srv.stop()
 
@@ -119,14 +120,13 @@ def test_a_tenant_loads_only_from_its_own_folder(lora_server, source_root):
     assert _adapters(srv, key) == [] and _adapters(srv, acme) == [("mine", 1)]
 
 
-def _hostile_folder(root, adapter_dirs, kind: str) -> str:
-    """A folder under `hostile/` with one thing wrong; returns its lora_path."""
-    folder = root / "hostile" / kind
+def _hostile_folder(folder, adapter_dirs, kind: str) -> str:
+    """`folder` made with one thing wrong (`kind`); returns its name."""
     folder.mkdir(parents=True)
     config, weights = (adapter_dirs["a"] / f for f in FILES)
     (folder / FILES[0]).write_bytes(config.read_bytes())
     if kind == "no-weights":
-        return kind
+        return folder.name
     if kind == "fifo":  # reading it would block forever
         os.mkfifo(folder / FILES[1])
     elif kind == "garbage":
@@ -145,7 +145,7 @@ def _hostile_folder(root, adapter_dirs, kind: str) -> str:
         (folder / FILES[0]).unlink()
         (folder / FILES[0]).mkdir()
         shutil.copy(weights, folder / FILES[1])
-    return kind
+    return folder.name
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def _hostile_folder(root, adapter_dirs, kind: str) -> str:
 def test_hostile_files_are_refused(lora_server, source_root, adapter_dirs, kind, status, code):
     srv, (root, _) = lora_server, source_root
     key = srv.keys["hostile"]
-    path = _hostile_folder(root, adapter_dirs, kind)
+    path = _hostile_folder(root / "hostile" / kind, adapter_dirs, kind)
     with srv.http(key, timeout=30) as c:
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "h", "lora_path": path})
     assert r.status_code == status, r.text
@@ -237,3 +237,58 @@ def test_off_without_a_source_root(server):
         ]:
             r = c.post(route, json=body)
             assert r.status_code == 404 and r.json()["error"]["code"] == "lora_loading_off"
+
+
+def test_an_adapter_loads_on_its_first_request(lora_server, source_root, adapter_dirs):
+    """A request naming a folder of the caller's source loads it (once, however many
+    requests race for it) and runs on it; another tenant naming it gets 404; a refused folder
+    fails the request with the refusal and serves nothing."""
+    import concurrent.futures
+
+    srv, (root, _) = lora_server, source_root
+    key, other = srv.keys["acme"], srv.keys["other"]
+    shutil.copytree(adapter_dirs["b"], root / "acme" / "on-request")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: _complete(srv, key, "on-request"), range(6)))
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+    assert ("on-request", 1) in _adapters(srv, key)  # one version, not six
+    with srv.http(key) as c:
+        assert c.get("/v1/adapters/on-request").json()["source"] == "on-request"
+    assert _complete(srv, other, "on-request").status_code == 404
+    for name in ("no-such-folder", "../acme/lora-a", "lora-a/"):
+        r = _complete(srv, key, name)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", name
+    hostile = srv.keys["hostile"]
+    _hostile_folder(root / "hostile" / "nan-on-request", adapter_dirs, "nan")
+    r = _complete(srv, hostile, "nan-on-request")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "non_finite", r.text
+    assert ("nan-on-request", 1) not in _adapters(srv, hostile)
+
+
+def test_unload_gives_back_the_device_and_disk_bytes(lora_server, source_root, adapter_dirs):
+    """Once unloaded and no request holds it, the adapter's device bytes (the pool's gauge)
+    and its stored files are gone."""
+    import time
+
+    srv, (root, _) = lora_server, source_root
+    key = srv.keys["bytes"]
+    shutil.copytree(adapter_dirs["b"], root / "bytes" / "big")
+    srv.wait_idle()
+    before = srv.metric("punica_x_adapter_device_bytes")
+    with srv.http(key) as c:
+        body = {"lora_name": "big", "lora_path": "big"}
+        assert c.post("/v1/load_lora_adapter", json=body).status_code == 200
+        assert _complete(srv, key, "big").status_code == 200
+        held = srv.metric("punica_x_adapter_device_bytes")
+        stored = [p for p in (srv.data_dir / "adapters").glob("*/big/v*") if p.is_dir()]
+        assert held > before and len(stored) == 1
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        gone = not stored[0].exists()
+        if gone and srv.metric("punica_x_adapter_device_bytes") == before:
+            break
+        time.sleep(0.2)
+    assert srv.metric("punica_x_adapter_device_bytes") == before
+    assert not stored[0].exists()
