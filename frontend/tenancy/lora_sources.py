@@ -31,8 +31,9 @@ MAX_PATH_CHARS = 4096
 
 
 def tenant_folder(root: Path, tenant: str) -> Path:
-    """The tenant's source folder (tenant names match NAME_PATTERN: no separators)."""
-    return root.resolve() / tenant
+    """The tenant's source folder, resolved (the operator may link it elsewhere; tenant
+    names match NAME_PATTERN: no separators, no dot first)."""
+    return (root.resolve() / tenant).resolve()
 
 
 def resolve(root: Path, tenant: str, lora_path: str) -> Path:

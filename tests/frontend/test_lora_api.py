@@ -21,8 +21,9 @@ def source_root(tmp_path_factory, adapter_dirs):
     root = tmp_path_factory.mktemp("lora-sources")
     for name in ("a", "b"):
         shutil.copytree(adapter_dirs[name], root / "acme" / f"lora-{name}")
-    (root / "other").mkdir()
     outside = tmp_path_factory.mktemp("outside")
+    (outside / "other").mkdir()  # the operator may link a tenant's folder elsewhere
+    (root / "other").symlink_to(outside / "other")
     shutil.copytree(adapter_dirs["a"], outside / "stolen")
     return root, outside
 
@@ -117,7 +118,11 @@ def test_a_tenant_loads_only_from_its_own_folder(lora_server, source_root):
             assert mine.post("/v1/load_lora_adapter", json=body).status_code == 200
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 404
         assert "mine" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
-    assert _adapters(srv, key) == [] and _adapters(srv, acme) == [("mine", 1)]
+        # other's own folder is a link the operator made: what is in it loads
+        shutil.copytree(root / "acme" / "lora-a", outside / "other" / "ok")
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "ok", "lora_path": "ok"})
+        assert r.status_code == 200, r.text
+    assert _adapters(srv, key) == [("ok", 1)] and _adapters(srv, acme) == [("mine", 1)]
 
 
 def _hostile_folder(folder, adapter_dirs, kind: str) -> str:
