@@ -180,7 +180,8 @@ def engine_config(args):
     if args.kv_fraction is not None:
         memory = replace(memory, kv_fraction=args.kv_fraction)
     engine = EngineConfig(model=model, memory=memory, cuda_graphs=not args.no_cuda_graphs)
-    engine = replace(engine, lora=replace(engine.lora, lora_dtype=args.lora_dtype))
+    lora = replace(engine.lora, lora_dtype=args.lora_dtype, max_loras=args.max_loras)
+    engine = replace(engine, lora=replace(lora, max_cpu_loras=args.max_cpu_loras))
     if args.max_batch_size is not None:
         engine = replace(engine, batch=replace(engine.batch, max_batch_size=args.max_batch_size))
     engine = replace(engine, batch=replace(engine.batch, policy=args.policy))

@@ -124,6 +124,22 @@ def _quant_args(s) -> None:
         "dtype; bfloat16 under a float32 model on the CPU: half the bytes an adapter holds and "
         "a step of distinct adapters reads (activations stay float32); other pairs are refused",
     )
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's flag: each runner's device adapter pool holds N adapters of the maximum "
+        "rank on every projection (a byte budget, logged at start; lower-rank adapters fit "
+        "more). Default: the memory plan's share",
+    )
+    s.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        metavar="M",
+        help="vLLM's flag: each runner's host adapter cache holds M such adapters (default 4 GiB)",
+    )
 
 
 def _memory_args(s) -> None:

@@ -161,11 +161,22 @@ class LoraConfig:
     device_bytes: int = 1 * GiB
     host_bytes: int = 4 * GiB
     lora_dtype: str = "auto"
+    # vLLM's --max-loras / --max-cpu-loras: the device pool / host cache sized to hold this
+    # many adapters of max_lora_rank on every projection (lora/slots.py), in place of
+    # device_bytes / host_bytes; None: the byte budgets as given (or as memory planning sets)
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("device_bytes", self.device_bytes)
         _positive("host_bytes", self.host_bytes)
+        for name in ("max_loras", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 100_000
+            ):
+                raise ValueError(f"{name} must be an integer in 1..100000, got {value!r}")
         if not isinstance(self.lora_dtype, str) or self.lora_dtype not in self.LORA_DTYPES:
             raise ValueError(
                 f"lora_dtype must be one of {self.LORA_DTYPES}, got {self.lora_dtype!r}"

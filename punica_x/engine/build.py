@@ -21,6 +21,7 @@ from punica_x.kv.head_split import HeadSplitKV
 from punica_x.kv.prefix import PrefixCache
 from punica_x.kv.swap import SwapPool
 from punica_x.lora.peft_checks import LoraTarget
+from punica_x.lora.slots import with_slots
 from punica_x.models.simulated import SimulatedForward
 from punica_x.ops.invariance import Invariance, invariant_backend, with_engine_backends
 from punica_x.ops.sgmv import choose_sgmv, sgmv_fixed_order
@@ -43,6 +44,14 @@ def lora_target(d, edge_digests: dict[str, str]) -> LoraTarget:
         d.expert_lora_shapes(),
         d.moe.sparse_layers if d.moe else (),
     )
+
+
+def slotted_config(config: EngineConfig, model, lora_dtype: torch.dtype) -> EngineConfig:
+    """`config` with the adapter budgets max_loras / max_cpu_loras stand for (lora/slots.py)."""
+    if config.lora.max_loras is None and config.lora.max_cpu_loras is None:
+        return config
+    element_size = torch.empty((), dtype=lora_dtype).element_size()
+    return with_slots(config, lora_target(model.dims, model.edge_digests), element_size)
 
 
 def kv_geometry(config: EngineConfig, dims, dtype: torch.dtype) -> tuple[KVCacheSpec, int]:

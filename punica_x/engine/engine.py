@@ -16,7 +16,7 @@ from punica_x.core import (
     TokenLogprob,
     new_request_id,
 )
-from punica_x.engine import lamina_part, memory, overlap, report
+from punica_x.engine import build, lamina_part, memory, overlap, report
 from punica_x.engine.build import (
     build_decode_graphs,
     build_kv,
@@ -69,6 +69,7 @@ class Engine:
         self.loaded = loaded or load_model(config.model)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
+        self.config = config = build.slotted_config(config, self.model, self.lora_dtype)
         self.memory_plan: memory.MemoryPlan | None = None
         utilization = config.memory.effective_utilization(device, config.cache.sized)
         if utilization is not None:
@@ -107,8 +108,7 @@ class Engine:
             self.cache, self.batcher, self.planner, self.requests, self.swap, d, self.invariance.on
         )
         self.idle_step = False  # the last step ran nothing (requests wait for blocks)
-        # the requests the current (or last) step runs: the ones to suspect when it raises
-        self.scheduled_ids: tuple[str, ...] = ()
+        self.scheduled_ids: tuple[str, ...] = ()  # the last step's requests (suspects if it raised)
         self.num_aborts = 0  # requests aborted here (a client left, a cancel)
         self.attention_worker_losses = 0  # Lamina's attention workers lost and replaced
 

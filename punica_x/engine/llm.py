@@ -26,9 +26,10 @@ class LLM:
     quantization, quant_activations, batch_invariant ("auto" | "on" | "off": the same bits
     whatever else runs, punica_x/ops/invariance.py) (ModelConfig), block_size,
     kv_cache_bytes, num_blocks, swap_bytes, swap_blocks, prefix_caching (CacheConfig; on by
-    default, docs/prefix.md), max_lora_rank, device_bytes, host_bytes, lora_dtype
-    (LoraConfig), max_batch_size, max_batched_tokens, policy ("fcfs" | "mlfq"),
-    mlfq_quantum_s, mlfq_levels, mlfq_starve_s (BatchConfig), sgmv_backend, seed."""
+    default, docs/prefix.md), max_lora_rank, device_bytes, host_bytes, lora_dtype,
+    max_loras, max_cpu_loras (LoraConfig), max_batch_size, max_batched_tokens, policy
+    ("fcfs" | "mlfq"), mlfq_quantum_s, mlfq_levels, mlfq_starve_s (BatchConfig), sgmv_backend,
+    seed."""
 
     def __init__(
         self, model: str | None = None, config: EngineConfig | None = None, **kwargs

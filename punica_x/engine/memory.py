@@ -13,7 +13,8 @@ step's peak memory above what was in use before it. Then (plan_memory, a pure fu
     spare   = at most what is free now minus the step's peak and the reservations (memory
               another process or engine holds is not ours to plan)
     KV      = kv_fraction x spare  -> num_blocks = KV // bytes per block
-    adapters = the rest of spare (the device slots' byte budget)
+    adapters = the rest of spare (the device slots' byte budget); with max_loras the
+              adapters' budget is what those slots cost and KV the rest of spare
     max_model_len = min(the model's limit, num_blocks x block_size)
 
 and the engine rebuilds its KV cache and adapter pool at those sizes, logging the plan. A
@@ -97,8 +98,11 @@ def plan_memory(
     block_size: int,
     model_max_len: int,
     host_reserved_bytes: int = 0,
+    adapter_bytes: int | None = None,
 ) -> MemoryPlan:
-    """The plan described in the module docstring (pure: numbers in, numbers out)."""
+    """The plan described in the module docstring (pure: numbers in, numbers out).
+    adapter_bytes: the adapters' budget as given (LoraConfig.max_loras), the KV cache then
+    taking the rest of spare instead of kv_fraction of it."""
     budget = int(utilization * snapshot.total_bytes)
     needs = step_peak_bytes + host_reserved_bytes
     share = budget - weights_bytes - needs
@@ -119,12 +123,16 @@ def plan_memory(
             f"{host_reserved_bytes / gib:.2f} GiB (change the memory utilization, or lower "
             "max_batched_tokens or the reservations)"
         )
-    kv_bytes = int(spare * kv_fraction)
+    kv_bytes = int(spare * kv_fraction) if adapter_bytes is None else spare - adapter_bytes
     num_blocks = kv_bytes // bytes_per_block
     if num_blocks < 1:
+        share = (
+            f"spare {spare} bytes x kv_fraction {kv_fraction:g}"
+            if adapter_bytes is None
+            else f"spare {spare} bytes less the {adapter_bytes} max_loras stands for"
+        )
         raise MemoryPlanError(
-            f"{kv_bytes} bytes of KV cache hold no {bytes_per_block}-byte block "
-            f"(spare {spare} bytes x kv_fraction {kv_fraction:g})"
+            f"{max(0, kv_bytes)} bytes of KV cache hold no {bytes_per_block}-byte block ({share})"
         )
     return MemoryPlan(
         total_bytes=snapshot.total_bytes,
@@ -293,4 +301,5 @@ def plan_engine(engine, utilization: float, probe: MemoryProbe) -> MemoryPlan:
         config.cache.block_size,
         engine.max_model_len,
         host_reserved_bytes(config, bytes_per_block, engine.device),
+        config.lora.device_bytes if config.lora.max_loras else None,
     )

@@ -27,6 +27,20 @@ def test_serve_lora_dtype_reaches_the_lora_config():
             _engine("--lora-dtype", bad)
 
 
+def test_serve_max_loras_reach_the_lora_config(capsys):
+    from frontend.cli import main
+
+    assert (_engine().lora.max_loras, _engine().lora.max_cpu_loras) == (None, None)
+    lora = _engine("--max-loras", "8", "--max-cpu-loras", "32").lora
+    assert (lora.max_loras, lora.max_cpu_loras) == (8, 32)
+    for flag in ("--max-loras", "--max-cpu-loras"):
+        for bad in ("0", "-2", "100001"):
+            assert main(["serve", flag, bad]) == 2
+            assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            _engine(flag, "eight")
+
+
 def _check_choices(capsys, flag: str, field: str, good: tuple, bad: tuple) -> None:
     """Each good value of `flag` reaches ModelConfig.<field>; each bad one exits 2 naming it."""
     for value in good:

@@ -203,3 +203,35 @@ def test_the_profiling_cache_fits_one_profiling_prompt():
     small = profiling_config(config, 8192)
     assert small.cache.num_blocks * small.cache.block_size >= config.batch.max_batched_tokens + 1
     assert profiling_config(config, 100).cache.num_blocks <= 8
+
+
+def test_max_loras_fixes_the_adapters_budget_and_kv_takes_the_rest():
+    fixed = plan(adapter_bytes=3 * GiB)
+    spare = int(0.9 * 80 * GiB) - 16 * GiB - 2 * GiB
+    assert fixed.adapter_bytes == 3 * GiB
+    assert fixed.num_blocks == (spare - 3 * GiB) // (2 * MiB)
+    with pytest.raises(MemoryPlanError, match="max_loras"):
+        plan(adapter_bytes=spare)  # nothing left for one block
+
+
+def test_an_engine_plans_with_the_bytes_max_loras_stands_for(tiny_model_dir, caplog):
+    from punica_x.engine.build import lora_target
+    from punica_x.lora.slots import slot_bytes
+
+    base = tiny_llm(tiny_model_dir)
+    lora = dataclasses.replace(base.engine.config.lora, host_bytes=2 * MiB, max_loras=3)
+    config = dataclasses.replace(
+        base.engine.config,
+        memory=MemoryConfig(utilization=0.5, kv_fraction=0.75),
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+        lora=lora,
+    )
+    with caplog.at_level("INFO", logger="punica_x.lora"):
+        engine = Engine(config, probe=FakeProbe(total=64 * MiB, free=60 * MiB, peak=4 * MiB))
+    target = lora_target(engine.model.dims, engine.model.edge_digests)
+    each = slot_bytes(target, lora.max_lora_rank, 4)
+    assert engine.memory_plan.adapter_bytes == engine.adapters.config.device_bytes == 3 * each
+    spare = 32 * MiB - engine.memory_plan.weights_bytes - 4 * MiB - 2 * MiB
+    per_block = engine.cache.spec.bytes_per_block
+    assert engine.cache.allocator.num_blocks == (spare - 3 * each) // per_block
+    assert "max_loras: 3 adapters of rank" in caplog.text
