@@ -8,7 +8,7 @@ import pytest
 from helpers import tiny_llm
 
 from punica_x import SamplingParams
-from punica_x.core import FinishReason, RequestOutput
+from punica_x.core import FinishReason, RequestOutput, TokenLogprob
 from punica_x.engine.async_engine import AsyncEngine
 from punica_x.lora.pool import UnknownAdapterError
 from punica_x.request import EngineRequest
@@ -147,3 +147,19 @@ def test_then_joins_deltas_and_keeps_the_later_finish():
     assert both.token_ids == [5, 6] and both.text == "hey" and both.prompt_token_ids == [1]
     middle = RequestOutput("r", [], [], "", [7], "!", False)
     assert a.then(middle).prompt_token_ids == [1]  # the first output's prompt is kept
+
+
+def test_then_keeps_every_other_field_of_the_later_output():
+    import dataclasses
+
+    joined = {"prompt_token_ids", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs"}
+    lp = TokenLogprob(6, -0.5, ())
+    later = RequestOutput(
+        "r", [], [5, 6], "hey", [6], "y", True, FinishReason.ERROR, "s", "boom", [lp], [lp], None
+    )
+    later = dataclasses.replace(later, retryable=True)
+    both = RequestOutput("r", [1], [], "", [5], "he", False, new_logprobs=[lp]).then(later)
+    for f in dataclasses.fields(RequestOutput):
+        if f.name not in joined:
+            assert getattr(both, f.name) == getattr(later, f.name), f.name
+    assert both.new_logprobs == [lp, lp] and both.prompt_token_ids == [1]
