@@ -46,7 +46,8 @@ class TenantAdapters:
     def __init__(self, store: Store, scheduler: Scheduler, model_id: str) -> None:
         self.store, self.scheduler, self.model_id = store, scheduler, model_id
         self._trash: list[tuple[int, Path]] = []  # (version: row id, files) to delete once unused
-        self._locks: dict[str, asyncio.Lock] = {}  # adapter key -> its uploads/deletes
+        # adapter key -> [its lock, the calls holding or waiting for it] (_lock)
+        self._locks: dict[str, list] = {}
 
     async def restore(self) -> None:
         """Register the stored live adapters with the runners (after a restart). Files that
@@ -193,10 +194,20 @@ class TenantAdapters:
             await asyncio.to_thread(self.store.remove_files, staging)
         return pending
 
-    def _lock(self, key: str) -> asyncio.Lock:
-        """Uploads and deletes of one adapter name run one at a time, so the runners and the
-        store agree on which version is current."""
-        return self._locks.setdefault(key, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, key: str):
+        """Uploads, loads and deletes of one adapter name run one at a time, so the runners
+        and the store agree on which version is current. A name's lock is forgotten once
+        nobody holds or waits for it: names a tenant only tried cost nothing afterwards."""
+        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._locks[key]
 
     def _abort(self, pending: AdapterRecord) -> None:
         """Undo a reservation (best effort: recovery finishes it at start if this fails)."""
