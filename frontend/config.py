@@ -31,6 +31,8 @@ class Limits:
     max_ws_frame_bytes: int = 1 * MiB  # larger websocket frames close the socket with 1009
     max_body_bytes: int = 8 * MiB  # JSON bodies of the OpenAI routes
     max_runners: int = 32  # POST /admin/runners refuses (409) to start more than this in all
+    # live adapters one tenant may hold (uploaded or loaded); a new name beyond: 403
+    max_adapters_per_tenant: int = 10_000
 
 
 def distkv_off(engine: EngineConfig) -> str | None:

@@ -69,7 +69,9 @@ class FrontendManager:
             lambda: scheduler.restarts,
             scheduler.tenant_rows,
         )
-        self.adapters = TenantAdapters(store, scheduler, self.model_id)
+        self.adapters = TenantAdapters(
+            store, scheduler, self.model_id, config.limits.max_adapters_per_tenant
+        )
 
     # -- start-up -----------------------------------------------------------------------------
     async def restore_adapters(self) -> None:

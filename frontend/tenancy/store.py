@@ -314,6 +314,11 @@ class Store:
         )
         return adapter_from_row(rows[0]) if rows else None
 
+    def count_adapters(self, tenant_id: int) -> int:
+        """The tenant's live adapters (names with a current version)."""
+        sql = "SELECT COUNT(*) FROM adapters WHERE tenant_id = ? AND state = 'live'"
+        return self._rows(sql, tenant_id)[0][0]
+
     def adapters(self, tenant_id: int | None = None) -> list[AdapterRecord]:
         """The live version of each adapter, of one tenant or all."""
         sql = f"SELECT {ADAPTER_COLUMNS} FROM adapters WHERE state = 'live'"

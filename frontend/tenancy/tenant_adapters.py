@@ -43,8 +43,11 @@ def adapter_key(tenant_id: int, name: str) -> str:
 class TenantAdapters:
     """model_id: the base model's id (no adapter may take it)."""
 
-    def __init__(self, store: Store, scheduler: Scheduler, model_id: str) -> None:
+    def __init__(
+        self, store: Store, scheduler: Scheduler, model_id: str, max_per_tenant: int = 10_000
+    ) -> None:
         self.store, self.scheduler, self.model_id = store, scheduler, model_id
+        self.max_per_tenant = max_per_tenant  # live adapters (Limits.max_adapters_per_tenant)
         self._trash: list[tuple[int, Path]] = []  # (version: row id, files) to delete once unused
         # adapter key -> [its lock, the calls holding or waiting for it] (_lock)
         self._locks: dict[str, list] = {}
@@ -133,8 +136,16 @@ class TenantAdapters:
     async def _upload(
         self, tenant: Tenant, name: str, key: str, files: dict[str, bytes], source: str | None
     ) -> AdapterRecord:
-        pending = await self._install(tenant, name, files, source)
         previous = self.store.current_adapter(tenant.id, name)
+        if previous is None and self.store.count_adapters(tenant.id) >= self.max_per_tenant:
+            raise ApiError(
+                403,
+                "adapter_quota_exceeded",
+                f"your tenant holds {self.max_per_tenant} adapters, this server's limit: "
+                "delete one first (a new version of one you hold is not counted)",
+                "name",
+            )
+        pending = await self._install(tenant, name, files, source)
         try:
             await self.scheduler.register_adapter(
                 key, pending.path, pending.sha256, version=pending.id

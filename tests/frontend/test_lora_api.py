@@ -34,9 +34,9 @@ def lora_server(srv_model_dir, tmp_path_factory, source_root):
         srv_model_dir,
         tmp_path_factory.mktemp("lora-api") / "data",
         *("--lora-source-root", str(source_root[0])),
-        *("--limit", "max_upload_bytes=200000"),
+        *("--limit", "max_upload_bytes=200000", "--limit", "max_adapters_per_tenant=3"),
     )
-    tenants = ("acme", "acme2", "other", "hostile", "bytes")
+    tenants = ("acme", "acme2", "other", "hostile", "bytes", "quota")
     srv.keys = {t: srv.create_tenant(t) for t in tenants}
     yield srv
     srv.stop()
@@ -297,3 +297,29 @@ def test_unload_gives_back_the_device_and_disk_bytes(lora_server, source_root, a
         time.sleep(0.2)
     assert srv.metric("punica_x_adapter_device_bytes") == before
     assert not stored[0].exists()
+
+
+def test_a_tenant_holds_at_most_its_quota_of_adapters(lora_server, source_root, adapter_dirs):
+    """--limit max_adapters_per_tenant=3: a fourth name is 403 however it comes (load,
+    upload, first request) and changes nothing; a new version of a held name is not counted;
+    unloading one makes room."""
+    srv, (root, _) = lora_server, source_root
+    key = srv.keys["quota"]
+    for name in ("q1", "q2", "q3", "q4"):
+        shutil.copytree(adapter_dirs["a"], root / "quota" / name)
+    with srv.http(key) as c:
+
+        def load(name, **extra):
+            return c.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name, **extra}
+            )
+
+        assert [load(n).status_code for n in ("q1", "q2", "q3")] == [200] * 3
+        r = load("q4")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "adapter_quota_exceeded"
+        assert srv.upload(key, "q4", adapter_dirs["a"]).status_code == 403
+        assert _complete(srv, key, "q4").status_code == 403  # its first request
+        assert load("q1", load_inplace=True).status_code == 200  # a new version: not counted
+        assert sorted(_adapters(srv, key)) == [("q1", 2), ("q2", 1), ("q3", 1)]
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "q2"}).status_code == 200
+        assert load("q4").status_code == 200
