@@ -29,10 +29,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from frontend.cli_admin import admin, admin_parser
-from frontend.cli_serve import QUANTIZATION_CHOICES, serve_parser
+from frontend.cli_serve import serve_parser
 
 DEFAULT_DATA_DIR = os.environ.get("PUNICA_X_DATA", "data")
-__all__ = ["QUANTIZATION_CHOICES", "build_parser", "main"]
 
 
 def serve(args) -> int:

@@ -43,7 +43,7 @@ def test_tensor_names():
 
 
 def test_quantization_setting_is_checked():
-    from frontend.cli import QUANTIZATION_CHOICES
+    from frontend.cli_serve import QUANTIZATION_CHOICES
 
     assert QUANTIZATION_CHOICES == ModelConfig.QUANTIZATION
     for bad in ("int3", "", "AUTO", "q4_1", None, 4):
