@@ -202,12 +202,20 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
         self.stats = GraphStats()
         self.enabled = True
+        # LoRA steps replay only on a backend that reads the fixed weights' tensors
+        self.lora_graphs = bool(getattr(sgmv, "graph_safe", False))
+        if not self.lora_graphs:
+            log.info(
+                "CUDA graphs: steps with adapters run eagerly (the %s SGMV backend picks "
+                "adapters on the host, which a graph would freeze)",
+                getattr(sgmv, "name", type(sgmv).__name__),
+            )
 
     def capture_start(self) -> None:
         """Every batch bucket at the smallest width, with and without LoRA (logged)."""
         t0 = time.perf_counter()
         for rows in self.batch_sizes:
-            for lora in (False, True):
+            for lora in (False, True) if self.lora_graphs else (False,):
                 self._graph(rows, self.widths[0], lora)
         log.info(
             "CUDA graphs: %d decode graphs captured in %.1f s (batch sizes %s, block-table "
@@ -239,6 +247,8 @@ class DecodeGraphs:
         if rows is None or width is None:
             return None
         if lora is not None:
+            if not self.lora_graphs:
+                return None
             if lora.embed or lora.head or set(lora.groups) - set(self.h_out):
                 return None
             if any(w.max_rank > self.max_rank * len(w.h_out) for w in lora.groups.values()):

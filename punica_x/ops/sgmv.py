@@ -44,6 +44,10 @@ from punica_x.ops.sgmv_weights import SgmvWeights
 
 class SgmvBackend(Protocol):
     name: str
+    # whether a launch reads the adapters only through the weights' tensors (a_ptr, b_ptr,
+    # ranks, seg), never the host lists w.a / w.b: a captured CUDA graph, whose fixed
+    # weights' lists hold no adapter, replays it right (engine/cuda_graphs.py)
+    graph_safe: bool
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, w: SgmvWeights, layer: int) -> None: ...
 
@@ -72,6 +76,8 @@ def _bound(backend: SgmvBackend, w: SgmvWeights) -> Launch:
 
 class CompiledBackend:
     """The csrc/sgmv extension (C++ on CPU; CUDA kernels when built with CUDA)."""
+
+    graph_safe = True  # the kernels follow a_ptr / b_ptr
 
     def __init__(self, name: str, module, fixed_order: bool = False) -> None:
         """fixed_order: batch-invariant order (csrc/sgmv/sgmv.h, ops.invariance)."""
@@ -138,6 +144,7 @@ class TorchRefBackend:
     """Pure PyTorch, one matmul per segment: the reference every kernel is tested against."""
 
     name = "torch_ref"
+    graph_safe = False  # one matmul per segment of w.a / w.b, chosen on the host
 
     def shrink(self, v, x, w, layer) -> None:
         _ref.shrink(v, x, w, layer)

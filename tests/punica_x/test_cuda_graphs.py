@@ -93,6 +93,29 @@ def test_graph_replays_equal_eager_with_mixed_adapters(tiny_model_dir, tiny_adap
     assert llm.engine.cache.allocator.num_used == 0
 
 
+def test_a_backend_reading_host_lists_runs_lora_steps_eagerly(
+    tiny_model_dir, tiny_adapters, small_widths
+):
+    """torch_ref reads each segment's adapter from w.a / w.b (host lists), which a captured
+    graph freezes at its capture (no adapter): its LoRA steps run eagerly, the backbone's
+    still replay. Graphed, decode steps dropped every adapter (an H200, 2026-11-29: the
+    CUDA engine with sgmv_backend=torch_ref gave tokens HF+PEFT does not)."""
+    prompts, adapters, params = _requests()
+    want = _llm(tiny_model_dir, tiny_adapters).generate(prompts, adapters, params)
+    llm = _llm(tiny_model_dir, tiny_adapters, sgmv_backend="torch_ref")
+    graphs = _attach(llm)
+    assert not graphs.lora_graphs
+    got = llm.generate(prompts, adapters, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert graphs.stats.eager > 0 and graphs.stats.replays == 0  # a LoRA row in every step
+    base = _llm(tiny_model_dir, tiny_adapters).generate(prompts[:3], None, params[:3])
+    assert [g.token_ids for g in llm.generate(prompts[:3], None, params[:3])] == [
+        b.token_ids for b in base
+    ]
+    assert graphs.stats.replays > 0 and graphs.stats.failures == 0
+    assert graphs.graphs and not any(lora for _, _, lora in graphs.graphs)
+
+
 def test_backbone_replays_a_graph_without_lora(tiny_model_dir, tiny_adapters, small_widths):
     prompts, _, params = _requests(3)
     want = _llm(tiny_model_dir, tiny_adapters).generate(prompts, None, params)
