@@ -164,7 +164,7 @@ def steps_for(args, work: Path) -> list[Step]:
     )
     junit = work / "junit.xml"
     pytest_argv = [py, "-m", "pytest", "-m", "gpu or triton", "-q", "-p", "no:cacheprovider"]
-    pytest_argv += ["-rfE"]
+    pytest_argv += ["-rfEs"]  # failures, errors and every skip with its reason
     pytest_argv += ["--junitxml", str(junit), "--continue-on-collection-errors"]
     if importlib.util.find_spec("pytest_timeout") is not None:  # one hung test, not the step
         pytest_argv += ["--timeout", str(int(args.test_timeout_s))]
@@ -216,11 +216,11 @@ def chosen_steps(steps: list[Step], only: str) -> list[Step]:
 
 
 def gpu_test_files() -> list[str]:
-    """The test files with gpu- or triton-marked tests (the batch-invariant Triton kernels
-    run on the GPU there): collecting the whole suite would import modules whose packages a
-    lent machine lacks (ray, selenium, ...), and a collection error there would cost the GPU
-    tests their run."""
-    marks = ("pytest.mark.gpu", "pytest.mark.triton")
+    """The test files with gpu-, triton- or device_pair-marked tests (the batch-invariant
+    Triton kernels run on the GPU there): collecting the whole suite would import modules
+    whose packages a lent machine lacks (ray, selenium, ...), and a collection error there
+    would cost the GPU tests their run."""
+    marks = ("pytest.mark.gpu", "pytest.mark.triton", "pytest.mark.device_pair")
     return sorted(
         str(p.relative_to(ROOT))
         for p in (ROOT / "tests").rglob("test_*.py")

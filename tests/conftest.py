@@ -1,4 +1,5 @@
-"""Suite-wide settings: `gpu` tests skip without CUDA; `slow` ones still run in make test;
+"""Suite-wide settings: `gpu` tests skip without CUDA (`triton` and `device_pair` ones run on
+the CPU then: in Triton's interpreter, CPU against CPU); `slow` ones still run in make test;
 `long` ones (minutes each: the 20-kill Ray run) only when asked for, `-m long` or
 `make test-long`."""
 
@@ -23,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=[i for i in items if "long" in i.keywords])
             items[:] = kept
     if torch.cuda.is_available():  # the Triton kernels' tests run on the GPU, with -m gpu too
-        for item in items:
-            if "triton" in item.keywords:
+        for item in items:  # and so do the CUDA-against-CPU engine tests
+            if "triton" in item.keywords or "device_pair" in item.keywords:
                 item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

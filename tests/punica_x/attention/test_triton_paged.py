@@ -69,13 +69,13 @@ def test_a_position_has_the_same_bits_however_it_is_batched(kw):
 def test_the_plan_writes_each_row_where_the_torch_plan_does():
     kv, g = _cache(torch.float32)
     spans = [SeqSpan(0, 3, 9, SEQ_A), SeqSpan(3, 1, 5, SEQ_B)]
-    k, v = torch.randn(4, NKV, D, generator=g), torch.randn(4, NKV, D, generator=g)
+    k, v = (torch.randn(4, NKV, D, generator=g).to(kv.device) for _ in range(2))
     ours, ref = kv.clone(), kv.clone()
     TritonAttention().plan(spans, P, kv.device).write_kv(ours, 0, k, v)
     TorchAttention().plan(spans, P, kv.device).write_kv(ref, 0, k, v)
     assert torch.equal(ours, ref) and not torch.equal(ours, kv)
     empty = TritonAttention().plan([], P, kv.device)
-    out, lse = empty.attend(q := torch.empty(0, HQ, D), kv, 0, 0.3)
+    out, lse = empty.attend(q := torch.empty(0, HQ, D, device=kv.device), kv, 0, 0.3)
     assert out.shape == q.shape and lse.shape == (0, HQ)
 
 
