@@ -6,8 +6,10 @@ one decoding, and per decode step:
 - step_ms: the median step as the engine serves by default (CUDA graphs; their steps are
   synchronous: overlap is off with graphs), and eager_overlap_ms: the same with graphs off and
   overlapped scheduling on (engine/overlap.py);
-- kernel_ms (common/gpu_kernels: torch.profiler over eager steps) and gpu_busy = kernel_ms /
-  step_ms;
+- graph_kernel_ms (common/gpu_kernels: torch.profiler over the steps as served, graphs
+  replayed) and gpu_busy = graph_kernel_ms / step_ms; kernel_ms, the same over eager steps
+  (every kernel launched by name: what the graph holds, unless the graph's fixed shapes
+  cost more, as a block-table width bucket does for the torch attention);
 - floor_ms, the step's byte floor: (the weights' bytes + the bytes of the batch's distinct
   adapters + the KV the step reads: B x context x KV bytes a token) / the device's copy
   bandwidth (common/timing.copy_bandwidth: a large copy, read and write counted), and
@@ -48,6 +50,7 @@ COLUMNS = [
     "batch",
     "step_ms",
     "eager_overlap_ms",
+    "graph_kernel_ms",
     "kernel_ms",
     "gpu_busy",
     "floor_ms",
@@ -65,6 +68,7 @@ def parse_args():
     ap.add_argument("--model", default=None, help="a shape (default llama-3-8b) or a folder")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder of a --model shape")
     ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--attention-backend", default=None, help="default: the engine's choice")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per figure")
     ap.add_argument("--dry-run", action="store_true", help="the path on the CPU, toy sizes")
     add_max_tokens(ap, default=64)
@@ -104,6 +108,7 @@ def build(args, overlap: str, graphs: bool = True) -> LLM:
         max_batch_size=biggest,
         max_batched_tokens=max(2048, 64 * biggest),
         max_lora_rank=16,
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         **memory,
     )
 
@@ -152,14 +157,16 @@ def measure(args, llm: LLM, adapters: list, bandwidth: float) -> list[dict]:
         names = [f"a{i % len(adapters)}" for i in range(batch)]
         step = decode_step_time(llm, prompts, names, sp, args.steps)
         kernel = step_kernel_ms(llm, prompts, names, sp)
+        graph_kernel = step_kernel_ms(llm, prompts, names, sp, eager=False)
         context = statistics.mean(len(llm.tokenizer.encode(p)) for p in prompts) + args.steps
         need = step_bytes(llm, batch, adapters, int(context))
         floor = sum(need.values()) / bandwidth
         row = {
             "batch": batch,
             "step_ms": step * 1e3,
+            "graph_kernel_ms": graph_kernel,
             "kernel_ms": kernel,
-            "gpu_busy": kernel / (step * 1e3) if isinstance(kernel, float) else None,
+            "gpu_busy": graph_kernel / (step * 1e3) if isinstance(graph_kernel, float) else None,
             "floor_ms": floor * 1e3,
             "step_over_floor": step / floor,
             "weights_GB": need["weights"] / 1e9,
@@ -213,7 +220,8 @@ def main() -> None:
         overlapped(args, paths, rows)
     finally:  # a timeout (SIGTERM) keeps what was measured
         summary["seconds"] = time.perf_counter() - started
-        write_json(args.name, {"args": vars(args), "summary": summary, "rows": rows})
+        group = "cuda" if args.device == "cuda" else None  # GPU figures in results/cuda
+        write_json(args.name, {"args": vars(args), "summary": summary, "rows": rows}, group)
     title = (
         f"decode step vs its byte floor ({args.adapters} rank-16 adapters, copy "
         f"{bandwidth / 1e9:.0f} GB/s)"

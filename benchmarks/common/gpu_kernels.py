@@ -10,9 +10,12 @@ from common.report import log
 from punica_x import LLM
 
 
-def step_kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | str:
+def step_kernel_ms(
+    llm: LLM, prompts, adapters, sp, steps: int = 4, eager: bool = True
+) -> float | str:
     """Milliseconds of CUDA kernels in a decode step (torch.profiler, mean over `steps`
-    steps, every request decoding, launched eagerly; the top kernels logged). Over the
+    steps, every request decoding, launched eagerly, or as the engine's CUDA graphs replay
+    them with eager=False; the top kernels logged). Over the
     step's unprofiled wall time (gpu_busy): near 1, the step is the GPU's; far below, the
     host's launches and Python are the step (what CUDA graphs cut). The profiler's error
     text where it cannot say (a diagnostic, never a reason to stop the run)."""
@@ -22,7 +25,7 @@ def step_kernel_ms(llm: LLM, prompts, adapters, sp, steps: int = 4) -> float | s
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    if engine.graphs is not None:  # profiled eagerly: the same kernels, each one named
+    if eager and engine.graphs is not None:  # the same kernels, each one launched by name
         engine.graphs.enabled = False
     for p, a in zip(prompts, adapters):
         engine.add_request(p, sp, a)
