@@ -3,9 +3,11 @@
 The 8B shape (random weights, bfloat16; --model), --adapters rank-16 adapters round robin over
 the requests (bench_host's workload), greedy, for each batch B of --batches: B requests, every
 one decoding, and per decode step:
-- step_ms: the median step as the engine serves by default (CUDA graphs; their steps are
-  synchronous: overlap is off with graphs), and eager_overlap_ms: the same with graphs off and
-  overlapped scheduling on (engine/overlap.py);
+- step_ms: the median step as the engine serves by default (CUDA graphs, synchronous steps:
+  overlap is off on a real device until measured), and overlap_ms: the same with overlapped
+  scheduling on (engine/overlap.py: the host plans step N+1 and postprocesses N while the
+  device replays N+1's graph; 2026-11-29's eager steps with overlap, 44-61 ms a step at every
+  batch, were launch-bound and are no longer measured);
 - graph_kernel_ms (common/gpu_kernels: torch.profiler over the steps as served, graphs
   replayed) and gpu_busy = graph_kernel_ms / step_ms; kernel_ms, the same over eager steps
   (every kernel launched by name: what the graph holds, unless the graph's fixed shapes
@@ -49,7 +51,7 @@ from punica_x.config import GiB
 COLUMNS = [
     "batch",
     "step_ms",
-    "eager_overlap_ms",
+    "overlap_ms",
     "graph_kernel_ms",
     "kernel_ms",
     "gpu_busy",
@@ -87,9 +89,8 @@ def parse_args():
     return args
 
 
-def build(args, overlap: str, graphs: bool = True) -> LLM:
-    """The engine on --model with room for the largest batch; CUDA graphs as by default (or
-    none: overlapped steps need eager ones)."""
+def build(args, overlap: str) -> LLM:
+    """The engine on --model with room for the largest batch, CUDA graphs as by default."""
     model = model_path(
         args.model or ("smollm2-135m" if args.dry_run else "llama-3-8b"), args.tokenizer
     )
@@ -104,7 +105,6 @@ def build(args, overlap: str, graphs: bool = True) -> LLM:
         device=args.device,
         dtype="bfloat16" if args.device == "cuda" else "float32",
         overlap=overlap,
-        cuda_graphs=graphs,
         max_batch_size=biggest,
         max_batched_tokens=max(2048, 64 * biggest),
         max_lora_rank=16,
@@ -179,8 +179,8 @@ def measure(args, llm: LLM, adapters: list, bandwidth: float) -> list[dict]:
 
 
 def overlapped(args, adapters_paths, rows: list[dict]) -> None:
-    """eager_overlap_ms of every row: a second engine, graphs off, overlap on."""
-    llm = build(args, "on", graphs=False)
+    """overlap_ms of every row: a second engine, graphs on, overlap on."""
+    llm = build(args, "on")
     for i, p in enumerate(adapters_paths):
         llm.load_adapter(f"a{i}", str(p))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -188,7 +188,7 @@ def overlapped(args, adapters_paths, rows: list[dict]) -> None:
     for row in rows:
         prompts = make_prompts(llm.tokenizer, row["batch"])
         names = [f"a{i % len(adapters_paths)}" for i in range(row["batch"])]
-        row["eager_overlap_ms"] = decode_step_time(llm, prompts, names, sp, args.steps) * 1e3
+        row["overlap_ms"] = decode_step_time(llm, prompts, names, sp, args.steps) * 1e3
     llm.engine.shutdown()
 
 

@@ -226,10 +226,22 @@ class DecodeGraphs:
             self.widths[0],
         )
 
-    def run(self, batch: Batch) -> torch.Tensor | None:
+    def prepare(self, batch: Batch) -> None:
+        """Capture now the graph `batch` would replay, if it is not yet (an overlapped step
+        replays on the device's thread, where a capture could meet the host's launches)."""
+        if self.enabled and _decode_only(batch, self.buffers):
+            key = self._key(batch)
+            if key is not None:
+                self._graph(*key)
+
+    def run(self, batch: Batch, capture: bool = True) -> torch.Tensor | None:
+        """The batch's logits [T, vocab] from its graph, or None when it runs eagerly;
+        capture=False: a shape not captured yet runs eagerly (see prepare)."""
         if not self.enabled or not _decode_only(batch, self.buffers):
             return None
         key = self._key(batch)
+        if key is not None and not capture and key not in self.graphs:
+            key = None
         graph = None if key is None else self._graph(*key)
         if graph is None:
             self.stats.eager += 1

@@ -27,6 +27,9 @@ What each feature does under overlap:
 - Engine.take (migration) and holding the engine: the in-flight step is completed first.
 - MLFQ (KV swaps on the host at schedule time), DistKV (remote blocks), Lamina (attention
   workers): synchronous steps; the engine decides per step (OverlapPart.usable).
+- CUDA graphs: a decode step replays its graph on the device's thread (DecodeGraphs.run with
+  capture off); a shape not captured yet is captured first on the host's thread, at launch,
+  when the device is idle (the previous step's logits were read), never beside a step.
 """
 
 from __future__ import annotations
@@ -152,13 +155,24 @@ def fill_inputs(batch: Batch, tokens: list[int | None]) -> None:
         ids[fills.where.to(ids.device)] = values.to(ids.device, non_blocking=True)
 
 
+def replaying(graphs, forward):
+    """forward(batch, kv, sgmv) that replays the batch's captured graph where one is
+    (DecodeGraphs.run, never capturing: it runs on the device's thread), else runs forward."""
+
+    def run(batch: Batch, kv, sgmv):
+        logits = graphs.run(batch, capture=False)
+        return forward(batch, kv, sgmv) if logits is None else logits
+
+    return run
+
+
 def part_for(engine, config) -> OverlapPart | None:
     """The engine's OverlapPart when EngineConfig.overlap decides on (decide), None
-    otherwise; said in the log. CUDA graphs replay synchronous steps for now."""
+    otherwise; said in the log."""
     simulated = isinstance(engine.forward, SimulatedForward)
     on, reason = decide(config.overlap, simulated)
     if on and engine.graphs is not None:
-        on, reason = False, "off: CUDA graphs replay synchronous steps for now"
+        reason += ", decode steps replayed from CUDA graphs"
     log.info("overlapped scheduling: %s", reason)
     return OverlapPart(engine) if on else None
 
@@ -186,7 +200,7 @@ class OverlapPart:
         e = self.engine
         if e.swap is not None or e.batcher.borrowing is not None or e.planner.dist is not None:
             return False
-        if e.config.attention_workers or e.graphs is not None:
+        if e.config.attention_workers:
             return False
         if self.scoring:
             self.scoring = {r for r in self.scoring if not r.finished and waits_for_host(r)}
@@ -296,7 +310,12 @@ class OverlapPart:
         e = self.engine
         if step.batch.input_fills:
             fill_inputs(step.batch, prev.tokens)
-        step.logits = self.device.launch(e.forward, step.batch, e.cache.kv, e.sgmv)
+        forward = e.forward
+        graphs = e.graphs
+        if graphs is not None:  # captured here, if new: the device is idle now
+            graphs.prepare(step.batch)
+            forward = replaying(graphs, forward)
+        step.logits = self.device.launch(forward, step.batch, e.cache.kv, e.sgmv)
         self.steps += 1
 
     def _postprocess(self, step: PlannedStep, sampled: Sampled) -> list[RequestOutput]:

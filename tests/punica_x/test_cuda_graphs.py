@@ -6,6 +6,8 @@ engine without graphs, token for token. The CUDA capture is tested in test_engin
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -90,6 +92,35 @@ def test_graph_replays_equal_eager_with_mixed_adapters(tiny_model_dir, tiny_adap
     assert len({width for _, width, _ in graphs.graphs}) >= 2
     assert {rows for rows, _, _ in graphs.graphs} >= {8, 4}
     # every borrowed scratch block went back
+    assert llm.engine.cache.allocator.num_used == 0
+
+
+def test_overlapped_steps_replay_graphs_on_the_device_thread(
+    tiny_model_dir, tiny_adapters, small_widths, monkeypatch
+):
+    """Overlapped scheduling with graphs: each decode step replays on the device's thread, the
+    shapes it meets first captured on the host's thread at launch (never on the device's);
+    the tokens and logprobs of synchronous eager steps."""
+    prompts, adapters, params = _requests()
+    want = _llm(tiny_model_dir, tiny_adapters, overlap="off").generate(prompts, adapters, params)
+    llm = _llm(tiny_model_dir, tiny_adapters, overlap="on")
+    graphs = _attach(llm)
+    host = threading.get_ident()
+    captured_on, capture = [], graphs.capture
+
+    def watched(fn, pool, device):
+        captured_on.append(threading.get_ident())
+        return capture(fn, pool, device)
+
+    monkeypatch.setattr(graphs, "capture", watched)
+    got = llm.generate(prompts, adapters, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        for lw, lg in zip(w.logprobs, g.logprobs, strict=True):
+            assert lg.token_id == lw.token_id and abs(lg.logprob - lw.logprob) < 1e-4
+    assert llm.engine.overlap.steps > 10 and graphs.stats.replays > 10
+    assert graphs.stats.failures == 0 and len({w for _, w, _ in graphs.graphs}) >= 2
+    assert captured_on and set(captured_on) == {host}
     assert llm.engine.cache.allocator.num_used == 0
 
 
