@@ -108,13 +108,21 @@ def server_config(args, limits):
         fair_share=not args.no_fair_share,
         restart_runners=not args.no_runner_restart,
         lora_source_root=lora_source_root(args.lora_source_root),
+        lora_source_timeout_s=args.lora_source_timeout_s,
     )
 
 
-def lora_source_root(value: str | None) -> Path | None:
-    """--lora-source-root as an existing directory; ValueError naming the flag otherwise."""
+def lora_source_root(value: str | None) -> Path | str | None:
+    """--lora-source-root as an existing directory, or an object store's URI (checked, its
+    client installed; the store is not contacted at start); ValueError naming the flag."""
     if value is None:
         return None
+    if "://" in value:
+        from frontend.tenancy.object_sources import check_installed, parse_root
+
+        parse_root(value)
+        check_installed()
+        return value
     root = Path(value)
     if not root.is_dir():
         raise ValueError(f"--lora-source-root {value!r} is not a directory")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+
 # ModelConfig.QUANTIZATION, spelled here so that --help needs no torch (a test keeps them equal)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
@@ -241,7 +244,28 @@ def _source_args(s) -> None:
     s.add_argument(
         "--lora-source-root",
         default=None,
-        metavar="DIR",
+        metavar="DIR|s3://BUCKET/PREFIX",
         help="turn on vLLM's dynamic LoRA API (POST /v1/load_lora_adapter, "
-        "/v1/unload_lora_adapter): tenant T loads adapters from DIR/T/ only (docs/api.md)",
+        "/v1/unload_lora_adapter) and loading on first use: tenant T loads adapters from "
+        "DIR/T/ (or under s3://BUCKET/PREFIX/T/, through s3fs and the AWS environment) only "
+        "(docs/api.md)",
     )
+    s.add_argument(
+        "--lora-source-timeout-s",
+        type=_timeout_s,
+        default=15.0,
+        metavar="S",
+        help="an object store that does not connect or answer a read within S seconds fails "
+        "the load with 504 source_timeout (default 15; 0.1-300)",
+    )
+
+
+def _timeout_s(value: str) -> float:
+    """--lora-source-timeout-s: a finite number of seconds in 0.1..300."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or not 0.1 <= seconds <= 300:
+        raise argparse.ArgumentTypeError(f"want 0.1-300 seconds, got {value!r}")
+    return seconds

@@ -65,9 +65,12 @@ class ServerConfig:
     # (scheduler/policy/fairness.py)
     fair_share: bool = True
     restart_runners: bool = True  # a dead runner is replaced (scheduler RestartPolicy)
-    # POST /v1/load_lora_adapter reads tenant T's adapters from <this>/T/ (None: the route is
-    # off); frontend/tenancy/lora_sources.py
-    lora_source_root: Path | None = None
+    # POST /v1/load_lora_adapter reads tenant T's adapters from <this>/T/: a directory, or an
+    # object store's URI (s3://BUCKET/PREFIX); None: the route is off.
+    # frontend/tenancy/lora_sources.py, object_sources.py
+    lora_source_root: Path | str | None = None
+    # an object store that does not answer (connect, each read) within this is 504
+    lora_source_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.runners < 1:

@@ -3,6 +3,7 @@ their adapters (tenant_adapters.py), admission and generation with metrics."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from frontend.tenancy.auth import hash_key, new_api_key
 from frontend.tenancy.cache_scope import cache_salt
 from frontend.tenancy.limits import Admission
 from frontend.tenancy.lora_on_request import load_on_request
+from frontend.tenancy.lora_sources import open_source
 from frontend.tenancy.records import AdapterRecord, Tenant
 from frontend.tenancy.store import Store
 from frontend.tenancy.tenant_adapters import TenantAdapters, adapter_key
@@ -72,6 +74,8 @@ class FrontendManager:
         self.adapters = TenantAdapters(
             store, scheduler, self.model_id, config.limits.max_adapters_per_tenant
         )
+        # where adapters load from by path (--lora-source-root; None: off)
+        self.lora_source = open_source(config.lora_source_root, config.lora_source_timeout_s)
 
     # -- start-up -----------------------------------------------------------------------------
     async def restore_adapters(self) -> None:
@@ -136,10 +140,12 @@ class FrontendManager:
         return [(self.model_id, 0.0, self.model_id)] + adapters
 
     async def load_adapter(
-        self, caller: Caller, name: str, read, source: str, replace: bool
+        self, caller: Caller, name: str, lora_path: str, replace: bool
     ) -> AdapterRecord | None:
-        """TenantAdapters.load: None when the caller has `name` and not `replace`."""
-        return await self.adapters.load(caller.tenant, name, read, source, replace)
+        """TenantAdapters.load of `lora_path` from the caller's source (lora_source, which
+        must be on): None when the caller has `name` and not `replace`."""
+        read = functools.partial(self.lora_source.read, caller.tenant.name, lora_path, self.limits)
+        return await self.adapters.load(caller.tenant, name, read, replace)
 
     async def resolve_model(self, caller: Caller, model: str) -> str | None:
         """Runner adapter key of `model` (None = the base model); 404 if not the caller's.
@@ -149,8 +155,8 @@ class FrontendManager:
         if model == self.model_id:
             return None
         if self.store.current_adapter(caller.tenant.id, model) is None:
-            root = self.config.lora_source_root
-            if root is None or not await load_on_request(self, caller, root, model):
+            source = self.lora_source
+            if source is None or not await load_on_request(self, caller, source, model):
                 raise ApiError(
                     404, "model_not_found", f"the model {model!r} does not exist", "model"
                 )

@@ -13,8 +13,6 @@ version they started with, and its files go when the last of them ends. The rout
 
 from __future__ import annotations
 
-import functools
-
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
@@ -22,7 +20,6 @@ from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.http.protocol import LoadLoraAdapter, UnloadLoraAdapter
 from frontend.http.request_body import read_json, validate
 from frontend.routes.endpoint import Endpoint, server
-from frontend.tenancy.lora_sources import load_files
 
 BODY_LIMIT = 64 << 10  # a name and a path
 
@@ -31,10 +28,9 @@ async def load_lora_adapter(request: Request):
     state = server(request)
     manager, who = state.caller(request)
     body = validate(LoadLoraAdapter, await read_json(request, BODY_LIMIT))
-    root = _root(state)
+    _source(manager)
     name, path = body.lora_name, body.lora_path
-    read = functools.partial(load_files, root, who.tenant.name, path, state.config.limits)
-    if await manager.load_adapter(who, name, read, path, replace=body.load_inplace) is None:
+    if await manager.load_adapter(who, name, path, replace=body.load_inplace) is None:
         raise bad_request(
             "adapter_exists", f"The lora adapter '{name}' has already been loaded.", "lora_name"
         )
@@ -45,7 +41,7 @@ async def unload_lora_adapter(request: Request):
     state = server(request)
     manager, who = state.caller(request)
     body = validate(UnloadLoraAdapter, await read_json(request, BODY_LIMIT))
-    _root(state)
+    _source(manager)
     name = body.lora_name
     try:
         await manager.delete_adapter(who, name)
@@ -58,15 +54,15 @@ async def unload_lora_adapter(request: Request):
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _root(state):
-    root = state.config.lora_source_root
-    if root is None:
+def _source(manager):
+    source = manager.lora_source
+    if source is None:
         raise not_found(
             "lora_loading_off",
             "loading adapters by path is off on this server (serve --lora-source-root DIR "
             "turns it on); upload them with POST /v1/adapters",
         )
-    return root
+    return source
 
 
 ENDPOINTS = (

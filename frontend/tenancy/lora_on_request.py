@@ -1,6 +1,7 @@
 """An adapter loaded the first time a request names it (vLLM's filesystem LoRA resolver):
-with serve --lora-source-root DIR, a request whose model is none of the caller's adapters
-but names a folder DIR/<tenant>/<model> has that folder loaded as the adapter `model`
+with serve --lora-source-root DIR (or s3://BUCKET/PREFIX), a request whose model is none of
+the caller's adapters but names a folder DIR/<tenant>/<model> (an object
+PREFIX/<tenant>/<model>/adapter_config.json) has that folder loaded as the adapter `model`
 (POST /v1/load_lora_adapter's checks and store, frontend/tenancy/lora_sources.py), then
 served. Requests racing for one new name load it once (TenantAdapters.load's lock).
 
@@ -13,31 +14,26 @@ FIFO, a link out of the folder) fails the request with that 4xx, and nothing is 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
-from pathlib import Path
 
 from frontend.http.errors import ApiError
 from frontend.http.protocol import NAME_PATTERN
-from frontend.tenancy.lora_sources import load_files, tenant_folder
 
 log = logging.getLogger(__name__)
 LOAD_WAIT_S = 60.0
 _NAME = re.compile(NAME_PATTERN)
 
 
-async def load_on_request(manager, caller, root: Path, model: str) -> bool:
+async def load_on_request(manager, caller, source, model: str) -> bool:
     """True once `model` is the caller's adapter (loaded now, or by a racing request); False
-    when there is no such folder. ApiError when the folder is refused or the wait runs out."""
+    when its source holds no such folder. ApiError when the folder is refused, the store
+    fails, or the wait runs out. source: LocalSource or ObjectSource (lora_sources.py)."""
     if not isinstance(model, str) or not _NAME.fullmatch(model):
         return False
-    tenant = caller.tenant.name
-    folder = tenant_folder(root, tenant) / model
-    if not await asyncio.to_thread(folder.is_dir):
+    if not await asyncio.to_thread(source.has, caller.tenant.name, model):
         return False
-    read = functools.partial(load_files, root, tenant, model, manager.limits)
-    load = asyncio.ensure_future(manager.load_adapter(caller, model, read, model, replace=False))
+    load = asyncio.ensure_future(manager.load_adapter(caller, model, model, replace=False))
     load.add_done_callback(_quietly)
     try:
         await asyncio.wait_for(asyncio.shield(load), LOAD_WAIT_S)

@@ -5,11 +5,11 @@ holds one folder per tenant, DIR/<tenant name>/, and a tenant loads only from it
 A `lora_path` is a path relative to the tenant's folder, an absolute path inside it, or a
 file:// URI of one (no host); it names a PEFT directory holding adapter_config.json and
 adapter_model.safetensors, which are then checked and stored as an upload's are. Refused
-before anything is kept, each with a 4xx that says why: other URI schemes (object stores are
-not served yet), paths that resolve outside the tenant's folder (`..`, absolute paths
-elsewhere, symlinks pointing out), NUL bytes, files that are not regular files (a FIFO would
-hang the read), files over the upload limits. A directory that does not exist is 404, as
-vLLM answers it.
+before anything is kept, each with a 4xx that says why: other URI schemes (an object store
+is a root of its own: object_sources.py), paths that resolve outside the tenant's folder
+(`..`, absolute paths elsewhere, symlinks pointing out), NUL bytes, files that are not
+regular files (a FIFO would hang the read), files over the upload limits. A directory that
+does not exist is 404, as vLLM answers it.
 
 The check is made on the resolved path (links inside the folder are followed: a hub cache's
 snapshots are links to its blobs), which is then opened without following a final symlink
@@ -25,9 +25,38 @@ from urllib.parse import unquote, urlsplit
 
 from frontend.config import Limits
 from frontend.http.errors import ApiError, bad_request
+from frontend.tenancy.source_files import SourceFiles, check_text
 from frontend.tenancy.uploads import CONFIG, WEIGHTS
 
-MAX_PATH_CHARS = 4096
+
+class LocalSource:
+    """Tenants' adapter folders under a local root (this module); ObjectSource
+    (object_sources.py) is the same for an object store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def describe(self, tenant: str) -> str:
+        return f"{tenant}/ under the server's --lora-source-root"
+
+    def has(self, tenant: str, name: str) -> bool:
+        return (tenant_folder(self.root, tenant) / name).is_dir()
+
+    def read(self, tenant: str, lora_path: str, limits: Limits) -> SourceFiles:
+        check_text(lora_path)
+        return SourceFiles(load_files(self.root, tenant, lora_path, limits), lora_path)
+
+
+def open_source(root: Path | str | None, timeout_s: float = 15.0):
+    """The source of --lora-source-root (a directory, or an object store's URI: parsed and
+    checked at start); None when it is off."""
+    if root is None:
+        return None
+    if isinstance(root, Path):
+        return LocalSource(root)
+    from frontend.tenancy.object_sources import ObjectSource, parse_root
+
+    return ObjectSource(parse_root(root), timeout_s)
 
 
 def tenant_folder(root: Path, tenant: str) -> Path:
@@ -38,16 +67,7 @@ def tenant_folder(root: Path, tenant: str) -> Path:
 
 def resolve(root: Path, tenant: str, lora_path: str) -> Path:
     """The adapter directory `lora_path` names for `tenant`; ApiError when it is refused."""
-    if not lora_path or len(lora_path) > MAX_PATH_CHARS or "\x00" in lora_path:
-        raise bad_request(
-            "invalid_lora_path", f"lora_path must be 1-{MAX_PATH_CHARS} characters", "lora_path"
-        )
-    try:
-        lora_path.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: no file has that name
-        raise bad_request(
-            "invalid_lora_path", "lora_path is not valid UTF-8", "lora_path"
-        ) from None
+    check_text(lora_path)
     path = _local_path(lora_path)
     folder = tenant_folder(root, tenant)
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.tenancy.durable import StorageFull
 from frontend.tenancy.records import AdapterRecord, Tenant
+from frontend.tenancy.source_files import SourceFiles
 from frontend.tenancy.store import Store
 from frontend.tenancy.uploads import CONFIG, WEIGHTS
 from punica_x.api import AdapterError, UnknownAdapterError, check_peft_header
@@ -114,19 +115,19 @@ class TenantAdapters:
         self,
         tenant: Tenant,
         name: str,
-        read: Callable[[], dict[str, bytes]],
-        source: str,
+        read: Callable[[], SourceFiles],
         replace: bool,
     ) -> AdapterRecord | None:
-        """upload() of the files read() returns (blocking I/O, run off the event loop), unless
-        the tenant has `name` already and not `replace`: then None and nothing is read. Under
-        the name's lock, so loads of one new name racing each other make one version."""
+        """upload() of the files read() returns with their source (blocking I/O, run off the
+        event loop), unless the tenant has `name` already and not `replace`: then None and
+        nothing is read. Under the name's lock, so loads of one new name racing each other
+        make one version."""
         key = self._key(tenant, name)
         async with self._lock(key):
             if not replace and self.store.current_adapter(tenant.id, name) is not None:
                 return None
-            files = await asyncio.to_thread(read)
-            return await self._upload(tenant, name, key, files, source)
+            got = await asyncio.to_thread(read)
+            return await self._upload(tenant, name, key, got.files, got.source)
 
     def _key(self, tenant: Tenant, name: str) -> str:
         if name == self.model_id:

@@ -241,3 +241,29 @@ def test_serve_refuses_a_lora_source_root_that_is_not_a_folder(tmp_path, capsys)
     for value in (tmp_path / "missing", tmp_path / "file"):
         assert main(["serve", "--lora-source-root", str(value)]) == 2
         assert "--lora-source-root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "value", ["s3://", "s3://UPPER", "s3://b/../x", "gs://bucket/x", "ftp://x"]
+)
+def test_serve_refuses_an_object_store_root_it_cannot_read(value, capsys):
+    from frontend.cli import main
+
+    assert main(["serve", "--lora-source-root", value]) == 2
+    assert "--lora-source-root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "0.05", "301", "nan", "inf", "soon", ""])
+def test_serve_refuses_bad_source_timeouts(value, capsys):
+    from frontend.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--lora-source-timeout-s", value])
+    assert exit_.value.code == 2
+    assert "--lora-source-timeout-s" in capsys.readouterr().err
+
+
+def test_an_object_store_root_reaches_the_config():
+    from frontend.cli import lora_source_root
+
+    assert lora_source_root("s3://my-bucket/adapters") == "s3://my-bucket/adapters"

@@ -11,6 +11,7 @@ import pytest
 
 from frontend.http.errors import ApiError
 from frontend.tenancy import lora_on_request
+from frontend.tenancy.lora_sources import LocalSource
 
 CALLER = SimpleNamespace(tenant=SimpleNamespace(name="t"))
 
@@ -21,8 +22,8 @@ class SlowManager:
     def __init__(self) -> None:
         self.loaded: list[str] = []
 
-    async def load_adapter(self, caller, name, read, source, replace):
-        assert (source, replace) == (name, False)
+    async def load_adapter(self, caller, name, lora_path, replace):
+        assert (lora_path, replace) == (name, False)
         await asyncio.sleep(0.3)
         self.loaded.append(name)
         return object()
@@ -35,7 +36,7 @@ def test_a_slow_load_answers_504_and_goes_on(tmp_path, monkeypatch):
 
     async def main():
         with pytest.raises(ApiError) as refused:
-            await lora_on_request.load_on_request(manager, CALLER, tmp_path, "slow")
+            await lora_on_request.load_on_request(manager, CALLER, LocalSource(tmp_path), "slow")
         assert (refused.value.status, refused.value.code) == (504, "adapter_load_timeout")
         assert manager.loaded == []
         await asyncio.sleep(0.5)  # the load was not cancelled with the request's wait
@@ -50,5 +51,8 @@ def test_what_is_not_a_folder_of_the_tenant_is_not_loaded(tmp_path, name):
     (tmp_path / "t" / "file").write_text("x")
     (tmp_path / "t" / ".hidden").mkdir()
     manager = SlowManager()
-    assert asyncio.run(lora_on_request.load_on_request(manager, CALLER, tmp_path, name)) is False
+    assert (
+        asyncio.run(lora_on_request.load_on_request(manager, CALLER, LocalSource(tmp_path), name))
+        is False
+    )
     assert manager.loaded == []

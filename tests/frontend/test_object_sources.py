@@ -1,0 +1,160 @@
+"""Adapters read from an object store (frontend/tenancy/object_sources.py) against an
+S3-compatible server the test starts (moto's), through the real s3fs client: keys inside the
+tenant's prefix read with their ETags; every hostile path, object and store fault a clear
+4xx/5xx before anything is kept."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from s3_store import BUCKET, FaultyProxy, aws_environment, moto_store, put_folder
+
+from frontend.config import Limits
+from frontend.http.errors import ApiError
+from frontend.tenancy.object_sources import ObjectRoot, ObjectSource, parse_root
+from frontend.tenancy.uploads import CONFIG, WEIGHTS
+
+pytest.importorskip("s3fs")
+LIMITS = Limits(max_upload_bytes=200_000)
+
+
+@pytest.fixture(scope="module")
+def store(adapter_dirs):
+    """(endpoint, boto3 client) with acme's lora-a and other's lora-b under root/."""
+    with moto_store() as (url, client):
+        put_folder(client, "root/acme/lora-a", adapter_dirs["a"])
+        put_folder(client, "root/acme/team/lora-b", adapter_dirs["b"])
+        put_folder(client, "root/other/lora-b", adapter_dirs["b"])
+        with aws_environment(url):
+            yield url, client
+
+
+def _source(timeout_s: float = 5.0) -> ObjectSource:
+    return ObjectSource(parse_root(f"s3://{BUCKET}/root"), timeout_s)
+
+
+def _refused(call) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        call()
+    return err.value
+
+
+def test_a_key_inside_the_prefix_reads_with_its_etags(store, adapter_dirs):
+    src = _source()
+    for path in ("lora-a", "lora-a/", f"s3://{BUCKET}/root/acme/lora-a"):
+        got = src.read("acme", path, LIMITS)
+        assert got.files == {f: (adapter_dirs["a"] / f).read_bytes() for f in (CONFIG, WEIGHTS)}
+        uri, etags = got.source.split("#etag=")
+        assert uri == f"s3://{BUCKET}/root/acme/lora-a" and len(etags.split(",")) == 2
+        assert all(len(e) == 32 for e in etags.split(","))  # moto's MD5 ETags
+    assert src.read("acme", "team/lora-b", LIMITS).files[CONFIG]
+    assert src.has("acme", "lora-a") and not src.has("acme", "lora-b")
+    assert not src.has("acme", "nothing")
+
+
+@pytest.mark.parametrize(
+    "path, status, code",
+    [
+        ("../other/lora-b", 400, "invalid_lora_path"),
+        ("lora-a/../../other/lora-b", 400, "invalid_lora_path"),
+        ("./lora-a", 400, "invalid_lora_path"),
+        ("a//lora-a", 400, "invalid_lora_path"),
+        ("lora-a\x01", 400, "invalid_lora_path"),
+        ("lora-a\x00", 400, "invalid_lora_path"),
+        ("\ud800", 400, "invalid_lora_path"),
+        ("", 400, "invalid_lora_path"),
+        ("/root/acme/lora-a", 400, "invalid_lora_path"),
+        ("x" * 1100, 400, "invalid_lora_path"),
+        (f"s3://{BUCKET}/root/other/lora-b", 403, "lora_path_forbidden"),
+        (f"s3://{BUCKET}/root/acme", 403, "lora_path_forbidden"),
+        (f"s3://{BUCKET}/root/acmes/x", 403, "lora_path_forbidden"),
+        (f"s3://{BUCKET}/root/acme/../other/lora-b", 400, "invalid_lora_path"),
+        ("s3://elsewhere/root/acme/lora-a", 403, "lora_path_forbidden"),
+        (f"s3://{BUCKET}/root/acme/lora-a?versionId=1", 400, "invalid_lora_path"),
+        (f"gs://{BUCKET}/root/acme/lora-a", 400, "unsupported_source"),
+        ("file:///etc", 400, "unsupported_source"),
+        ("http://[bad/x", 400, "invalid_lora_path"),
+        ("not-there", 404, "lora_path_not_found"),
+    ],
+)
+def test_hostile_paths_are_refused(store, path, status, code):
+    err = _refused(lambda: _source().read("acme", path, LIMITS))
+    assert (err.status, err.code) == (status, code), err.message
+
+
+def test_hostile_objects_are_refused(store, adapter_dirs):
+    _, client = store
+    config = (adapter_dirs["a"] / CONFIG).read_bytes()
+    client.put_object(Bucket=BUCKET, Key=f"root/acme/no-weights/{CONFIG}", Body=config)
+    client.put_object(Bucket=BUCKET, Key=f"root/acme/big/{CONFIG}", Body=config)
+    client.put_object(Bucket=BUCKET, Key=f"root/acme/big/{WEIGHTS}", Body=b"\0" * 200_001)
+    src = _source()
+    err = _refused(lambda: src.read("acme", "no-weights", LIMITS))
+    assert (err.status, err.code) == (400, "missing_file")
+    err = _refused(lambda: src.read("acme", "big", LIMITS))
+    assert (err.status, err.code) == (413, "payload_too_large")
+
+
+def test_an_object_replaced_while_it_is_read_is_409(store, adapter_dirs):
+    """Another writer replaces the weights between their HEAD and their GET."""
+    _, client = store
+    put_folder(client, "root/acme/moving", adapter_dirs["a"])
+    src = _source()
+    fetch = src.fs.cat_file
+
+    def cat_file(path, *args, **kwargs):
+        if path.endswith(WEIGHTS):
+            client.put_object(Bucket=BUCKET, Key=f"root/acme/moving/{WEIGHTS}", Body=b"new")
+        return fetch(path, *args, **kwargs)
+
+    src.fs.cat_file = cat_file
+    err = _refused(lambda: src.read("acme", "moving", LIMITS))
+    assert (err.status, err.code) == (409, "source_changed")
+
+
+def test_a_store_that_hangs_or_fails_is_504_or_502(store, adapter_dirs):
+    url, _ = store
+    host, port = url.removeprefix("http://").split(":")
+    proxy = FaultyProxy((host, int(port)))
+    try:
+        with aws_environment(proxy.url):
+            src = _source(timeout_s=0.5)
+            assert src.read("acme", "lora-a", LIMITS).files[CONFIG]  # through the proxy
+            proxy.mode = "hang"
+            t0 = time.monotonic()
+            err = _refused(lambda: src.read("acme", "lora-a", LIMITS))
+            assert (err.status, err.code) == (504, "source_timeout")
+            assert time.monotonic() - t0 < 10  # two tries of 0.5 s, and backoff
+            assert _refused(lambda: src.has("acme", "lora-a")).status == 504
+            proxy.mode = "error"
+            err = _refused(lambda: _source(timeout_s=2).read("acme", "lora-a", LIMITS))
+            assert (err.status, err.code) == (502, "source_unavailable")
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "s3://",
+        "s3://UPPER/x",
+        "s3://a/x",
+        "s3://bucket/../x",
+        "s3://bucket/a//b",
+        "s3://bucket/x?y=1",
+        "s3://bucket/x#f",
+        "http://bucket/x",
+        "gs://bucket/x",
+    ],
+)
+def test_bad_roots_are_refused_at_start(value):
+    with pytest.raises(ValueError, match="--lora-source-root"):
+        parse_root(value)
+
+
+def test_roots_parse():
+    assert parse_root("s3://my-bucket") == ObjectRoot("s3", "my-bucket", "")
+    assert parse_root("s3://my-bucket/a/b/") == ObjectRoot("s3", "my-bucket", "a/b")
+    src = ObjectSource(parse_root("s3://my-bucket"), fs=object())
+    assert src.key("t", "x") == "t/x" and src.describe("t") == "s3://my-bucket/t/"
