@@ -52,6 +52,7 @@ class TenantAdapters:
         self._trash: list[tuple[int, Path]] = []  # (version: row id, files) to delete once unused
         # adapter key -> [its lock, the calls holding or waiting for it] (_lock)
         self._locks: dict[str, list] = {}
+        self._arriving: dict[int, set[str]] = {}  # tenant id -> new names being stored (_quota)
 
     async def restore(self) -> None:
         """Register the stored live adapters with the runners (after a restart). Files that
@@ -138,7 +139,19 @@ class TenantAdapters:
         self, tenant: Tenant, name: str, key: str, files: dict[str, bytes], source: str | None
     ) -> AdapterRecord:
         previous = self.store.current_adapter(tenant.id, name)
-        if previous is None and self.store.count_adapters(tenant.id) >= self.max_per_tenant:
+        with self._quota(tenant, name, previous is None):
+            return await self._store_and_serve(tenant, name, key, files, source, previous)
+
+    @contextlib.contextmanager
+    def _quota(self, tenant: Tenant, name: str, new: bool):
+        """A new name counts against the tenant's max_per_tenant from its check until its
+        upload ends: new names uploaded side by side (each under its own name's lock) cannot
+        all pass one count (403 adapter_quota_exceeded beyond it)."""
+        if not new:
+            yield
+            return
+        arriving = self._arriving.setdefault(tenant.id, set())
+        if self.store.count_adapters(tenant.id) + len(arriving) >= self.max_per_tenant:
             raise ApiError(
                 403,
                 "adapter_quota_exceeded",
@@ -146,6 +159,23 @@ class TenantAdapters:
                 "delete one first (a new version of one you hold is not counted)",
                 "name",
             )
+        arriving.add(name)
+        try:
+            yield
+        finally:
+            arriving.discard(name)
+            if not arriving:
+                del self._arriving[tenant.id]
+
+    async def _store_and_serve(
+        self,
+        tenant: Tenant,
+        name: str,
+        key: str,
+        files: dict[str, bytes],
+        source: str | None,
+        previous: AdapterRecord | None,
+    ) -> AdapterRecord:
         pending = await self._install(tenant, name, files, source)
         try:
             await self.scheduler.register_adapter(
