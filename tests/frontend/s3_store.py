@@ -10,6 +10,8 @@ import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import httpx
+
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -20,7 +22,8 @@ BUCKET = "adapters"
 
 @contextmanager
 def moto_store():
-    """(endpoint URL, boto3 client) of a fresh moto server holding an empty BUCKET."""
+    """(endpoint URL, boto3 client) of a fresh moto server holding an empty BUCKET (and
+    nothing an earlier one of this process held)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -29,6 +32,8 @@ def moto_store():
     try:
         host, port = server.get_host_and_port()
         url = f"http://{host}:{port}"
+        # moto's backends live in this process, shared by its servers: start from nothing
+        httpx.post(f"{url}/moto-api/reset", timeout=30).raise_for_status()
         client = boto3.client("s3", endpoint_url=url, **_boto_credentials())
         client.create_bucket(Bucket=BUCKET)
         yield url, client
