@@ -33,6 +33,8 @@ class Limits:
     max_runners: int = 32  # POST /admin/runners refuses (409) to start more than this in all
     # live adapters one tenant may hold (uploaded or loaded); a new name beyond: 403
     max_adapters_per_tenant: int = 10_000
+    # adapters one tenant may pin on the runners' devices (PATCH /v1/adapters/{name}): beyond, 403
+    max_pinned_per_tenant: int = 4
 
 
 def distkv_off(engine: EngineConfig) -> str | None:

@@ -14,6 +14,7 @@ from frontend.config import ServerConfig
 from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.http.metrics import Metrics
 from frontend.http.protocol import TenantCreate, TenantUpdate
+from frontend.http.vllm_metrics import VllmCollector, max_lora
 from frontend.openai.generation import GenerationRequest, ModelFacts, RequestBuilder
 from frontend.openai.logprobs_format import TokenText
 from frontend.tenancy.auth import hash_key, new_api_key
@@ -70,9 +71,19 @@ class FrontendManager:
             lambda: scheduler.migrations,
             lambda: scheduler.restarts,
             scheduler.tenant_rows,
+            VllmCollector(
+                scheduler.stats,
+                scheduler.adapter_requests,
+                self.model_id,
+                lambda: max_lora(config.engine, scheduler.info),
+            ),
         )
         self.adapters = TenantAdapters(
-            store, scheduler, self.model_id, config.limits.max_adapters_per_tenant
+            store,
+            scheduler,
+            self.model_id,
+            config.limits.max_adapters_per_tenant,
+            config.limits.max_pinned_per_tenant,
         )
         # where adapters load from by path (--lora-source-root; None: off)
         self.lora_source = open_source(config.lora_source_root, config.lora_source_timeout_s)
@@ -124,8 +135,16 @@ class FrontendManager:
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
         return self.adapters.list(caller.tenant)
 
+    def adapter_page(
+        self, caller: Caller, after: str, limit: int
+    ) -> tuple[list[AdapterRecord], bool]:
+        return self.adapters.page(caller.tenant, after, limit)
+
     def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
         return self.adapters.get(caller.tenant, name)
+
+    async def pin_adapter(self, caller: Caller, name: str, pinned: bool) -> AdapterRecord:
+        return await self.adapters.pin(caller.tenant, name, pinned)
 
     async def delete_adapter(self, caller: Caller, name: str) -> AdapterRecord:
         return await self.adapters.delete(caller.tenant, name)

@@ -50,6 +50,7 @@ _WHERE: dict[str, str] = {
     "AdapterInfo": "punica_x.lora.pool",
     "LoraTarget": "punica_x.lora.peft_checks",
     "check_peft_header": "punica_x.lora.peft_checks",  # an upload's checks without torch
+    "slot_bytes": "punica_x.lora.slots",  # bytes of an adapter of a rank on every projection
     # prefix caching: the block names a prefix-aware placement computes as the runners do
     "block_name": "punica_x.kv.prefix",
     "cache_key": "punica_x.kv.prefix",

@@ -9,7 +9,12 @@ starts later gets every current adapter before it takes work (`install`).
 Versions: one id per registration, the same on every runner: the caller's (the server
 passes the store's row id, so an upload has one id from the database to every pool), or,
 when the caller names none, the next of the registry's own. `has_version` asks the runners
-whether any still holds it (current, or in use by a request)."""
+whether any still holds it (current, or in use by a request).
+
+Pins (AdapterPool.pin): `pinned` True or False on a registration pins or unpins the key on
+every runner (a registration of the version a runner holds changes only that); None keeps
+what the key had. A runner that starts later gets the key's pin after its files, and a
+runner that cannot hold the pin (a smaller pool) serves the key unpinned, logged."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from punica_x.api import AdapterInfo, UnknownAdapterError
+from punica_x.api import AdapterError, AdapterInfo, UnknownAdapterError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,7 @@ class Registered:
     path: Path
     sha256: str | None
     version: int
+    pinned: bool = False
 
 
 class AdapterRegistry:
@@ -54,14 +60,15 @@ class AdapterRegistry:
         sha256: str | None,
         runners: Iterable,
         version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         """Register on every runner in `runners` (handles) concurrently as `version` (None:
-        the registry numbers it); the first refusal is raised after the others are rolled
-        back."""
+        the registry numbers it), pinned or unpinned as `pinned` says (None: as the key
+        was); the first refusal is raised after the others are rolled back."""
         runners = list(runners)
         version = next(self._ids) if version is None else version
         results = await asyncio.gather(
-            *(h.register_adapter(key, path, sha256, version) for h in runners),
+            *(h.register_adapter(key, path, sha256, version, pinned) for h in runners),
             return_exceptions=True,
         )
         refused = [r for r in results if isinstance(r, BaseException)]
@@ -69,7 +76,10 @@ class AdapterRegistry:
             took = [h for h, r in zip(runners, results) if not isinstance(r, BaseException)]
             await self._roll_back(key, took)
             raise refused[0]
-        self.files[key] = Registered(path, sha256, version)
+        previous = self.files.get(key)
+        if pinned is None:
+            pinned = previous.pinned if previous is not None else False
+        self.files[key] = Registered(path, sha256, version, pinned)
         return results[0]
 
     async def _roll_back(self, key: str, took: list) -> None:
@@ -81,7 +91,9 @@ class AdapterRegistry:
                 if previous is None:
                     await h.unregister_adapter(key)
                 else:
-                    await h.register_adapter(key, previous.path, previous.sha256, previous.version)
+                    await h.register_adapter(
+                        key, previous.path, previous.sha256, previous.version, previous.pinned
+                    )
             except Exception:
                 log.exception("rolling back adapter %s on runner %s failed", key, h.runner_id)
 
@@ -102,6 +114,13 @@ class AdapterRegistry:
         """Every current adapter on a runner that is starting (one after another)."""
         for key, reg in list(self.files.items()):
             await handle.register_adapter(key, reg.path, reg.sha256, reg.version)
+            if reg.pinned:
+                try:
+                    await handle.register_adapter(key, reg.path, reg.sha256, reg.version, True)
+                except AdapterError as exc:
+                    log.warning(
+                        "runner %s serves adapter %s unpinned: %s", handle.runner_id, key, exc
+                    )
 
     @staticmethod
     def has_version(version: int, runners: Iterable) -> bool:

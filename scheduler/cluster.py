@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -219,6 +220,13 @@ class Scheduler:
         self._queue.sync_running(self.dispatch.running())
         return self._queue.rows()
 
+    def adapter_requests(self) -> tuple[Counter, Counter]:
+        """Requests per adapter key (the base model's not counted): (placed on runners,
+        waiting at the scheduler), for vLLM's lora_requests_info gauge."""
+        running = Counter(st.adapter for st in self.dispatch.running() if st.adapter)
+        waiting = Counter(st.adapter for st in self._queue if st.adapter)
+        return running, waiting
+
     @property
     def queued(self) -> int:
         """Requests waiting at the scheduler for a runner with room."""
@@ -287,13 +295,18 @@ class Scheduler:
 
     # -- adapters (adapters.py) ---------------------------------------------------------------
     async def register_adapter(
-        self, key: str, path: Path, sha256: str | None = None, version: int | None = None
+        self,
+        key: str,
+        path: Path,
+        sha256: str | None = None,
+        version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         """Register on every live runner at once as `version` (a refusal rolls the others
-        back; None: the scheduler numbers it); the version returned is valid for
-        has_version()."""
+        back; None: the scheduler numbers it), pinned as `pinned` says (None: as before);
+        the version returned is valid for has_version()."""
         handles = self.fleet.live_handles()
-        return await self.adapters.register(key, path, sha256, handles, version)
+        return await self.adapters.register(key, path, sha256, handles, version, pinned)
 
     async def unregister_adapter(self, key: str) -> None:
         await self.adapters.unregister(key, self.fleet.live_handles())

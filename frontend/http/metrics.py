@@ -171,9 +171,12 @@ class TenantCollector:
 
 
 class Metrics:
-    def __init__(self, stats, runners=None, migrations=None, restarts=None, tenants=None):
+    def __init__(
+        self, stats, runners=None, migrations=None, restarts=None, tenants=None, vllm=None
+    ):
         """stats, runners, migrations, restarts: RunnerCollector's callables; tenants: a
-        callable returning TenantRows (None: no tenant metrics)."""
+        callable returning TenantRows (None: no tenant metrics); vllm: a VllmCollector
+        (vllm_metrics.py: vLLM's names, for gateways), or None."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "punica_x_requests", "requests by outcome", LABELS + ("status",), registry=r
@@ -194,6 +197,8 @@ class Metrics:
         r.register(RunnerCollector(stats, runners, migrations, restarts))
         if tenants is not None:
             r.register(TenantCollector(tenants))
+        if vllm is not None:
+            r.register(vllm)
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(

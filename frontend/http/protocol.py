@@ -66,6 +66,13 @@ class LoadLoraAdapter(Strict):
     load_inplace: bool = False
 
 
+class AdapterPatch(Strict):
+    """PATCH /v1/adapters/{name}: pinned keeps the adapter on every runner's device (true) or
+    lets it be evicted again (false)."""
+
+    pinned: bool
+
+
 class UnloadLoraAdapter(Strict):
     """POST /v1/unload_lora_adapter. lora_int_id: vLLM's field, accepted and not used (an
     adapter is named by lora_name here)."""

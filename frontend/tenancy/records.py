@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     version INTEGER NOT NULL, rank INTEGER NOT NULL, target_modules TEXT NOT NULL,
     sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     state TEXT NOT NULL DEFAULT 'live', stored_dtype TEXT, source TEXT,
+    pinned INTEGER NOT NULL DEFAULT 0,
     UNIQUE (tenant_id, name, version));
 """
 TENANT_COLUMNS = (
@@ -28,7 +29,7 @@ TENANT_COLUMNS = (
 )
 ADAPTER_COLUMNS = (
     "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
-    "state, stored_dtype, source"
+    "state, stored_dtype, source, pinned"
 )
 STATES = ("pending", "live", "deleted", "aborted", "broken")
 
@@ -67,6 +68,8 @@ class AdapterRecord:
     stored_dtype: str | None = None
     # the lora_path it was loaded from (POST /v1/load_lora_adapter); None for an upload
     source: str | None = None
+    # kept on the runners' devices (PATCH /v1/adapters/{name}); a new version inherits it
+    pinned: bool = False
 
     def public(self, serving_dtype: str) -> dict:
         """The API's view; serving_dtype: the runners' dtype, which the adapter is cast to."""
@@ -81,6 +84,7 @@ class AdapterRecord:
             "created": int(self.created),
             "dtype": {"stored": self.stored_dtype, "serving": serving_dtype},
             "source": self.source,
+            "pinned": self.pinned,
         }
 
 
@@ -103,4 +107,5 @@ def adapter_from_row(row) -> AdapterRecord:
         row[10],
         row[11],
         row[12],
+        bool(row[13]),
     )

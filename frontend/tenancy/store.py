@@ -16,6 +16,7 @@ lock: one writer. The rows' types and the schema: records.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -94,6 +95,8 @@ class Store:
             self._db.execute("ALTER TABLE adapters ADD COLUMN stored_dtype TEXT")
         if "source" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN source TEXT")
+        if "pinned" not in columns:
+            self._db.execute("ALTER TABLE adapters ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
     def _rows(self, sql: str, *args) -> list[tuple]:
         with self._lock:
@@ -298,6 +301,20 @@ class Store:
             lambda db: db.execute("UPDATE adapters SET state = ? WHERE id = ?", (state, record.id))
         )
 
+    def set_pinned(self, record: AdapterRecord, pinned: bool) -> AdapterRecord:
+        """The version `record` pinned or not; the record as it is now."""
+        self._transaction(
+            lambda db: db.execute(
+                "UPDATE adapters SET pinned = ? WHERE id = ?", (int(pinned), record.id)
+            )
+        )
+        return dataclasses.replace(record, pinned=pinned)
+
+    def count_pinned(self, tenant_id: int) -> int:
+        """The tenant's live adapters that are pinned."""
+        sql = "SELECT COUNT(*) FROM adapters WHERE tenant_id = ? AND state = 'live' AND pinned"
+        return self._rows(sql, tenant_id)[0][0]
+
     def mark_deleted(self, record: AdapterRecord) -> None:
         self.set_state(record, "deleted")
 
@@ -327,6 +344,15 @@ class Store:
             sql += " AND tenant_id = ?"
             args = (tenant_id,)
         return [adapter_from_row(r) for r in self._rows(sql + " ORDER BY name", *args)]
+
+    def adapters_page(self, tenant_id: int, after: str, limit: int) -> list[AdapterRecord]:
+        """The tenant's live adapters named after `after` ("" from the first), by name, at
+        most `limit` of them."""
+        sql = (
+            f"SELECT {ADAPTER_COLUMNS} FROM adapters WHERE state = 'live' AND tenant_id = ? "
+            "AND name > ? ORDER BY name LIMIT ?"
+        )
+        return [adapter_from_row(r) for r in self._rows(sql, tenant_id, after, limit)]
 
     def adapters_in(self, *states: str) -> list[AdapterRecord]:
         marks = ", ".join("?" * len(states))

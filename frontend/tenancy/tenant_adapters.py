@@ -45,10 +45,16 @@ class TenantAdapters:
     """model_id: the base model's id (no adapter may take it)."""
 
     def __init__(
-        self, store: Store, scheduler: Scheduler, model_id: str, max_per_tenant: int = 10_000
+        self,
+        store: Store,
+        scheduler: Scheduler,
+        model_id: str,
+        max_per_tenant: int = 10_000,
+        max_pinned: int = 4,
     ) -> None:
         self.store, self.scheduler, self.model_id = store, scheduler, model_id
         self.max_per_tenant = max_per_tenant  # live adapters (Limits.max_adapters_per_tenant)
+        self.max_pinned = max_pinned  # pinned ones (Limits.max_pinned_per_tenant)
         self._trash: list[tuple[int, Path]] = []  # (version: row id, files) to delete once unused
         # adapter key -> [its lock, the calls holding or waiting for it] (_lock)
         self._locks: dict[str, list] = {}
@@ -64,6 +70,8 @@ class TenantAdapters:
                 await self.scheduler.register_adapter(
                     key, record.path, record.sha256, version=record.id
                 )
+                if record.pinned:
+                    await self._restore_pin(key, record)
             except AdapterError as exc:
                 if exc.code in UNTRUSTED_FILES:
                     self.store.set_state(record, "broken")
@@ -98,6 +106,19 @@ class TenantAdapters:
                     record.tenant_id,
                     exc,
                 )
+
+    async def _restore_pin(self, key: str, record: AdapterRecord) -> None:
+        """Pin a restored adapter again; one the runners cannot pin now (a smaller pool
+        than when it was pinned) is served unpinned and stored so, logged."""
+        try:
+            await self.scheduler.register_adapter(
+                key, record.path, record.sha256, version=record.id, pinned=True
+            )
+        except AdapterError as exc:
+            log.warning(
+                "adapter %r (tenant %d) is served unpinned: %s", record.name, record.tenant_id, exc
+            )
+            await asyncio.to_thread(self.store.set_pinned, record, False)
 
     async def upload(
         self, tenant: Tenant, name: str, files: dict[str, bytes], source: str | None = None
@@ -177,6 +198,8 @@ class TenantAdapters:
         previous: AdapterRecord | None,
     ) -> AdapterRecord:
         pending = await self._install(tenant, name, files, source)
+        if previous is not None and previous.pinned:  # the pin belongs to the name
+            pending = await asyncio.to_thread(self.store.set_pinned, pending, True)
         try:
             await self.scheduler.register_adapter(
                 key, pending.path, pending.sha256, version=pending.id
@@ -271,8 +294,39 @@ class TenantAdapters:
         except Exception:
             log.exception("could not restore the runners' version of %s", key)
 
+    async def pin(self, tenant: Tenant, name: str, pinned: bool) -> AdapterRecord:
+        """Pin (or unpin) the current version of `name` on every runner: 404 for a name the
+        tenant does not have, 403 pin_quota_exceeded beyond max_pinned_per_tenant, 409
+        pin_limit when a runner's device pool holds no more pins (nothing changes then)."""
+        key = self._key(tenant, name)
+        async with self._lock(key):
+            record = self.get(tenant, name)
+            if record.pinned == pinned:
+                return record
+            if pinned and self.store.count_pinned(tenant.id) >= self.max_pinned:
+                raise ApiError(
+                    403,
+                    "pin_quota_exceeded",
+                    f"your tenant pins at most {self.max_pinned} adapters on this server: "
+                    "unpin one first",
+                    "pinned",
+                )
+            try:
+                await self.scheduler.register_adapter(
+                    key, record.path, record.sha256, version=record.id, pinned=pinned
+                )
+            except AdapterError as exc:
+                raise ApiError(409, exc.code, str(exc), "pinned") from None
+            return await asyncio.to_thread(self.store.set_pinned, record, pinned)
+
     def list(self, tenant: Tenant) -> list[AdapterRecord]:
         return self.store.adapters(tenant.id)
+
+    def page(self, tenant: Tenant, after: str, limit: int) -> tuple[list[AdapterRecord], bool]:
+        """Up to `limit` of the tenant's adapters named after `after`, by name, and whether
+        more follow."""
+        rows = self.store.adapters_page(tenant.id, after, limit + 1)
+        return rows[:limit], len(rows) > limit
 
     def get(self, tenant: Tenant, name: str) -> AdapterRecord:
         record = self.store.current_adapter(tenant.id, name)

@@ -15,100 +15,27 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from punica_x.config import LoraConfig
 from punica_x.lora.adapter import AdapterError, LoraAdapter, LoraTarget, load_peft_adapter
+from punica_x.lora.pool_types import (
+    AdapterInfo,
+    AdapterRef,
+    PoolStats,
+    UnknownAdapterError,
+    _Version,
+    next_version_id,
+)
 
-_version_ids = itertools.count(1)
-_cache_ids = itertools.count(1)  # one per version installed in this process (prefix caching)
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    name: str
-    version: int
-    rank: int
-    target_modules: tuple[str, ...]
-    sha256: str
-    nbytes: int
-
-
-@dataclass(eq=False)
-class _Version:
-    info: AdapterInfo
-    path: Path
-    host: LoraAdapter | None
-    device: LoraAdapter | None = None
-    loading: Future | None = None
-    refs: int = 0
-    current: bool = True
-    error: str | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    cache_id: int = field(default_factory=lambda: next(_cache_ids))
-
-
-@dataclass(frozen=True, eq=False)
-class AdapterRef:
-    """A request's hold on one adapter version (released when the request ends)."""
-
-    _version: _Version
-
-    @property
-    def name(self) -> str:
-        return self._version.info.name
-
-    @property
-    def version(self) -> int:
-        return self._version.info.version
-
-    @property
-    def cache_id(self) -> str:
-        """Names these weights in the KV prefix cache (punica_x/kv/prefix.py): unique among
-        every version ever installed in this process, so a re-upload under a reused version
-        id, or another adapter's, never finds blocks computed with other weights; a rollback
-        to a version still held keeps its id (the same weights)."""
-        return f"{self._version.cache_id}:{self._version.info.sha256}"
-
-    @property
-    def ready(self) -> bool:
-        return self._version.device is not None
-
-    @property
-    def error(self) -> str | None:
-        return self._version.error
-
-    @property
-    def weights(self) -> LoraAdapter:
-        w = self._version.device
-        if w is None:
-            raise RuntimeError(f"adapter {self.name!r} is not resident")
-        return w
-
-
-@dataclass
-class PoolStats:
-    loads: int = 0
-    evictions: int = 0
-    device_bytes_used: int = 0
-    host_bytes_used: int = 0
-
-
-class UnknownAdapterError(KeyError):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"adapter {self.name!r} is not registered"
+__all__ = ["AdapterInfo", "AdapterPool", "AdapterRef", "PoolStats", "UnknownAdapterError"]
+PIN_FRACTION = 0.5  # pinned adapters hold at most this share of the device pool
 
 
 class AdapterPool:
@@ -132,13 +59,21 @@ class AdapterPool:
         path: str | Path,
         sha256: str | None = None,
         version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         """Validate and install `path` as the new current version of `name`. With `sha256`,
         files whose digest differs (see load_peft_adapter) are refused ("sha256_mismatch")
         and the current version stays. version: its id, as the caller numbers them (the
         server: the store's row id, the same on every runner); None: the next of this
         process's own. A version this pool still holds (a request uses it) becomes current
-        again as it is (a rollback to it)."""
+        again as it is (a rollback to it). pinned: pin (True) or unpin (False) the name as
+        pin() does, once it is current; None leaves its pin as it was."""
+        info = self._register(name, path, sha256, version)
+        if pinned is not None:
+            self.pin(name, pinned)
+        return info
+
+    def _register(self, name, path, sha256, version) -> AdapterInfo:
         if not name or len(name) > 256:
             raise AdapterError("bad_name", "adapter names must be 1..256 characters")
         if version is not None:
@@ -159,7 +94,7 @@ class AdapterPool:
             )
         info = AdapterInfo(
             name,
-            next(_version_ids) if version is None else version,
+            next_version_id() if version is None else version,
             adapter.rank,
             adapter.target_modules,
             adapter.sha256,
@@ -193,7 +128,49 @@ class AdapterPool:
         self._versions[version.info.version] = version
         if old is not None and old is not version:
             old.current = False
+            if old.pinned:  # a pin belongs to the name: its new version is kept instead
+                old.pinned = False
+                self._keep(version)
             self._maybe_drop(old)
+
+    # -- pinning ------------------------------------------------------------------------
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """Keep `name`'s current version on the device (loaded now if it is not, never
+        evicted) until unpinned; its later versions too. Pinned adapters hold at most
+        PIN_FRACTION of the device pool (the rest serves everyone else's): AdapterError
+        "pin_limit" beyond it. UnknownAdapterError for a name not registered."""
+        with self._lock:
+            v = self._current.get(name)
+            if v is None:
+                raise UnknownAdapterError(name)
+            if not pinned:
+                v.pinned = False
+                if v.refs == 0 and v in self._pending:
+                    self._pending.remove(v)
+                return
+            if v.pinned:
+                return
+            budget = int(self.config.device_bytes * PIN_FRACTION)
+            held = sum(x.info.nbytes for x in self._current.values() if x.pinned)
+            if held + v.info.nbytes > budget:
+                raise AdapterError(
+                    "pin_limit",
+                    f"pinned adapters may hold {budget} bytes of the device pool's "
+                    f"{self.config.device_bytes}; {held} are pinned and {name!r} needs "
+                    f"{v.info.nbytes}: unpin one first",
+                )
+            self._keep(v)
+        self.poll()
+
+    def pinned(self) -> frozenset[str]:
+        """The names pinned now."""
+        with self._lock:
+            return frozenset(n for n, v in self._current.items() if v.pinned)
+
+    def _keep(self, v: _Version) -> None:
+        v.pinned = True
+        if v.device is None and v.loading is None and v not in self._pending:
+            self._pending.append(v)
 
     def unregister(self, name: str) -> None:
         """New acquires fail at once; running requests finish on the weights they hold."""
@@ -201,7 +178,9 @@ class AdapterPool:
             version = self._current.pop(name, None)
             if version is None:
                 raise UnknownAdapterError(name)
-            version.current = False
+            version.current = version.pinned = False
+            if version.refs == 0 and version in self._pending:
+                self._pending.remove(version)
             self._maybe_drop(version)
 
     def info(self, name: str) -> AdapterInfo:
@@ -266,7 +245,7 @@ class AdapterPool:
                     self._finish_load(v)
             still_pending = []
             for v in self._pending:
-                if v.refs > 0 and not self._start_load(v):
+                if (v.refs > 0 or v.pinned) and not self._start_load(v):
                     still_pending.append(v)
             self._pending = still_pending
             self._update_stats()
@@ -301,7 +280,15 @@ class AdapterPool:
         if host is not None:
             self._host_lru.move_to_end(v.info.version)
         v.loading = self._loader.submit(self._load, v, host)
+        if v.pinned:  # resident as soon as loaded, not at the next step's poll (an idle runner)
+            v.loading.add_done_callback(lambda _done, v=v: self._finish_pinned(v))
         return True
+
+    def _finish_pinned(self, v: _Version) -> None:
+        with self._lock:
+            if v.loading is not None and v.loading.done():
+                self._finish_load(v)
+                self._update_stats()
 
     def _load(self, v: _Version, host: LoraAdapter | None) -> LoraAdapter:
         """Runs on the loader thread: disk (if evicted from the host cache) -> device."""
@@ -340,7 +327,11 @@ class AdapterPool:
         if self.stats.device_bytes_used + nbytes <= budget:
             return True
         idle = sorted(
-            (v for v in self._versions.values() if v.device is not None and v.refs == 0),
+            (
+                v
+                for v in self._versions.values()
+                if v.device is not None and v.refs == 0 and not v.pinned
+            ),
             key=lambda v: v.last_used,
         )
         freeable = sum(v.info.nbytes for v in idle)

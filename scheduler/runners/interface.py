@@ -63,11 +63,17 @@ class RunnerHandle(Protocol):
         KV comes along."""
 
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
+        self,
+        name: str,
+        path: Path,
+        sha256: str | None = None,
+        version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         """Install `path` as the current version of `name`; with `sha256`, files with another
         digest are refused (AdapterError "sha256_mismatch"). version: its id on every runner
-        (AdapterPool.register; None: the runner numbers it)."""
+        (AdapterPool.register; None: the runner numbers it); pinned: pin / unpin it there
+        (AdapterError "pin_limit"), None: unchanged."""
 
     async def unregister_adapter(self, name: str) -> None: ...
 

@@ -68,13 +68,18 @@ class LocalRunner:
         return await self.async_engine.take(request_id, with_kv)
 
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
+        self,
+        name: str,
+        path: Path,
+        sha256: str | None = None,
+        version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         # Parsing and validating read the files: a worker thread does it, so neither the event
         # loop nor the engine's step loop waits (the pool is thread-safe; its torch ops run on a
         # thread of their own, lora.adapter.load_peft_adapter).
         pool = self.engine.adapters
-        return await asyncio.to_thread(pool.register, name, path, sha256, version)
+        return await asyncio.to_thread(pool.register, name, path, sha256, version, pinned)
 
     async def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)

@@ -44,9 +44,9 @@ class EngineProcess(RunnerCore):
         )
         return self.info_
 
-    async def register_adapter(self, name: str, path: str, sha256, version):
+    async def register_adapter(self, name: str, path: str, sha256, version, pinned=None):
         pool = self.engine.adapters  # reading the files: a worker thread (the pool is thread-safe)
-        return await asyncio.to_thread(pool.register, name, path, sha256, version)
+        return await asyncio.to_thread(pool.register, name, path, sha256, version, pinned)
 
     def shutdown(self) -> None:
         if self.engine is not None:

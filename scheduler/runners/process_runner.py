@@ -175,9 +175,14 @@ class ProcessRunner(EventStreams):
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
+        self,
+        name: str,
+        path: Path,
+        sha256: str | None = None,
+        version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
-        info = await self._call("register_adapter", name, str(path), sha256, version)
+        info = await self._call("register_adapter", name, str(path), sha256, version, pinned)
         self._names.add(name)
         return info
 

@@ -42,14 +42,19 @@ class RunnerActor(RunnerCore, KVActorMethods):
         return self.launcher.describe() if self.launcher is not None else None
 
     def register_adapter(
-        self, name: str, files: dict[str, bytes], sha256: str | None, version: int | None
+        self,
+        name: str,
+        files: dict[str, bytes],
+        sha256: str | None,
+        version: int | None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         self.uploads += 1  # (a folder per upload: a held version keeps its files)
         folder = self.adapter_dir / f"{abs(hash(name))}-{self.uploads}"
         folder.mkdir(parents=True, exist_ok=True)
         for fname in ADAPTER_FILES:
             (folder / fname).write_bytes(files[fname])
-        return self.engine.adapters.register(name, folder, sha256, version)
+        return self.engine.adapters.register(name, folder, sha256, version, pinned)
 
     def shutdown(self) -> None:
         import shutil

@@ -145,7 +145,12 @@ class RayRunner(EventStreams):
 
     # -- adapters -----------------------------------------------------------------------------
     async def register_adapter(
-        self, name: str, path: Path, sha256: str | None = None, version: int | None = None
+        self,
+        name: str,
+        path: Path,
+        sha256: str | None = None,
+        version: int | None = None,
+        pinned: bool | None = None,
     ) -> AdapterInfo:
         """The files at `path` go to the actor as bytes through the object store, put there
         once per version (runners started later get the same object, even if `path` is gone
@@ -161,7 +166,7 @@ class RayRunner(EventStreams):
             )
             files_ref = ray.put(files)
             RayRunner._shipped[name] = ((str(path), sha256), files_ref)
-        info = await self._call("register_adapter", name, files_ref, sha256, version)
+        info = await self._call("register_adapter", name, files_ref, sha256, version, pinned)
         self._names.add(name)
         return info
 

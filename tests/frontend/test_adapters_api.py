@@ -205,3 +205,87 @@ def test_tenants_cannot_see_each_others_adapters(server, adapter_dirs):
     # the other tenant may use the same name for its own adapter
     assert server.upload(other, "private", adapter_dirs["b"]).status_code == 201
     assert complete(server, owner, "private") != complete(server, other, "private")
+
+
+def test_listing_in_pages(server, adapter_dirs):
+    """?limit=N&after=NAME pages the caller's adapters by name (a server of 10,000 adapters
+    lists them without one 10,000-entry answer); bad paging parameters are 400."""
+    key = server.create_tenant("pager")
+    names = ["p0", "p1", "p2", "p3", "p4"]
+    for name in reversed(names):
+        assert server.upload(key, name, adapter_dirs["a"]).status_code == 201
+    with server.http(key) as c:
+        assert [a["name"] for a in c.get("/v1/adapters").json()["data"]] == names
+        seen, after, pages = [], None, 0
+        while True:
+            params = {"limit": 2} if after is None else {"limit": 2, "after": after}
+            body = c.get("/v1/adapters", params=params).json()
+            seen += [a["name"] for a in body["data"]]
+            assert body["first_id"] == body["data"][0]["name"]
+            assert body["last_id"] == body["data"][-1]["name"]
+            pages += 1
+            if not body["has_more"]:
+                break
+            after = body["last_id"]
+        assert seen == names and pages == 3
+        body = c.get("/v1/adapters", params={"limit": 1000, "after": "p4"}).json()
+        assert body == {
+            "object": "list",
+            "data": [],
+            "has_more": False,
+            "first_id": None,
+            "last_id": None,
+        }
+        bad = [
+            {"limit": 0},
+            {"limit": 1001},
+            {"limit": -1},
+            {"limit": "a"},
+            {"limit": "1e3"},
+            {"limit": " 1"},
+            {"limit": ""},
+            {"limit": "9" * 40},
+            {"after": "p1"},
+            {"limit": 2, "after": "../x"},
+            {"limit": 2, "after": "a" * 65},
+            {"limit": 2, "offset": 1},
+        ]
+        for params in bad:
+            r = c.get("/v1/adapters", params=params)
+            assert r.status_code == 400, (params, r.text)
+    other = server.create_tenant("pager2")
+    with server.http(other) as c:  # another tenant's names are never paged through
+        assert c.get("/v1/adapters", params={"limit": 10}).json()["data"] == []
+
+
+def test_pinning_an_adapter(server, adapter_dirs):
+    """PATCH /v1/adapters/{name} {"pinned": bool}: the runners keep it on their devices; a
+    new version stays pinned; a tenant pins at most max_pinned_per_tenant (4); bad bodies
+    are 400, names not the caller's 404."""
+    key, other = server.create_tenant("pinner"), server.create_tenant("pinner2")
+    for name in ("pa", "pb", "pc", "pd", "pe"):
+        assert server.upload(key, name, adapter_dirs["a"]).status_code == 201
+    with server.http(key) as c:
+        r = c.patch("/v1/adapters/pa", json={"pinned": True})
+        assert r.status_code == 200 and r.json()["pinned"] is True, r.text
+        assert c.get("/v1/adapters/pa").json()["pinned"] is True
+        assert c.get("/v1/adapters/pb").json()["pinned"] is False
+        assert server.upload(key, "pa", adapter_dirs["b"]).json()["pinned"] is True  # v2
+        assert complete(server, key, "pa")
+        for name in ("pb", "pc", "pd"):
+            assert c.patch(f"/v1/adapters/{name}", json={"pinned": True}).status_code == 200
+        r = c.patch("/v1/adapters/pe", json={"pinned": True})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "pin_quota_exceeded"
+        assert c.patch("/v1/adapters/pd", json={"pinned": False}).json()["pinned"] is False
+        assert c.patch("/v1/adapters/pe", json={"pinned": True}).status_code == 200
+        assert c.patch("/v1/adapters/pe", json={"pinned": True}).status_code == 200  # again
+        bad = [{}, {"pinned": "yes"}, {"pinned": 1}, {"pinned": None}, {"pinned": True, "x": 1}]
+        for body in bad:
+            assert c.patch("/v1/adapters/pb", json=body).status_code == 400, body
+        assert c.patch("/v1/adapters/pb", content=b"{nope").status_code == 400
+        assert c.patch("/v1/adapters/pb", json=[{"pinned": True}]).status_code == 400
+        assert c.patch("/v1/adapters/missing", json={"pinned": True}).status_code == 404
+        pinned = {a["name"] for a in c.get("/v1/adapters").json()["data"] if a["pinned"]}
+        assert pinned == {"pa", "pb", "pc", "pe"}
+    with server.http(other) as c:
+        assert c.patch("/v1/adapters/pa", json={"pinned": False}).status_code == 404

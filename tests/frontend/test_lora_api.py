@@ -323,3 +323,44 @@ def test_a_tenant_holds_at_most_its_quota_of_adapters(lora_server, source_root, 
         assert sorted(_adapters(srv, key)) == [("q1", 2), ("q2", 1), ("q3", 1)]
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "q2"}).status_code == 200
         assert load("q4").status_code == 200
+
+
+def test_vllm_metric_names_for_gateways(lora_server, source_root, adapter_dirs):
+    """vLLM's names on /metrics (frontend/http/vllm_metrics.py): while a request on adapter
+    `busy` streams, lora_requests_info lists it as running, and the request gauges count it."""
+    import re
+    import threading
+
+    srv, (root, _) = lora_server, source_root
+    key = srv.keys["acme2"]
+    shutil.copytree(adapter_dirs["b"], root / "acme2" / "busy")
+    with srv.http(key) as c:
+        body = {"lora_name": "busy", "lora_path": "busy"}
+        assert c.post("/v1/load_lora_adapter", json=body).status_code == 200
+    started = threading.Event()
+
+    def stream():
+        body = {"model": "busy", "prompt": "count", "max_tokens": 400, "stream": True}
+        body["ignore_eos"] = True
+        with srv.http(key, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for _ in r.iter_lines():
+                started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    try:
+        assert started.wait(60)
+        with srv.http(srv.admin_token) as c:
+            text = c.get("/metrics").text
+    finally:
+        worker.join(120)
+    info = re.search(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", text, re.M)
+    assert info is not None, text[-2000:]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    assert "busy" in labels["running_lora_adapters"].split(",")
+    assert int(labels["max_lora"]) >= 1 and float(info.group(2)) > 1e9
+    running = re.search(r'^vllm:num_requests_running\{model_name="(.*)"\} (\S+)$', text, re.M)
+    assert running.group(1) == srv.model_id and float(running.group(2)) >= 1
+    use = re.search(r"^vllm:kv_cache_usage_perc\{.*\} (\S+)$", text, re.M)
+    assert 0 < float(use.group(1)) <= 1
+    assert re.search(r"^vllm:num_requests_waiting\{.*\} \S+$", text, re.M)

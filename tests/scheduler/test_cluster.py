@@ -461,3 +461,27 @@ def test_a_conversation_goes_back_to_the_runner_holding_its_prefix(shared, refer
     assert placed == ["runner-0"] * 3 + ["runner-1"] * 2
     assert chosen
     assert hits >= (cached - 1) // 16 * 16 - 16 and hits > 0
+
+
+def test_a_pin_reaches_every_runner_and_later_ones(shared, tiny_adapters):
+    """register_adapter(pinned=True) pins the key on every runner, a runner started later
+    pins it too, pinned=False unpins it everywhere, and None keeps it as it was."""
+
+    async def main():
+        sched = make_cluster(shared, n=2)
+        try:
+            await sched.register_adapter("a", tiny_adapters["r8"], version=3, pinned=True)
+            await sched.register_adapter("b", tiny_adapters["r4"])
+            await sched.add_runners(1)
+            pinned = [s.handle.engine.adapters.pinned() for s in sched.slots]
+            await sched.register_adapter("a", tiny_adapters["r16"], version=4)  # a new version
+            kept = [s.handle.engine.adapters.pinned() for s in sched.slots]
+            await sched.register_adapter("a", tiny_adapters["r16"], version=4, pinned=False)
+            after = [s.handle.engine.adapters.pinned() for s in sched.slots]
+            return pinned, kept, after
+        finally:
+            sched.shutdown()
+
+    pinned, kept, after = asyncio.run(main())
+    assert pinned == [{"a"}] * 3 and kept == [{"a"}] * 3
+    assert after == [frozenset()] * 3

@@ -118,6 +118,22 @@ def test_errors_cross_as_their_own_type(cluster, tiny_adapters):
     assert handle.alive()
 
 
+def test_a_pin_crosses_to_the_process(cluster, tiny_adapters):
+    """A pinned registration loads the adapter in the runner's process with no request."""
+    handle = cluster.slots[0].handle
+
+    async def main():
+        await handle.register_adapter("pinned", tiny_adapters["r4"], version=900, pinned=True)
+        for _ in range(400):  # the runner's own view (its snapshot, read by a poll)
+            _, snapshot = await handle._remote("poll", -1, 0.0)  # acknowledges nothing
+            if "pinned" in snapshot.resident:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
+
+
 def test_a_failed_build_raises_its_reason_and_leaves_no_process(tmp_path):
     bad = EngineConfig(model=ModelConfig(model=str(tmp_path / "no-such-model")))
     before = set(os.listdir("/proc"))
