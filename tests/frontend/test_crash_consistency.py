@@ -199,3 +199,32 @@ def test_sigkill_at_random_points_loses_nothing_and_serves_nothing_wrong(
         f"operations found applied, 0 lost, 0 wrong, {time.monotonic() - started:.0f} s"
     )
     assert totals["upload"] >= kills
+
+
+def test_a_pin_survives_a_restart(srv_model_dir, payloads, tmp_path):
+    """A pinned adapter is pinned again when the server restarts: resident on its runner
+    before any request names it, and listed pinned."""
+    data = tmp_path / "data"
+    srv = start_server(srv_model_dir, data)
+    key = srv.create_tenant("pins")
+    assert srv.upload(key, "kept", payloads["A"]).status_code == 201
+    assert srv.upload(key, "loose", payloads["B"]).status_code == 201
+    with srv.http(key) as c:
+        assert c.patch("/v1/adapters/kept", json={"pinned": True}).status_code == 200
+    kill(srv)
+    srv = start_server(srv_model_dir, data)
+    try:
+        with srv.http(key) as c:
+            listed = {a["name"]: a["pinned"] for a in c.get("/v1/adapters").json()["data"]}
+        assert listed == {"kept": True, "loose": False}
+        resident = 0
+        for _ in range(100):  # the pin's load runs beside the start
+            with srv.http(srv.admin_token) as c:
+                runners = c.get("/admin/runners").json()["runners"]
+            resident = sum(r["resident_adapters"] for r in runners)
+            if resident:
+                break
+            time.sleep(0.1)
+        assert resident == 1  # no request ran: only the pin loaded one, and `loose` is not
+    finally:
+        srv.stop()
