@@ -226,28 +226,30 @@ class DecodeGraphs:
             self.widths[0],
         )
 
-    def prepare(self, batch: Batch) -> None:
-        """Capture now the graph `batch` would replay, if it is not yet (an overlapped step
-        replays on the device's thread, where a capture could meet the host's launches)."""
-        if self.enabled and _decode_only(batch, self.buffers):
-            key = self._key(batch)
-            if key is not None:
-                self._graph(*key)
-
-    def run(self, batch: Batch, capture: bool = True) -> torch.Tensor | None:
-        """The batch's logits [T, vocab] from its graph, or None when it runs eagerly;
-        capture=False: a shape not captured yet runs eagerly (see prepare)."""
+    def choose(self, batch: Batch) -> _Graph | None | bool:
+        """The graph `batch` replays (captured now if new); None when it is a decode-only
+        step that runs eagerly, False when it is no graph's to run (not decode-only, or
+        graphs off). An overlapped step chooses on the host's thread and replays on the
+        device's (replay), so no capture meets the host's own launches."""
         if not self.enabled or not _decode_only(batch, self.buffers):
-            return None
+            return False
         key = self._key(batch)
-        if key is not None and not capture and key not in self.graphs:
-            key = None
-        graph = None if key is None else self._graph(*key)
+        return None if key is None else self._graph(*key)
+
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's logits [T, vocab] from its graph, or None when it runs eagerly."""
+        return self.replay(self.choose(batch), batch)
+
+    def replay(self, graph: _Graph | None | bool, batch: Batch) -> torch.Tensor | None:
+        """The logits of `batch` from `graph` (choose's answer for it); None: run it
+        eagerly."""
+        if graph is False:
+            return None
         if graph is None:
             self.stats.eager += 1
             return None
         t = batch.input_ids.shape[0]
-        graph.load(batch, self._row_segments(batch, graph.rows) if key[2] else None)
+        graph.load(batch, self._row_segments(batch, graph.rows) if graph.groups else None)
         graph.replay()
         self.stats.replays += 1
         return graph.logits[:t]

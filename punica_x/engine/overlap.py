@@ -27,9 +27,9 @@ What each feature does under overlap:
 - Engine.take (migration) and holding the engine: the in-flight step is completed first.
 - MLFQ (KV swaps on the host at schedule time), DistKV (remote blocks), Lamina (attention
   workers): synchronous steps; the engine decides per step (OverlapPart.usable).
-- CUDA graphs: a decode step replays its graph on the device's thread (DecodeGraphs.run with
-  capture off); a shape not captured yet is captured first on the host's thread, at launch,
-  when the device is idle (the previous step's logits were read), never beside a step.
+- CUDA graphs: a decode step's graph is chosen (a new shape captured) on the host's thread at
+  launch, when the device is idle (the previous step's logits were read), and replayed on the
+  device's thread (DecodeGraphs.choose / replay), never captured beside a step.
 """
 
 from __future__ import annotations
@@ -155,12 +155,12 @@ def fill_inputs(batch: Batch, tokens: list[int | None]) -> None:
         ids[fills.where.to(ids.device)] = values.to(ids.device, non_blocking=True)
 
 
-def replaying(graphs, forward):
-    """forward(batch, kv, sgmv) that replays the batch's captured graph where one is
-    (DecodeGraphs.run, never capturing: it runs on the device's thread), else runs forward."""
+def replaying(graphs, graph, forward):
+    """forward(batch, kv, sgmv) that replays `graph` (DecodeGraphs.choose's answer for the
+    batch, made on the host's thread) where it is one, else runs forward."""
 
     def run(batch: Batch, kv, sgmv):
-        logits = graphs.run(batch, capture=False)
+        logits = graphs.replay(graph, batch)
         return forward(batch, kv, sgmv) if logits is None else logits
 
     return run
@@ -311,10 +311,8 @@ class OverlapPart:
         if step.batch.input_fills:
             fill_inputs(step.batch, prev.tokens)
         forward = e.forward
-        graphs = e.graphs
-        if graphs is not None:  # captured here, if new: the device is idle now
-            graphs.prepare(step.batch)
-            forward = replaying(graphs, forward)
+        if e.graphs is not None:  # chosen (captured, if new) here: the device is idle now
+            forward = replaying(e.graphs, e.graphs.choose(step.batch), forward)
         step.logits = self.device.launch(forward, step.batch, e.cache.kv, e.sgmv)
         self.steps += 1
 

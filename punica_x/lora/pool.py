@@ -73,7 +73,9 @@ class AdapterPool:
             self.pin(name, pinned)
         return info
 
-    def _register(self, name, path, sha256, version) -> AdapterInfo:
+    def _register(
+        self, name: str, path: str | Path, sha256: str | None, version: int | None
+    ) -> AdapterInfo:
         if not name or len(name) > 256:
             raise AdapterError("bad_name", "adapter names must be 1..256 characters")
         if version is not None:
