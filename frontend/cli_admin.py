@@ -10,6 +10,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+ADAPTER_PAGE = 1000  # adapters per request of `admin tenant adapters`
+
 
 def admin(args) -> int:
     from frontend.tenancy.auth import read_admin_token
@@ -55,6 +57,8 @@ def _tenant(args, base: str, token: str) -> int:
                 shares = "shares prefix cache" if t["share_prefix_cache"] else "own prefix cache"
                 print(f"{t['name']}\t{state}\tweight {t['weight']:g}\t{shares}")
             return 0
+    elif args.action == "adapters":
+        return _adapters(base, token, args.name)
     elif args.action == "weight":
         url = f"{base}/admin/tenants/{args.name}"
         status, data = _call("PATCH", url, token, {"weight": args.weight})
@@ -177,6 +181,27 @@ def _hit_rate(hits: int, queries: int) -> str:
     return f"{100 * hits / queries:.1f}%" if queries else "-"
 
 
+def _adapters(base: str, token: str, tenant: str) -> int:
+    """`admin tenant adapters NAME`: every adapter of the tenant, one line each, read a page
+    of ADAPTER_PAGE at a time (a tenant may hold 10,000)."""
+    after, lines = "", 0
+    while True:
+        query = f"limit={ADAPTER_PAGE}" + (f"&after={after}" if after else "")
+        status, data = _call("GET", f"{base}/admin/tenants/{tenant}/adapters?{query}", token)
+        if status != 200:
+            print(f"error {status}: {json.dumps(data)}", file=sys.stderr)
+            return 1
+        for a in data["data"]:
+            pinned = "pinned" if a["pinned"] else "-"
+            print(f"{a['name']}\tv{a['version']}\trank {a['rank']}\t{a['size_bytes']} B\t"
+                  f"{pinned}\t{a['source'] or 'upload'}")  # fmt: skip
+            lines += 1
+        if not data["has_more"]:
+            print(f"{lines} adapters", file=sys.stderr)
+            return 0
+        after = data["last_id"]
+
+
 def _scale(args, base: str, token: str) -> int:
     """Both directions wait for the change to finish (the server answers when it is done)."""
     if args.direction == "up":
@@ -256,6 +281,10 @@ def admin_parser(sub, default_data_dir: str) -> None:
     share.add_argument("name")
     share.add_argument("state", choices=["on", "off"])
     actions.add_parser("list", parents=[common], help="list tenants")
+    listing = actions.add_parser(
+        "adapters", parents=[common], help="list a tenant's adapters (version, rank, source)"
+    )
+    listing.add_argument("name")
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
     revoke.add_argument("name")
     what.add_parser("status", parents=[common], help="runners, their load and the advice")

@@ -135,11 +135,6 @@ class FrontendManager:
     def list_adapters(self, caller: Caller) -> list[AdapterRecord]:
         return self.adapters.list(caller.tenant)
 
-    def adapter_page(
-        self, caller: Caller, after: str, limit: int
-    ) -> tuple[list[AdapterRecord], bool]:
-        return self.adapters.page(caller.tenant, after, limit)
-
     def get_adapter(self, caller: Caller, name: str) -> AdapterRecord:
         return self.adapters.get(caller.tenant, name)
 

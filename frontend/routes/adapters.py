@@ -14,6 +14,10 @@ from frontend.routes.endpoint import Endpoint, server
 from frontend.tenancy.uploads import CONFIG, WEIGHTS, read_upload
 
 MAX_PAGE = 1000
+PAGE_QUERY = (
+    ("limit", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}),
+    ("after", {"type": "string", "pattern": NAME_PATTERN}),
+)
 PATCH_BODY_BYTES = 4096
 _NAME = re.compile(NAME_PATTERN)
 _BINARY = {"type": "string", "format": "binary"}
@@ -47,21 +51,25 @@ async def upload(request: Request):
 
 
 async def listing(request: Request):
-    """Every adapter of the caller by name, or with ?limit=N (1-1000) a page of them, after
-    ?after=NAME (the last name of the page before); a page says has_more and its
-    first_id / last_id (names), as OpenAI's paged lists do."""
     manager, who = server(request).caller(request)
-    params = request.query_params
+    return adapter_listing(manager, who.tenant, request.query_params)
+
+
+def adapter_listing(manager, tenant, params) -> JSONResponse:
+    """Every adapter of `tenant` by name, or with ?limit=N (1-1000) a page of them, after
+    ?after=NAME (the last name of the page before); a page says has_more and its
+    first_id / last_id (names), as OpenAI's paged lists do. The tenant's own route and the
+    admin's (GET /admin/tenants/{name}/adapters) answer alike."""
     unknown = sorted(set(params) - {"limit", "after"})
     if unknown:
         raise bad_request("unsupported_parameter", f"unknown query parameter {unknown[0]!r}")
     if "limit" not in params:
         if "after" in params:
             raise bad_request("invalid_value", "after needs limit", "after")
-        data = [a.public(manager.serving_dtype) for a in manager.list_adapters(who)]
+        data = [a.public(manager.serving_dtype) for a in manager.adapters.list(tenant)]
         return JSONResponse({"object": "list", "data": data})
     limit, after = _limit(params.get("limit", "")), _after(params.get("after", ""))
-    records, more = manager.adapter_page(who, after, limit)
+    records, more = manager.adapters.page(tenant, after, limit)
     data = [a.public(manager.serving_dtype) for a in records]
     first, last = (records[0].name, records[-1].name) if records else (None, None)
     return JSONResponse(
@@ -111,6 +119,7 @@ ENDPOINTS = (
         ("GET",),
         listing,
         "The caller's adapters (all, or a page: ?limit=N&after=NAME)",
+        query=PAGE_QUERY,
     ),
     Endpoint(
         "/v1/adapters/{name}",

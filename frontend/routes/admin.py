@@ -6,6 +6,7 @@
     PATCH  /admin/tenants/{name} {"weight", "share_prefix_cache"} -> its fair-share weight,
                                       whether its base-model requests share prefix-cached KV
     DELETE /admin/tenants/{name}          -> revoke the tenant and its keys
+    GET    /admin/tenants/{name}/adapters -> its adapters (all, or ?limit=N&after=NAME pages)
     GET    /admin/runners                 -> {"runners": [...], "advice": ..., "queued": N}
     POST   /admin/runners {"count": K}    -> 201, the K new runners once they take work
     DELETE /admin/runners/{id}            -> drain that runner: its requests move, then it stops
@@ -17,9 +18,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from frontend.http.errors import ApiError, bad_request
+from frontend.http.errors import ApiError, bad_request, not_found
 from frontend.http.protocol import RunnersAdd, TenantCreate, TenantUpdate
 from frontend.http.request_body import read_json, validate
+from frontend.routes.adapters import PAGE_QUERY, adapter_listing
 from frontend.routes.endpoint import Endpoint, server
 from frontend.tenancy.records import Tenant
 from scheduler.cluster import ClusterError, Scheduler
@@ -44,6 +46,15 @@ async def tenant(request: Request):
         body = validate(TenantUpdate, await read_json(request, ADMIN_BODY_BYTES))
         return JSONResponse(tenant_json(manager.update_tenant(name, body)))
     return JSONResponse(tenant_json(manager.revoke_tenant(name)))
+
+
+async def tenant_adapters(request: Request):
+    state = server(request)
+    manager, name = state.admin(request), request.path_params["name"]
+    tenant = state.store.tenant_by_name(name)
+    if tenant is None:
+        raise not_found("tenant_not_found", f"tenant {name!r} does not exist")
+    return adapter_listing(manager, tenant, request.query_params)
 
 
 async def runners(request: Request):
@@ -89,6 +100,14 @@ ENDPOINTS = (
         auth="admin",
     ),
     Endpoint("/admin/tenants/{name}", ("DELETE",), tenant, "Revoke a tenant", auth="admin"),
+    Endpoint(
+        "/admin/tenants/{name}/adapters",
+        ("GET",),
+        tenant_adapters,
+        "A tenant's adapters (all, or a page: ?limit=N&after=NAME)",
+        auth="admin",
+        query=PAGE_QUERY,
+    ),
     Endpoint("/admin/runners", ("GET",), runners, "Runners and the advice", auth="admin"),
     Endpoint(
         "/admin/runners",

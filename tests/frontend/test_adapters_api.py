@@ -256,6 +256,43 @@ def test_listing_in_pages(server, adapter_dirs):
     other = server.create_tenant("pager2")
     with server.http(other) as c:  # another tenant's names are never paged through
         assert c.get("/v1/adapters", params={"limit": 10}).json()["data"] == []
+    _admin_lists_in_pages(server, names, key)
+
+
+def _admin_lists_in_pages(server, names, key):
+    """The admin reads any tenant's adapters the same way (GET /admin/tenants/{name}/adapters),
+    and `punica-x admin tenant adapters NAME` pages through all of them."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {server.admin_token}"}
+    url = server.url + "/admin/tenants/pager/adapters"
+    assert [a["name"] for a in httpx.get(url, headers=admin).json()["data"]] == names
+    page = httpx.get(url, params={"limit": 2, "after": "p1"}, headers=admin).json()
+    assert ([a["name"] for a in page["data"]], page["has_more"]) == (["p2", "p3"], True)
+    for params in ({"limit": 0}, {"after": "p1"}, {"limit": 2, "offset": 1}):
+        assert httpx.get(url, params=params, headers=admin).status_code == 400, params
+    missing = httpx.get(server.url + "/admin/tenants/nobody/adapters", headers=admin)
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "tenant_not_found")
+    assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 401
+
+
+def test_admin_cli_lists_a_tenants_adapters_page_by_page(server, adapter_dirs, monkeypatch, capsys):
+    from frontend import cli_admin
+
+    key = server.create_tenant("listed")
+    for name in ("l0", "l1", "l2"):
+        assert server.upload(key, name, adapter_dirs["a"]).status_code == 201
+    monkeypatch.setattr(cli_admin, "ADAPTER_PAGE", 2)  # two pages of two and one
+    calls = []
+    real = cli_admin._call
+    monkeypatch.setattr(cli_admin, "_call", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    assert cli_admin._adapters(server.url, server.admin_token, "listed") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[:3] for line in lines] == [
+        ["l0", "v1", "rank 4"], ["l1", "v1", "rank 4"], ["l2", "v1", "rank 4"]
+    ]  # fmt: skip
+    assert all(line.endswith("\tupload") for line in lines) and len(calls) == 2
+    assert cli_admin._adapters(server.url, server.admin_token, "nobody") == 1
 
 
 def test_pinning_an_adapter(server, adapter_dirs):

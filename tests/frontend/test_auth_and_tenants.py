@@ -22,6 +22,7 @@ ROUTES = [
     ("GET", "/admin/tenants"),
     ("POST", "/admin/tenants"),
     ("DELETE", "/admin/tenants/x"),
+    ("GET", "/admin/tenants/x/adapters"),
 ]
 
 
