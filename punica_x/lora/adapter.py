@@ -141,17 +141,45 @@ class _SafetensorsFile:
 
 
 def _read_tensors(f: _SafetensorsFile, checked: Checked, target: LoraTarget) -> dict:
-    """{(layer, module, 'A'|'B'): tensor}, each checked: shape, dtype, finite values."""
-    tensors = {}
-    for (layer, module, ab), key in checked.tensors.items():
-        t = f.get_tensor(key)
-        dtype = str(t.dtype).removeprefix("torch.")
-        want = expected_shape(target, checked.options, layer, module, ab)
-        check_tensor(key, dtype, tuple(t.shape), want)
-        if not torch.isfinite(t).all():
+    """{(layer, module, 'A'|'B'): tensor}, each checked: shape, dtype, finite values. The
+    values are checked all at once (_all_finite); only a file holding a NaN or Inf is checked
+    tensor by tensor, so the error is the one the first bad tensor gives, as check_peft_header
+    finds it."""
+    tensors = {where: f.get_tensor(key) for where, key in checked.tensors.items()}
+    finite = _all_finite(list(tensors.values()))
+    for where, key in checked.tensors.items():
+        t = tensors[where]
+        want = expected_shape(target, checked.options, *where)
+        check_tensor(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), want)
+        if not finite and not torch.isfinite(t).all():
             raise AdapterError("non_finite", f"{key} contains NaN or Inf values")
-        tensors[(layer, module, ab)] = t
     return tensors
+
+
+# a float is NaN or Inf when its exponent bits are all set: (the values' integer view, them)
+_EXPONENT = {
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN or Inf in any of them: one pass over each dtype's values, concatenated (an
+    adapter has hundreds of small tensors; one isfinite each cost more than the rest of its
+    parse)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+    for dtype, parts in by_dtype.items():
+        flat = torch.cat(parts)
+        if dtype in _EXPONENT:
+            view, exponent = _EXPONENT[dtype]
+            if bool(((flat.view(view) & exponent) == exponent).any()):
+                return False
+        elif flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+            return False
+    return True
 
 
 def _check_edge_base(key: str, f: _SafetensorsFile, target: LoraTarget) -> None:
@@ -195,6 +223,8 @@ def _scaled(tensors: dict, options: PeftOptions) -> dict:
     """float32 tensors, each B scaled by its module's alpha over its rank (per layer and
     module: alpha_pattern, rank_pattern)."""
     return {
-        (layer, module, ab): t.float() * (options.scaling(layer, module) if ab == "B" else 1.0)
+        (layer, module, ab): t.float().mul_(options.scaling(layer, module))
+        if ab == "B"
+        else t.float()
         for (layer, module, ab), t in tensors.items()
     }

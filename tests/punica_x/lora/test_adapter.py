@@ -136,6 +136,35 @@ def test_non_finite_values_refused(llm, tiny_adapters, tmp_path):
     refused(llm, path, "non_finite", "contains NaN or Inf")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), "max", "tiny"])
+def test_values_are_checked_in_every_float_dtype(llm, tiny_adapters, tmp_path, dtype, value):
+    """The runner's one pass over all values (adapter._all_finite, on the exponent bits)
+    refuses NaN and +-Inf in each dtype, naming the tensor, and lets the largest finite
+    value and a subnormal through, as torch.isfinite does; a mixed-dtype file too."""
+    from punica_x.lora.adapter import load_peft_adapter
+
+    path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
+    weights = {k: t.to(dtype) for k, t in load_file(path / "adapter_model.safetensors").items()}
+    names = sorted(weights)
+    weights[names[0]] = weights[names[0]].float()  # another dtype beside it
+    name = names[-2]
+    if value == "max":
+        value = torch.finfo(dtype).max
+    elif value == "tiny":
+        value = torch.finfo(dtype).smallest_normal / 4
+    weights[name] = weights[name].clone()
+    weights[name][-1, -1] = value
+    save_file(weights, path / "adapter_model.safetensors")
+    target, rank = llm.engine.adapters.target, llm.engine.config.lora.max_lora_rank
+    if bool(torch.isfinite(weights[name]).all()):
+        assert load_peft_adapter(path, target, rank, torch.float32).rank == 4
+        return
+    with pytest.raises(AdapterError, match="NaN or Inf") as info:
+        load_peft_adapter(path, target, rank, torch.float32)
+    assert info.value.code == "non_finite" and name in str(info.value)
+
+
 def test_missing_files_and_bad_config_refused(llm, tiny_adapters, tmp_path):
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "nofile")
     (path / "adapter_model.safetensors").unlink()
