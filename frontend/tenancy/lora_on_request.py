@@ -27,11 +27,10 @@ _NAME = re.compile(NAME_PATTERN)
 
 async def load_on_request(manager, caller, source, model: str) -> bool:
     """True once `model` is the caller's adapter (loaded now, or by a racing request); False
-    when its source holds no such folder. ApiError when the folder is refused, the store
-    fails, or the wait runs out. source: LocalSource or ObjectSource (lora_sources.py)."""
+    when its source holds no such folder (the load's first read says so: one look at the
+    source). ApiError when the folder is refused, the store fails, or the wait runs out.
+    source: LocalSource or ObjectSource (lora_sources.py)."""
     if not isinstance(model, str) or not _NAME.fullmatch(model):
-        return False
-    if not await asyncio.to_thread(source.has, caller.tenant.name, model):
         return False
     load = asyncio.ensure_future(manager.load_adapter(caller, model, model, replace=False))
     load.add_done_callback(_quietly)
@@ -45,6 +44,10 @@ async def load_on_request(manager, caller, source, model: str) -> bool:
             "model",
             retry_after=5,
         ) from None
+    except ApiError as exc:
+        if exc.code == "lora_path_not_found":  # no such folder: not a model of the caller's
+            return False
+        raise
     return True
 
 

@@ -39,9 +39,6 @@ class LocalSource:
     def describe(self, tenant: str) -> str:
         return f"{tenant}/ under the server's --lora-source-root"
 
-    def has(self, tenant: str, name: str) -> bool:
-        return (tenant_folder(self.root, tenant) / name).is_dir()
-
     def read(self, tenant: str, lora_path: str, limits: Limits) -> SourceFiles:
         check_text(lora_path)
         return SourceFiles(load_files(self.root, tenant, lora_path, limits), lora_path)

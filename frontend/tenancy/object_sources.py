@@ -14,8 +14,9 @@ mirror of it would not), control characters, a query or fragment, keys over S3's
 (400 invalid_lora_path).
 
 Each object's size is read first (HEAD): one over the upload limits is 413 and its bytes are
-never fetched; the bytes read are capped as well. Its ETag is read before and after its
-bytes: an object replaced meanwhile is 409 source_changed and nothing is kept. The stored
+never fetched; the bytes read are capped as well. Its bytes are read on condition that its
+ETag is still the HEAD's (GET with If-Match): an object replaced meanwhile answers 412, which
+is 409 source_changed, and nothing is kept. The stored
 version names the object version it was read at: its source is the URI and the two ETags,
 "s3://BUCKET/KEY#etag=CONFIG,WEIGHTS" (listed in /v1/adapters and as `root` in /v1/models).
 
@@ -142,15 +143,6 @@ class ObjectSource:
             )
         return key
 
-    def has(self, tenant: str, name: str) -> bool:
-        """Whether the tenant's prefix holds a folder `name` with an adapter_config.json (a
-        request naming it loads it: lora_on_request.py)."""
-        path = f"{self.root.bucket}/{self.tenant_prefix(tenant)}/{name}/{CONFIG}"
-        try:
-            return bool(self._call(self.fs.exists, path))
-        except FileNotFoundError:
-            return False
-
     def read(self, tenant: str, lora_path: str, limits: Limits) -> SourceFiles:
         """The two PEFT files of `lora_path` and the source they were read at."""
         check_text(lora_path)
@@ -178,17 +170,40 @@ class ObjectSource:
             raise bad_request("not_a_file", f"{name} is not an object")
         if int(before.get("size") or 0) > cap:
             raise ApiError(413, "payload_too_large", f"{name} exceeds {cap} bytes")
+        etag = _etag(before)
         try:
-            data = self._call(self.fs.cat_file, path, start=0, end=cap + 1)
-            after = self._info(path)
+            data = self._call(self._get, path, cap, etag)
         except FileNotFoundError:
             raise _changed(name) from None
         if len(data) > cap:  # it grew between the HEAD and the GET
             raise ApiError(413, "payload_too_large", f"{name} exceeds {cap} bytes")
-        etag = _etag(before)
-        if etag != _etag(after) or len(data) != int(after.get("size") or 0):
+        if len(data) != int(before.get("size") or 0):  # (a store that sends no ETag)
             raise _changed(name)
         return data, etag
+
+    def _get(self, path: str, cap: int, etag: str) -> bytes:
+        """The object's first cap + 1 bytes, read only while its ETag is still `etag` (the
+        GET's If-Match: an object replaced since the HEAD answers 412, source_changed), so
+        the bytes are the version the HEAD described without a second HEAD."""
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        return sync(self.fs.loop, self._get_async, bucket, key, cap, etag)
+
+    async def _get_async(self, bucket: str, key: str, cap: int, etag: str) -> bytes:
+        match = {"IfMatch": f'"{etag}"'} if etag else {}
+        try:
+            resp = await self.fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{cap}", **match
+            )
+        except OSError as exc:
+            if _precondition_failed(exc):
+                raise FileNotFoundError(key) from None  # gone or replaced: _read_object's 409
+            raise
+        try:
+            return await resp["Body"].read()
+        finally:
+            resp["Body"].close()
 
     def _info(self, path: str) -> dict:
         self.fs.invalidate_cache(path)  # a HEAD now, never a listing cached earlier
@@ -245,6 +260,21 @@ def _s3(timeout_s: float):
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config)
     fs.retries = TRIES
     return fs
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether the store answered 412 to a conditional read (s3fs raises an OSError whose
+    cause is botocore's ClientError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        error = getattr(exc, "response", None)
+        if isinstance(error, dict) and error.get("Error", {}).get("Code") in (
+            "PreconditionFailed",
+            "412",
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _etag(info: dict) -> str:
