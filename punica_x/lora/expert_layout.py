@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from punica_x.lora.expert_keys import EXPERT_STACKS, ROUTER, per_expert
+from punica_x.lora.host_buffers import host_zeros
 
 
 def to_expert_layout(tensors: dict, target, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -27,8 +28,8 @@ def to_expert_layout(tensors: dict, target, dtype: torch.dtype) -> tuple[dict, d
         e = target.num_experts if module in EXPERT_STACKS else 1
         rank = max(t.shape[0] for t in layers.values()) // e
         h_in, h_out = target.shape(module)
-        a = torch.zeros(e, target.num_layers, rank, h_in, dtype=dtype)
-        b = torch.zeros(e, target.num_layers, rank, h_out, dtype=dtype)
+        a = host_zeros((e, target.num_layers, rank, h_in), dtype)
+        b = host_zeros((e, target.num_layers, rank, h_out), dtype)
         for layer, ta in layers.items():
             r = ta.shape[0] // e
             a[:, layer, :r] = ta.view(e, r, h_in)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from punica_x.lora.host_buffers import host_zeros
+
 # Projections that read one input and share one SGMV launch, in the base model's fused order.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -37,10 +39,11 @@ def _group_buffers(tensors, present, top: dict, target, dtype: torch.dtype):
     targeted slice stacked and each slice's B as [r, h_out] (PEFT stores [h_out, r]),
     flattened; each slice at its largest rank `top` over the layers, zero-padded (zero rows of
     A and B add nothing; a layer without the module is all zeros). Each float32 tensor is
-    copied into place once, rounded to `dtype` there (as a float32 stack then .to(dtype))."""
+    copied into place once, rounded to `dtype` there (as a float32 stack then .to(dtype)).
+    The buffers are the adapter's host copy: lora/host_buffers.py says where they live."""
     layers, h_in = target.num_layers, target.shapes[present[0]][0]
-    a = torch.zeros(layers, sum(top[m] for m in present), h_in, dtype=dtype)
-    b = torch.zeros(layers, sum(top[m] * target.shapes[m][1] for m in present), dtype=dtype)
+    a = host_zeros((layers, sum(top[m] for m in present), h_in), dtype)
+    b = host_zeros((layers, sum(top[m] * target.shapes[m][1] for m in present)), dtype)
     for layer in range(layers):
         row = col = 0
         for m in present:
