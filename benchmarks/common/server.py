@@ -21,11 +21,16 @@ def free_port() -> int:
 
 
 def start_server(
-    data_dir: Path, port: int, extra: tuple[str, ...] = (), engine_threads: int | None = None
+    data_dir: Path,
+    port: int,
+    extra: tuple[str, ...] = (),
+    engine_threads: int | None = None,
+    ready_s: float = 300,
 ) -> subprocess.Popen:
     """The server on 127.0.0.1:port; engine_threads: torch threads of its engine (thread
-    runners: the server process's OMP_NUM_THREADS; Ray runners: PUNICA_X_RUNNER_THREADS)."""
-    log = (data_dir.parent / "server.log").open("w")
+    runners: the server process's OMP_NUM_THREADS; Ray runners: PUNICA_X_RUNNER_THREADS);
+    ready_s: how long it may take to answer /ready (its log is appended to, across starts)."""
+    log = (data_dir.parent / "server.log").open("a")
     env = dict(os.environ)
     if engine_threads:
         env["OMP_NUM_THREADS"] = env["PUNICA_X_RUNNER_THREADS"] = str(engine_threads)
@@ -45,7 +50,9 @@ def start_server(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    return wait_ready(proc, f"http://127.0.0.1:{port}/ready", 300, data_dir.parent / "server.log")
+    return wait_ready(
+        proc, f"http://127.0.0.1:{port}/ready", ready_s, data_dir.parent / "server.log"
+    )
 
 
 def wait_ready(proc: subprocess.Popen, url: str, seconds: float, log: Path) -> subprocess.Popen:
