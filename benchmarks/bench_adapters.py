@@ -15,6 +15,8 @@ starts with none of them. Then:
    on the server's disk; on the device as its pool's LRU allows): delivered tokens/s, and the
    cold run's over it (issue 74: >= 0.8).
    Cold start = time to first token of the first request naming an adapter never fetched.
+   Each pass also reports the CPU seconds the server, the store and the clients spent in it:
+   all three share this machine's cores, and an object store's work is not the server's.
 3. register: the store's other adapters loaded through vLLM's POST /v1/load_lora_adapter
    (--register-clients at a time) until the tenant holds all N; the server's RSS before and
    after: bytes per registered-but-cold adapter (beyond the adapter pools, which were full
@@ -43,7 +45,7 @@ from common.args import add_seed, parser
 from common.report import describe_machine, log, print_table, pyplot, save_plot, write_json
 from common.scratch import scratch_dir
 from common.server import free_port, start_server
-from common.stream_clients import stream_body
+from common.stream_clients import cpu_seconds, stream_body
 from common.timing import percentile
 
 TENANT = "bench"
@@ -279,7 +281,7 @@ def _run(args, store: AdapterStore, shapes, prompts, scratch: Path) -> dict:
     server = start_server(data, port, extra)
     try:
         key = _tenant(url, data, args.adapters)
-        report = _phases(args, url, key, server.pid, data, ranks, prompts, stored)
+        report = _phases(args, url, key, server.pid, store.proc.pid, data, ranks, prompts, stored)
         server = _stop(server)
         t0 = time.perf_counter()
         server = start_server(data, port, extra, ready_s=RESTART_S)
@@ -308,14 +310,26 @@ def _tenant(url: str, data: Path, adapters: int) -> str:
     return r.json()["api_key"]
 
 
-def _phases(args, url, key, pid, data: Path, ranks, prompts, stored) -> dict:
+def _streams_run(url, key, jobs, args, marks, pids: dict[str, int]) -> dict:
+    """One pass of the jobs, summarized, with the CPU seconds each process spent in it (the
+    store shares this machine's cores: an object store's own work, not the server's)."""
+    before = {name: cpu_seconds(p) for name, p in pids.items()}
+    client = cpu_seconds()
+    out = summarize(asyncio.run(run_streams(url, key, jobs, args.streams, args.max_tokens)), marks)
+    out["cpu_s"] = {name: round(cpu_seconds(p) - before[name], 2) for name, p in pids.items()}
+    out["cpu_s"]["client"] = round(cpu_seconds() - client, 2)
+    return out
+
+
+def _phases(args, url, key, pid, store_pid, data: Path, ranks, prompts, stored) -> dict:
     names = zipf_names(args.hot, args.requests, args.zipf, args.seed)
     jobs = [(n, prompts[i % len(prompts)]) for i, n in enumerate(names)]
     marks = first_uses(names)
     rss_start = rss_bytes(pid)
-    cold = summarize(asyncio.run(run_streams(url, key, jobs, args.streams, args.max_tokens)), marks)
+    pids = {"server": pid, "store": store_pid}
+    cold = _streams_run(url, key, jobs, args, marks, pids)
     log(f"cold: {cold}")
-    warm = summarize(asyncio.run(run_streams(url, key, jobs, args.streams, args.max_tokens)), marks)
+    warm = _streams_run(url, key, jobs, args, marks, pids)
     log(f"warm: {warm}")
     touched = sorted(set(names))
     report = {
@@ -398,6 +412,9 @@ def _publish(args, report: dict) -> None:
             "first-use TTFT p99 ms": report[run]["first_use_ttft_ms"].get("p99"),
             "other TTFT p50 ms": report[run]["other_ttft_ms"].get("p50"),
             "other TTFT p99 ms": report[run]["other_ttft_ms"].get("p99"),
+            "server CPU s": report[run]["cpu_s"]["server"],
+            "store CPU s": report[run]["cpu_s"]["store"],
+            "client CPU s": report[run]["cpu_s"]["client"],
         }
         for run in ("cold", "warm")
     ]

@@ -88,6 +88,8 @@ def test_a_toy_run_loads_on_first_use_and_registers_the_rest(tmp_path):
     for run in ("cold", "warm"):
         assert report[run]["errors"] == 0, report[run]["first_errors"]
         assert report[run]["tokens"] == 10 * 3
+        assert report[run]["cpu_s"]["server"] > 0
+    assert report["cold"]["cpu_s"]["store"] > report["warm"]["cpu_s"]["store"]  # no reads warm
     assert report["cold"]["first_use_ttft_ms"]["n"] == named
     reg = report["register"]
     assert (reg["loads"], reg["failed"]) == (7 - named, 0)
