@@ -278,6 +278,19 @@ def tiny_llm(model_dir: Path, **kwargs):
     return LLM(model=str(model_dir), **kwargs)
 
 
+def plant_value(weights: dict, name: str, dtype, value) -> None:
+    """Put `value` (a float, or "max" / "tiny": the dtype's largest finite value, a subnormal)
+    in the last element of weights[name] (a copy), for the NaN / Inf checks' tests."""
+    import torch
+
+    if value == "max":
+        value = torch.finfo(dtype).max
+    elif value == "tiny":
+        value = torch.finfo(dtype).smallest_normal / 4
+    weights[name] = weights[name].clone()
+    weights[name][-1, -1] = value
+
+
 def rewrite_config(src: Path, dst: Path, **changes) -> Path:
     """Copy an adapter directory with changed adapter_config.json fields."""
     dst.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import torch
 from helpers import (
     make_peft_adapter,
     make_tiny_llama,
+    plant_value,
     rewrite_config,
     tiny_llm,
     trojan_checkpoint,
@@ -149,12 +150,7 @@ def test_values_are_checked_in_every_float_dtype(llm, tiny_adapters, tmp_path, d
     names = sorted(weights)
     weights[names[0]] = weights[names[0]].float()  # another dtype beside it
     name = names[-2]
-    if value == "max":
-        value = torch.finfo(dtype).max
-    elif value == "tiny":
-        value = torch.finfo(dtype).smallest_normal / 4
-    weights[name] = weights[name].clone()
-    weights[name][-1, -1] = value
+    plant_value(weights, name, dtype, value)
     save_file(weights, path / "adapter_model.safetensors")
     target, rank = llm.engine.adapters.target, llm.engine.config.lora.max_lora_rank
     if bool(torch.isfinite(weights[name]).all()):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import rewrite_config
+from helpers import plant_value, rewrite_config
 from safetensors.torch import load_file, save_file
 
 from punica_x.config import ModelConfig
@@ -113,12 +113,7 @@ def test_values_are_checked_on_their_bits(dtype, value, tiny_adapters, target, t
     path = rewrite_config(tiny_adapters["r4"], tmp_path / "a")
     weights = {k: t.to(dtype) for k, t in load_file(path / WEIGHTS_FILE).items()}
     name = sorted(weights)[-1]
-    if value == "max":
-        value = torch.finfo(dtype).max
-    elif value == "tiny":
-        value = torch.finfo(dtype).smallest_normal / 4
-    weights[name] = weights[name].clone()
-    weights[name][-1, -1] = value
+    plant_value(weights, name, dtype, value)
     save_file(weights, path / WEIGHTS_FILE)
     finite = bool(torch.isfinite(weights[name]).all())
     if finite:
