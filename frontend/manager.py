@@ -168,12 +168,11 @@ class FrontendManager:
         (frontend/tenancy/lora_on_request.py)."""
         if model == self.model_id:
             return None
-        if self.store.current_adapter(caller.tenant.id, model) is None:
-            source = self.lora_source
-            if source is None or not await load_on_request(self, caller, source, model):
-                raise ApiError(
-                    404, "model_not_found", f"the model {model!r} does not exist", "model"
-                )
+        known = self.store.current_adapter(caller.tenant.id, model) is not None
+        if not known and (
+            self.lora_source is None or not await load_on_request(self, caller, model)
+        ):
+            raise ApiError(404, "model_not_found", f"the model {model!r} does not exist", "model")
         return adapter_key(caller.tenant.id, model)
 
     # -- generation ---------------------------------------------------------------------------

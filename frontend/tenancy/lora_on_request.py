@@ -25,11 +25,11 @@ LOAD_WAIT_S = 60.0
 _NAME = re.compile(NAME_PATTERN)
 
 
-async def load_on_request(manager, caller, source, model: str) -> bool:
+async def load_on_request(manager, caller, model: str) -> bool:
     """True once `model` is the caller's adapter (loaded now, or by a racing request); False
     when its source holds no such folder (the load's first read says so: one look at the
     source). ApiError when the folder is refused, the store fails, or the wait runs out.
-    source: LocalSource or ObjectSource (lora_sources.py)."""
+    manager: the FrontendManager, its lora_source on (a LocalSource or an ObjectSource)."""
     if not isinstance(model, str) or not _NAME.fullmatch(model):
         return False
     load = asyncio.ensure_future(manager.load_adapter(caller, model, model, replace=False))
