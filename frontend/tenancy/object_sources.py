@@ -265,16 +265,12 @@ def _s3(timeout_s: float):
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether the store answered 412 to a conditional read (s3fs raises an OSError whose
     cause is botocore's ClientError)."""
-    seen = 0
-    while exc is not None and seen < 8:
-        error = getattr(exc, "response", None)
-        if isinstance(error, dict) and error.get("Error", {}).get("Code") in (
-            "PreconditionFailed",
-            "412",
-        ):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    codes = ("PreconditionFailed", "412")
+    return any(
+        isinstance(getattr(e, "response", None), dict)
+        and e.response.get("Error", {}).get("Code") in codes
+        for e in _chain(exc)
+    )
 
 
 def _etag(info: dict) -> str:
@@ -293,14 +289,18 @@ def _changed(name: str) -> ApiError:
 def _timed_out(exc: BaseException) -> bool:
     """Whether the client gave up waiting (botocore's, aiohttp's, asyncio's or the socket's
     timeout, however deep in the chain)."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, (TimeoutError, asyncio.TimeoutError, socket.timeout)):
-            return True
-        if "Timeout" in type(exc).__name__:  # botocore ConnectTimeoutError, ReadTimeoutError
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return any(
+        isinstance(e, (TimeoutError, asyncio.TimeoutError, socket.timeout))
+        or "Timeout" in type(e).__name__  # botocore ConnectTimeoutError, ReadTimeoutError
+        for e in _chain(exc)
+    )
+
+
+def _chain(exc: BaseException | None, depth: int = 8):
+    """exc and what caused it, up to `depth` deep (the clients wrap their errors)."""
+    while exc is not None and depth > 0:
+        yield exc
+        exc, depth = exc.__cause__ or exc.__context__, depth - 1
 
 
 def check_installed() -> None:

@@ -7,7 +7,8 @@ buffers of the same sizes. On glibc's heap that leaves long-lived buffers among 
 once the host LRU was full, every further adapter registered grew the process by ~440 KB
 (3,000 rank 8-64 adapters of SmolLM2, a 4 GiB LRU) though it held nothing more. A buffer
 mapped on its own is returned to the system whole when its tensor is freed (the map is the
-tensor's buffer), so the process holds what the LRU holds; ~8 KB per further adapter."""
+tensor's buffer): ~60 KB per further adapter in that in-process run, and 0.9-9.6 KB per
+registered-but-cold adapter in a server holding 10,000 (benchmarks/bench_adapters.py)."""
 
 from __future__ import annotations
 
