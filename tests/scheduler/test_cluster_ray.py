@@ -234,7 +234,9 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
     2-cycle.
     DGFM, with both held between steps, copies the KV across, brings each side's blocks home,
     cuts the debts by the blocks moved, and both requests finish with one big engine's
-    tokens."""
+    tokens. w0 lives 40 decode steps: on a loaded machine it may finish before w1 has
+    borrowed, and then no cycle ever forms; that attempt is run again on fresh runners (3
+    at most), the cycle's absence each time failing the test."""
     from scheduler.distkv.ray_group import RayKVGroup
 
     w0 = [(i * 5) % 200 + 3 for i in range(430)]  # 27 blocks: more than A has
@@ -287,6 +289,8 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
                 if debts.get(("B", "A"), 0) >= 4:
                     break
                 await asyncio.sleep(0.01)
+            if debts.get(("A", "B"), 0) < 4 or debts.get(("B", "A"), 0) < 4:
+                return debts, None  # w0 finished before w1 borrowed: no cycle this time
             swaps = await asyncio.to_thread(group.defragment_blocking, {"A", "B", "C"}, 4)
             after = await asyncio.to_thread(group.debts)
             outs = await asyncio.gather(*(consume(s) for s in streams[::-1]))
@@ -295,13 +299,19 @@ def test_dgfm_swaps_a_debt_cycle_home_between_processes(local_ray, tiny_model_di
                 if not final:
                     break
                 await asyncio.sleep(0.05)
-            return debts, swaps, after, outs, final
+            return debts, (swaps, after, outs, final)
         finally:
             for r in runners:
                 r.shutdown()
 
-    debts, swaps, after, outs, final = asyncio.run(main())
-    assert debts.get(("A", "B"), 0) >= 4 and debts.get(("B", "A"), 0) >= 4, debts
+    seen = []
+    for _ in range(3):
+        debts, run = asyncio.run(main())
+        seen.append(debts)
+        if run is not None:
+            break
+    assert run is not None, f"no A<->B debt cycle formed in 3 attempts: {seen}"
+    swaps, after, outs, final = run
     assert len(swaps) == 1 and set(swaps[0].cycle) == {"A", "B"}, (debts, swaps)
     moved = swaps[0].blocks
     assert moved >= 4, swaps
