@@ -13,7 +13,10 @@ starts with none of them. Then:
    -> its store -> the runners), while the other streams go on.
 2. warm: the same requests again, every adapter they name now loaded (registered, its files
    on the server's disk; on the device as its pool's LRU allows): delivered tokens/s, and the
-   cold run's over it (issue 74: >= 0.8).
+   cold run's over it (issue 74: >= 0.8). Each pass sends its own cache_salt, so the warm one
+   reuses no prefix KV the cold one computed (both start with none: what differs is only
+   whether the adapters are loaded); within a pass, requests repeating an adapter and a
+   prompt reuse their KV as a server's would.
    Cold start = time to first token of the first request naming an adapter never fetched.
    Each pass also reports the CPU seconds the server, the store and the clients spent in it:
    all three share this machine's cores, and an object store's work is not the server's.
@@ -75,9 +78,10 @@ def first_uses(names: list[str]) -> list[bool]:
 
 
 async def run_streams(url: str, key: str, jobs: list[tuple[str, str]], streams: int,
-                      max_tokens: int) -> dict:  # fmt: skip
+                      max_tokens: int, salt: str | None = None) -> dict:  # fmt: skip
     """The jobs over `streams` connections in order; per job (status, ttft s, tokens, error)
-    and the run's seconds."""
+    and the run's seconds. salt: every request's cache_salt (its prefix KV is reused only by
+    requests of the same salt)."""
     results: list = [None] * len(jobs)
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(len(jobs)):
@@ -90,7 +94,7 @@ async def run_streams(url: str, key: str, jobs: list[tuple[str, str]], streams: 
         async def worker():
             while not queue.empty():
                 i = queue.get_nowait()
-                results[i] = await _one(http, jobs[i], max_tokens)
+                results[i] = await _one(http, jobs[i], max_tokens, salt)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
@@ -98,9 +102,12 @@ async def run_streams(url: str, key: str, jobs: list[tuple[str, str]], streams: 
     return {"seconds": seconds, "results": results}
 
 
-async def _one(http: httpx.AsyncClient, job: tuple[str, str], max_tokens: int) -> dict:
+async def _one(http: httpx.AsyncClient, job: tuple[str, str], max_tokens: int,
+               salt: str | None = None) -> dict:  # fmt: skip
     name, prompt = job
     body = stream_body(name, prompt, max_tokens, usage=True)
+    if salt is not None:
+        body["cache_salt"] = salt
     sent = time.perf_counter()
     ttft, tokens = None, 0
     async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -310,12 +317,14 @@ def _tenant(url: str, data: Path, adapters: int) -> str:
     return r.json()["api_key"]
 
 
-def _streams_run(url, key, jobs, args, marks, pids: dict[str, int]) -> dict:
-    """One pass of the jobs, summarized, with the CPU seconds each process spent in it (the
-    store shares this machine's cores: an object store's own work, not the server's)."""
+def _streams_run(url, key, jobs, args, marks, pids: dict[str, int], salt: str) -> dict:
+    """One pass of the jobs with cache_salt `salt`, summarized, with the CPU seconds each
+    process spent in it (the store shares this machine's cores: an object store's own work,
+    not the server's)."""
     before = {name: cpu_seconds(p) for name, p in pids.items()}
     client = cpu_seconds()
-    out = summarize(asyncio.run(run_streams(url, key, jobs, args.streams, args.max_tokens)), marks)
+    run = asyncio.run(run_streams(url, key, jobs, args.streams, args.max_tokens, salt))
+    out = summarize(run, marks)
     out["cpu_s"] = {name: round(cpu_seconds(p) - before[name], 2) for name, p in pids.items()}
     out["cpu_s"]["client"] = round(cpu_seconds() - client, 2)
     return out
@@ -327,9 +336,9 @@ def _phases(args, url, key, pid, store_pid, data: Path, ranks, prompts, stored) 
     marks = first_uses(names)
     rss_start = rss_bytes(pid)
     pids = {"server": pid, "store": store_pid}
-    cold = _streams_run(url, key, jobs, args, marks, pids)
+    cold = _streams_run(url, key, jobs, args, marks, pids, "cold")
     log(f"cold: {cold}")
-    warm = _streams_run(url, key, jobs, args, marks, pids)
+    warm = _streams_run(url, key, jobs, args, marks, pids, "warm")
     log(f"warm: {warm}")
     touched = sorted(set(names))
     report = {
