@@ -13,12 +13,15 @@ lora_path_forbidden), empty, "." or ".." segments (a store keeps them literally,
 mirror of it would not), control characters, a query or fragment, keys over S3's 1,024 bytes
 (400 invalid_lora_path).
 
-Each object's size is read first (HEAD): one over the upload limits is 413 and its bytes are
-never fetched; the bytes read are capped as well. Its bytes are read on condition that its
-ETag is still the HEAD's (GET with If-Match): an object replaced meanwhile answers 412, which
-is 409 source_changed, and nothing is kept. The stored
-version names the object version it was read at: its source is the URI and the two ETags,
-"s3://BUCKET/KEY#etag=CONFIG,WEIGHTS" (listed in /v1/adapters and as `root` in /v1/models).
+Each object is read with one ranged GET of its first cap + 1 bytes (two requests per adapter:
+a HEAD before each GET doubled the round trips of a cold start and the store's work): the
+object's size, from the response's Content-Range, is checked before its body is read, so
+one over the upload limits is 413 and its body is never read. One response gives the bytes
+and their ETag, so they are one version of the object; a body shorter than the size it was
+sent with (an object replaced while it streamed, a cut connection) is 409 source_changed,
+and nothing is kept. The stored version names the object versions it was read at: its
+source is the URI and the two ETags, "s3://BUCKET/KEY#etag=CONFIG,WEIGHTS" (listed in
+/v1/adapters and as `root` in /v1/models).
 
 The store's faults are the request's, never the server's: no such object is 404 (the
 folder) or 400 missing_file (its weights), a denied read 403 source_forbidden, a store that
@@ -159,55 +162,41 @@ class ObjectSource:
     def _read_object(self, key: str, name: str, cap: int, lora_path: str) -> tuple[bytes, str]:
         path = f"{self.root.bucket}/{key}/{name}"
         try:
-            before = self._info(path)
+            data, size, etag = self._call(self._get, path, cap)
         except FileNotFoundError:
             if name == CONFIG:
                 raise ApiError(
                     404, "lora_path_not_found", f"no adapter at {lora_path!r}", "lora_path"
                 ) from None
             raise bad_request("missing_file", f"the adapter folder has no {name}") from None
-        if before.get("type") != "file":
-            raise bad_request("not_a_file", f"{name} is not an object")
-        if int(before.get("size") or 0) > cap:
+        if size > cap:
             raise ApiError(413, "payload_too_large", f"{name} exceeds {cap} bytes")
-        etag = _etag(before)
-        try:
-            data = self._call(self._get, path, cap, etag)
-        except FileNotFoundError:
-            raise _changed(name) from None
-        if len(data) > cap:  # it grew between the HEAD and the GET
-            raise ApiError(413, "payload_too_large", f"{name} exceeds {cap} bytes")
-        if len(data) != int(before.get("size") or 0):  # (a store that sends no ETag)
+        if len(data) != size:
             raise _changed(name)
         return data, etag
 
-    def _get(self, path: str, cap: int, etag: str) -> bytes:
-        """The object's first cap + 1 bytes, read only while its ETag is still `etag` (the
-        GET's If-Match: an object replaced since the HEAD answers 412, source_changed), so
-        the bytes are the version the HEAD described without a second HEAD."""
+    def _get(self, path: str, cap: int) -> tuple[bytes, int, str]:
+        """(the object's bytes, its size, its ETag) from one GET of its first cap + 1 bytes;
+        the bytes are b"" when the size is over cap (the body is not read)."""
         from fsspec.asyn import sync
 
         bucket, key, _ = self.fs.split_path(path)
-        return sync(self.fs.loop, self._get_async, bucket, key, cap, etag)
+        return sync(self.fs.loop, self._get_async, bucket, key, cap)
 
-    async def _get_async(self, bucket: str, key: str, cap: int, etag: str) -> bytes:
-        match = {"IfMatch": f'"{etag}"'} if etag else {}
+    async def _get_async(self, bucket: str, key: str, cap: int) -> tuple[bytes, int, str]:
         try:
             resp = await self.fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{cap}", **match
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{cap}"
             )
         except OSError as exc:
-            if _precondition_failed(exc):
-                raise FileNotFoundError(key) from None  # gone or replaced: _read_object's 409
+            if _error_code(exc) == "InvalidRange":  # S3's answer to a range of an empty object
+                return b"", 0, ""
             raise
         try:
-            return await resp["Body"].read()
+            size = _object_size(resp)
+            return (b"" if size > cap else await resp["Body"].read()), size, _etag(resp)
         finally:
             resp["Body"].close()
-
-    def _info(self, path: str) -> dict:
-        self.fs.invalidate_cache(path)  # a HEAD now, never a listing cached earlier
-        return self._call(self.fs.info, path)
 
     def _call(self, fn, *args, **kwargs):
         """fn(...) with the store's faults as ApiErrors (FileNotFoundError passes: what is
@@ -262,19 +251,25 @@ def _s3(timeout_s: float):
     return fs
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    """Whether the store answered 412 to a conditional read (s3fs raises an OSError whose
-    cause is botocore's ClientError)."""
-    codes = ("PreconditionFailed", "412")
-    return any(
-        isinstance(getattr(e, "response", None), dict)
-        and e.response.get("Error", {}).get("Code") in codes
-        for e in _chain(exc)
-    )
+def _error_code(exc: BaseException) -> str | None:
+    """The store's error code under `exc` (s3fs raises an OSError whose cause is botocore's
+    ClientError), None when it carries none."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
+    return None
 
 
-def _etag(info: dict) -> str:
-    return str(info.get("ETag") or info.get("etag") or "").strip('"')
+def _object_size(resp: dict) -> int:
+    """The whole object's bytes from a ranged GET's response: Content-Range's total
+    ("bytes 0-99/1234"), or its Content-Length where the store sent the whole object."""
+    total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+    return int(total) if total.isdigit() else int(resp.get("ContentLength") or 0)
+
+
+def _etag(resp: dict) -> str:
+    return str(resp.get("ETag") or "").strip('"')
 
 
 def _changed(name: str) -> ApiError:

@@ -5,6 +5,7 @@ to answer 500, so the store's faults are real network behaviour, never a mocked 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from contextlib import contextmanager, suppress
@@ -18,6 +19,7 @@ CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 BUCKET = "adapters"
+_REQUEST_LINE = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) /")
 
 
 @contextmanager
@@ -73,10 +75,12 @@ def aws_environment(endpoint: str):
 
 class FaultyProxy:
     """A TCP proxy to `upstream` (host, port) on 127.0.0.1; mode "pass" forwards, "hang"
-    accepts and never answers, "error" answers every request 500."""
+    accepts and never answers, "error" answers every request 500. requests: the method of
+    each request forwarded, in order ("GET", "HEAD", ...)."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream, self.mode = upstream, "pass"
+        self.requests: list[str] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self._held: list[socket.socket] = []
@@ -94,8 +98,8 @@ class FaultyProxy:
                 threading.Thread(target=self._error, args=(conn,), daemon=True).start()
             else:
                 up = socket.create_connection(self.upstream)
-                for a, b in ((conn, up), (up, conn)):
-                    threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                for a, b, seen in ((conn, up, self.requests), (up, conn, None)):
+                    threading.Thread(target=_pipe, args=(a, b, seen), daemon=True).start()
 
     @staticmethod
     def _error(conn: socket.socket) -> None:
@@ -111,9 +115,13 @@ class FaultyProxy:
             c.close()
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+def _pipe(src: socket.socket, dst: socket.socket, requests: list[str] | None = None) -> None:
+    """src's bytes to dst; requests: where the method of each request line seen goes (a
+    client's request line starts the first chunk it sends for it)."""
     try:
         while data := src.recv(65536):
+            if requests is not None and (m := _REQUEST_LINE.match(data)):
+                requests.append(m.group(1).decode())
             dst.sendall(data)
     except OSError:
         pass
