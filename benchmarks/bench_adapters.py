@@ -28,9 +28,14 @@ starts with none of them. Then:
 5. restart: the server stopped and started again on its data: seconds until it is ready
    (every stored adapter registered again), its RSS then.
 
+--rounds R runs 1-2 R times, each on a fresh server (its own data folder, no adapter
+loaded) over the same store, one round after the other; 3-5 follow the last round. The
+report gives each round's figures, and the cold / warm ratio's median and range; its
+`cold` and `warm` are those of the median round.
+
     python benchmarks/bench_adapters.py [--adapters 10000] [--hot 1000] [--streams 64]
         [--requests 2000] [--max-tokens 32] [--zipf 1.0] [--ranks 8,16,32,64]
-        [--rank-weights 4,3,2,1]
+        [--rank-weights 4,3,2,1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import asyncio
 import json
 import os
 import random
+import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -226,6 +233,7 @@ def parse_args(argv=None):
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--rank-weights", default="4,3,2,1")
     ap.add_argument("--register-clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="cold + warm passes, fresh servers")
     ap.add_argument("--no-register", action="store_true",
                     help="skip loading the store's other adapters (phase 3)")  # fmt: skip
     add_seed(ap)
@@ -243,7 +251,8 @@ def parse_args(argv=None):
         w > 0 for w in args.weight_list
     ):
         ap.error("--rank-weights: finite, >= 0, one of them > 0")
-    for flag in ("adapters", "hot", "streams", "requests", "max_tokens", "register_clients"):
+    flags = ("adapters", "hot", "streams", "requests", "max_tokens", "register_clients", "rounds")
+    for flag in flags:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.hot > args.adapters:
@@ -283,25 +292,63 @@ def _run(args, store: AdapterStore, shapes, prompts, scratch: Path) -> dict:
     os.environ.update(store.environment())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    data = scratch / "data"
     extra = ("--lora-source-root", f"s3://{BUCKET}/{PREFIX}", "--lora-source-timeout-s", "60")
-    server = start_server(data, port, extra)
+    names = zipf_names(args.hot, args.requests, args.zipf, args.seed)
+    jobs = [(n, prompts[i % len(prompts)]) for i, n in enumerate(names)]
+    report = {
+        "store": {"adapters": args.adapters, "bytes": stored, "ranks": _counts(ranks),
+                  "targets": TARGETS},
+        "workload": {"hot": args.hot, "requests": args.requests, "streams": args.streams,
+                     "max_tokens": args.max_tokens, "zipf": args.zipf,
+                     "adapters_named": len(set(names))},
+        "rounds": [],
+    }  # fmt: skip
+    for r in range(args.rounds):
+        data = scratch / f"data{r}"
+        server = start_server(data, port, extra)
+        try:
+            key = _tenant(url, data, args.adapters)
+            pids = {"server": server.pid, "store": store.proc.pid}
+            report["rounds"].append(_passes(args, url, key, pids, data, jobs))
+            if r == args.rounds - 1:
+                report.update(_at_scale(args, url, key, server.pid, data, names))
+                server = _stop(server)
+                report["restart"] = _restart(url, key, data, port, extra)
+        finally:
+            if server is not None:
+                _stop(server)
+        if r < args.rounds - 1:
+            shutil.rmtree(data)
+    return {**report, **_median_round(report["rounds"])}
+
+
+def _restart(url: str, key: str, data: Path, port: int, extra) -> dict:
+    """The server started again on `data`: seconds until ready, its RSS, /v1/models."""
+    t0 = time.perf_counter()
+    server = start_server(data, port, extra, ready_s=RESTART_S)
     try:
-        key = _tenant(url, data, args.adapters)
-        report = _phases(args, url, key, server.pid, store.proc.pid, data, ranks, prompts, stored)
-        server = _stop(server)
-        t0 = time.perf_counter()
-        server = start_server(data, port, extra, ready_s=RESTART_S)
-        report["restart"] = {
+        out = {
             "ready_s": round(time.perf_counter() - t0, 1),
             "rss": rss_bytes(server.pid),
             "models": timed_get(url, key, "/v1/models"),
         }
-        log(f"restart: {report['restart']}")
-        return report
     finally:
-        if server is not None:
-            _stop(server)
+        _stop(server)
+    log(f"restart: {out}")
+    return out
+
+
+def _median_round(rounds: list[dict]) -> dict:
+    """cold, warm and their ratio of the median round (by ratio), the ratios' median/range."""
+    ratios = [r["cold_over_warm"] for r in rounds]
+    median = sorted(rounds, key=lambda r: r["cold_over_warm"])[(len(rounds) - 1) // 2]
+    return {
+        "cold": median["cold"],
+        "warm": median["warm"],
+        "cold_over_warm": median["cold_over_warm"],
+        "cold_over_warm_median": round(statistics.median(ratios), 3),
+        "cold_over_warm_range": [min(ratios), max(ratios)],
+    }
 
 
 def _stop(server) -> None:
@@ -330,49 +377,39 @@ def _streams_run(url, key, jobs, args, marks, pids: dict[str, int], salt: str) -
     return out
 
 
-def _phases(args, url, key, pid, store_pid, data: Path, ranks, prompts, stored) -> dict:
-    names = zipf_names(args.hot, args.requests, args.zipf, args.seed)
-    jobs = [(n, prompts[i % len(prompts)]) for i, n in enumerate(names)]
-    marks = first_uses(names)
-    rss_start = rss_bytes(pid)
-    pids = {"server": pid, "store": store_pid}
+def _passes(args, url, key, pids: dict[str, int], data: Path, jobs) -> dict:
+    """One round on a fresh server: the cold pass, then the warm one."""
+    marks = first_uses([name for name, _ in jobs])
+    rss_start = rss_bytes(pids["server"])
     cold = _streams_run(url, key, jobs, args, marks, pids, "cold")
     log(f"cold: {cold}")
     warm = _streams_run(url, key, jobs, args, marks, pids, "warm")
     log(f"warm: {warm}")
-    touched = sorted(set(names))
-    report = {
-        "store": {
-            "adapters": args.adapters,
-            "bytes": stored,
-            "ranks": _counts(ranks),
-            "targets": TARGETS,
-        },
-        "workload": {
-            "hot": args.hot,
-            "requests": args.requests,
-            "streams": args.streams,
-            "max_tokens": args.max_tokens,
-            "zipf": args.zipf,
-            "adapters_named": len(touched),
-        },
+    ratio = round(cold["tok_s"] / warm["tok_s"], 3)
+    log(f"cold / warm tok/s: {ratio}")
+    return {
         "cold": cold,
         "warm": warm,
-        "cold_over_warm": round(cold["tok_s"] / warm["tok_s"], 3),
-        "rss": {"start": rss_start, "after_workload": rss_bytes(pid)},
+        "cold_over_warm": ratio,
+        "rss": {"start": rss_start, "after_workload": rss_bytes(pids["server"])},
         "disk": {"after_workload": disk_bytes(data)},
     }
+
+
+def _at_scale(args, url, key, pid, data: Path, names: list[str]) -> dict:
+    """The store's other adapters registered (unless --no-register), then the listings at N."""
+    out = {}
     if not args.no_register:
-        rest = sorted(set(f"a{i}" for i in range(args.adapters)) - set(touched))
-        report["register"] = _register(url, key, pid, data, rest, args, report)
-    report["at_scale"] = {
+        rest = sorted(set(f"a{i}" for i in range(args.adapters)) - set(names))
+        out["register"] = _register(url, key, pid, data, rest, args)
+    out["at_scale"] = {
         "models": timed_get(url, key, "/v1/models"),
         "adapters_page": timed_get(url, key, "/v1/adapters?limit=100"),
     }
-    return report
+    return out
 
 
-def _register(url, key, pid, data: Path, rest: list[str], args, report) -> dict:
+def _register(url, key, pid, data: Path, rest: list[str], args) -> dict:
     """Load `rest` in CHECKPOINTS chunks, RSS and disk after each: the RSS per adapter is
     the slope over the second half, when the adapter pools (host LRU, device) are long full
     and only what each registered adapter costs beyond them grows."""
@@ -414,22 +451,26 @@ def _counts(values: list[int]) -> dict:
 def _publish(args, report: dict) -> None:
     rows = [
         {
+            "round": i + 1,
             "run": run,
-            "tok/s": report[run]["tok_s"],
-            "errors": report[run]["errors"],
-            "first-use TTFT p50 ms": report[run]["first_use_ttft_ms"].get("p50"),
-            "first-use TTFT p99 ms": report[run]["first_use_ttft_ms"].get("p99"),
-            "other TTFT p50 ms": report[run]["other_ttft_ms"].get("p50"),
-            "other TTFT p99 ms": report[run]["other_ttft_ms"].get("p99"),
-            "server CPU s": report[run]["cpu_s"]["server"],
-            "store CPU s": report[run]["cpu_s"]["store"],
-            "client CPU s": report[run]["cpu_s"]["client"],
+            "tok/s": rnd[run]["tok_s"],
+            "errors": rnd[run]["errors"],
+            "first-use TTFT p50 ms": rnd[run]["first_use_ttft_ms"].get("p50"),
+            "first-use TTFT p99 ms": rnd[run]["first_use_ttft_ms"].get("p99"),
+            "other TTFT p50 ms": rnd[run]["other_ttft_ms"].get("p50"),
+            "other TTFT p99 ms": rnd[run]["other_ttft_ms"].get("p99"),
+            "server CPU s": rnd[run]["cpu_s"]["server"],
+            "store CPU s": rnd[run]["cpu_s"]["store"],
+            "client CPU s": rnd[run]["cpu_s"]["client"],
         }
+        for i, rnd in enumerate(report["rounds"])
         for run in ("cold", "warm")
     ]
     print_table(rows, list(rows[0]), f"{args.adapters} adapters in S3, Zipf {args.zipf} over "
                 f"{args.hot}, {args.streams} streams")  # fmt: skip
-    log(f"cold / warm tok/s: {report['cold_over_warm']} (issue 74: >= 0.8)")
+    low, high = report["cold_over_warm_range"]
+    log(f"cold / warm tok/s: median {report['cold_over_warm_median']} of "
+        f"{len(report['rounds'])} rounds, {low}-{high} (issue 74: >= 0.8)")  # fmt: skip
     reg = report.get("register")
     if reg and "rss_per_cold_adapter" in reg:
         log(f"RSS per registered-but-cold adapter: {reg['rss_per_cold_adapter'] / 1024:.1f} KiB; "
@@ -440,17 +481,24 @@ def _publish(args, report: dict) -> None:
 
 
 def _plot(report: dict) -> None:
+    """Each round's cold and warm tok/s; the median round's first-use TTFT p50 / p99."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    runs = ["cold", "warm"]
-    ax1.bar(runs, [report[r]["tok_s"] for r in runs], color=["tab:blue", "tab:gray"])
+    colors = {"cold": "tab:blue", "warm": "tab:gray"}
+    for i, rnd in enumerate(report["rounds"]):
+        for j, run in enumerate(("cold", "warm")):
+            label = run if i == 0 else None
+            ax1.bar(i * 3 + j, rnd[run]["tok_s"], color=colors[run], label=label)
+    ax1.set_xticks([i * 3 + 0.5 for i in range(len(report["rounds"]))])
+    ax1.set_xticklabels([f"round {i + 1}" for i in range(len(report["rounds"]))])
     ax1.set_ylabel("delivered tok/s")
-    ax1.set_title(f"cold / warm = {report['cold_over_warm']}")
-    for r, color in zip(runs, ["tab:blue", "tab:gray"]):
+    ax1.set_title(f"cold / warm: median {report['cold_over_warm_median']}")
+    ax1.legend()
+    for r in ("cold", "warm"):
         q = report[r]["first_use_ttft_ms"]
         if q.get("n"):
-            ax2.bar([f"{r}\np50", f"{r}\np99"], [q["p50"], q["p99"]], color=color)
-    ax2.set_ylabel("first request of an adapter: TTFT ms")
+            ax2.bar([f"{r}\np50", f"{r}\np99"], [q["p50"], q["p99"]], color=colors[r])
+    ax2.set_ylabel("first request of an adapter: TTFT ms (median round)")
     save_plot("bench_adapters", fig)
 
 

@@ -67,7 +67,7 @@ def test_a_written_adapter_passes_the_servers_checks(tmp_path):
     [["--adapters", "0"], ["--hot", "11", "--adapters", "10"], ["--streams", "0"],
      ["--ranks", "8,128", "--rank-weights", "1,1"], ["--ranks", "8,16"], ["--ranks", "a"],
      ["--rank-weights", "nan,1,1,1"], ["--rank-weights", "0,0,0,0"], ["--zipf", "-1"],
-     ["--zipf", "nan"], ["--requests", "0"], ["--register-clients", "0"]],
+     ["--zipf", "nan"], ["--requests", "0"], ["--register-clients", "0"], ["--rounds", "0"]],
 )  # fmt: skip
 def test_bad_flags_are_refused(refused, flags):
     import bench_adapters
@@ -78,19 +78,33 @@ def test_bad_flags_are_refused(refused, flags):
 def test_a_toy_run_loads_on_first_use_and_registers_the_rest(tmp_path):
     env = dict(os.environ, PUNICA_X_RESULTS=str(tmp_path / "results"))
     flags = ["--adapters", "7", "--hot", "4", "--requests", "10", "--streams", "3",
-             "--max-tokens", "3", "--ranks", "8,64", "--rank-weights", "1,1"]  # fmt: skip
+             "--max-tokens", "3", "--ranks", "8,64", "--rank-weights", "1,1",
+             "--rounds", "2"]  # fmt: skip
     done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True,
                           text=True, timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*/bench_adapters.json")
     report = json.loads(path.read_text())
     named = report["workload"]["adapters_named"]
-    for run in ("cold", "warm"):
-        assert report[run]["errors"] == 0, report[run]["first_errors"]
-        assert report[run]["tokens"] == 10 * 3
-        assert report[run]["cpu_s"]["server"] > 0
-    assert report["cold"]["cpu_s"]["store"] > report["warm"]["cpu_s"]["store"]  # no reads warm
-    assert report["cold"]["first_use_ttft_ms"]["n"] == named
+    assert len(report["rounds"]) == 2
+    for rnd in report["rounds"]:  # each round on a fresh server: its cold pass loads again
+        for run in ("cold", "warm"):
+            assert rnd[run]["errors"] == 0, rnd[run]["first_errors"]
+            assert rnd[run]["tokens"] == 10 * 3
+            assert rnd[run]["cpu_s"]["server"] > 0
+        assert rnd["cold"]["cpu_s"]["store"] > rnd["warm"]["cpu_s"]["store"]  # no reads warm
+        assert rnd["cold"]["first_use_ttft_ms"]["n"] == named
+        assert rnd["cold_over_warm"] == round(rnd["cold"]["tok_s"] / rnd["warm"]["tok_s"], 3)
+    ratios = sorted(r["cold_over_warm"] for r in report["rounds"])
+    assert report["cold_over_warm_range"] == ratios
+    assert report["cold_over_warm_median"] == round(sum(ratios) / 2, 3)
+    assert (
+        report["cold"]
+        == report["rounds"][
+            [r["cold_over_warm"] for r in report["rounds"]].index(report["cold_over_warm"])
+        ]["cold"]
+        and report["cold_over_warm"] == ratios[0]
+    )
     reg = report["register"]
     assert (reg["loads"], reg["failed"]) == (7 - named, 0)
     disk = [p["disk"] for p in reg["points"]]
