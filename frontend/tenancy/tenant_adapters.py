@@ -24,6 +24,7 @@ from punica_x.api import AdapterError, UnknownAdapterError, check_peft_header
 from scheduler.cluster import Scheduler
 
 log = logging.getLogger(__name__)
+RESTORE_CONCURRENCY = 4  # adapters registered at once after a restart (restore)
 
 # AdapterError codes that mean the stored files are not what the row committed.
 UNTRUSTED_FILES = (
@@ -61,51 +62,64 @@ class TenantAdapters:
         self._arriving: dict[int, set[str]] = {}  # tenant id -> new names being stored (_quota)
 
     async def restore(self) -> None:
-        """Register the stored live adapters with the runners (after a restart). Files that
-        are missing or do not match the row's sha256 are never served: the row becomes
-        `broken` and the files are quarantined, each with an error line."""
+        """Register the stored live adapters with the runners (after a restart), up to
+        RESTORE_CONCURRENCY names at a time (each name's versions in the store's order): a
+        registration is mostly file reads, hashing and torch ops, which leave the
+        interpreter to the others. Files that are missing or do not match the row's sha256
+        are never served: the row becomes `broken` and the files are quarantined, each with
+        an error line."""
+        by_key: dict[str, list[AdapterRecord]] = {}
         for record in self.store.adapters():
-            key = adapter_key(record.tenant_id, record.name)
-            try:
-                await self.scheduler.register_adapter(
-                    key, record.path, record.sha256, version=record.id
+            by_key.setdefault(adapter_key(record.tenant_id, record.name), []).append(record)
+        gate = asyncio.Semaphore(RESTORE_CONCURRENCY)
+
+        async def restore_key(key: str, records: list[AdapterRecord]) -> None:
+            async with gate:
+                for record in records:
+                    await self._restore_one(key, record)
+
+        await asyncio.gather(*(restore_key(k, r) for k, r in by_key.items()))
+
+    async def _restore_one(self, key: str, record: AdapterRecord) -> None:
+        """One stored version registered again (restore): never raises."""
+        try:
+            await self.scheduler.register_adapter(
+                key, record.path, record.sha256, version=record.id
+            )
+            if record.pinned:
+                await self._restore_pin(key, record)
+        except AdapterError as exc:
+            if exc.code in UNTRUSTED_FILES:
+                self.store.set_state(record, "broken")
+                moved = (
+                    self.store.quarantine(record.path, str(exc)) if record.path.exists() else None
                 )
-                if record.pinned:
-                    await self._restore_pin(key, record)
-            except AdapterError as exc:
-                if exc.code in UNTRUSTED_FILES:
-                    self.store.set_state(record, "broken")
-                    moved = (
-                        self.store.quarantine(record.path, str(exc))
-                        if record.path.exists()
-                        else None
-                    )
-                    log.error(
-                        "stored adapter %r v%d (tenant %d) is not served (%s): %s; files "
-                        "quarantined at %s",
-                        record.name,
-                        record.version,
-                        record.tenant_id,
-                        exc.code,
-                        exc,
-                        moved,
-                    )
-                else:
-                    log.error(
-                        "stored adapter %r v%d (tenant %d) is not served (%s): %s",
-                        record.name,
-                        record.version,
-                        record.tenant_id,
-                        exc.code,
-                        exc,
-                    )
-            except Exception as exc:  # one broken adapter must not keep the server from starting
                 log.error(
-                    "stored adapter %r (tenant %d) is unusable: %s",
+                    "stored adapter %r v%d (tenant %d) is not served (%s): %s; files "
+                    "quarantined at %s",
                     record.name,
+                    record.version,
                     record.tenant_id,
+                    exc.code,
+                    exc,
+                    moved,
+                )
+            else:
+                log.error(
+                    "stored adapter %r v%d (tenant %d) is not served (%s): %s",
+                    record.name,
+                    record.version,
+                    record.tenant_id,
+                    exc.code,
                     exc,
                 )
+        except Exception as exc:  # one broken adapter must not keep the server from starting
+            log.error(
+                "stored adapter %r (tenant %d) is unusable: %s",
+                record.name,
+                record.tenant_id,
+                exc,
+            )
 
     async def _restore_pin(self, key: str, record: AdapterRecord) -> None:
         """Pin a restored adapter again; one the runners cannot pin now (a smaller pool
