@@ -33,7 +33,7 @@ def admin(args) -> int:
 
 
 def _tenant(args, base: str, token: str) -> int:
-    """`admin tenant create | list | weight | share | revoke`."""
+    """`admin tenant create | list | weight | share | source | adapters | revoke`."""
     if args.action == "create":
         body = {
             "name": args.name,
@@ -55,7 +55,8 @@ def _tenant(args, base: str, token: str) -> int:
             for t in data["data"]:
                 state = "revoked" if t["revoked"] else "active"
                 shares = "shares prefix cache" if t["share_prefix_cache"] else "own prefix cache"
-                print(f"{t['name']}\t{state}\tweight {t['weight']:g}\t{shares}")
+                source = t.get("lora_source") or "server root"
+                print(f"{t['name']}\t{state}\tweight {t['weight']:g}\t{shares}\t{source}")
             return 0
     elif args.action == "adapters":
         return _adapters(base, token, args.name)
@@ -64,6 +65,12 @@ def _tenant(args, base: str, token: str) -> int:
         status, data = _call("PATCH", url, token, {"weight": args.weight})
         if status == 200:
             print(f"tenant {args.name}: weight {data['weight']:g}")
+            return 0
+    elif args.action == "source":
+        url = f"{base}/admin/tenants/{args.name}"
+        status, data = _call("PATCH", url, token, {"lora_source": args.uri or ""})
+        if status == 200:
+            print(f"tenant {args.name}: adapters from {data['lora_source'] or 'the server root'}")
             return 0
     elif args.action == "share":
         url = f"{base}/admin/tenants/{args.name}"
@@ -251,6 +258,22 @@ def admin_parser(sub, default_data_dir: str) -> None:
     common.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
     common.add_argument("--data-dir", default=default_data_dir, help="where the admin token is")
     what = a.add_subparsers(dest="object", required=True)
+    _tenant_parser(what, common)
+    what.add_parser("status", parents=[common], help="runners, their load and the advice")
+    scale = what.add_parser("scale", help="add or drain runners (waits until done)")
+    direction = scale.add_subparsers(dest="direction", required=True)
+    up = direction.add_parser("up", parents=[common], help="start runners")
+    up.add_argument("--count", type=int, default=1)
+    down = direction.add_parser(
+        "down", parents=[common], help="drain runners (their requests move) and stop them"
+    )
+    pick = down.add_mutually_exclusive_group()
+    pick.add_argument("--runner", default=None, help="the runner to drain (id)")
+    pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")
+
+
+def _tenant_parser(what, common) -> None:
+    """`admin tenant ...`'s actions."""
     t = what.add_parser("tenant", help="tenants and their API keys")
     actions = t.add_subparsers(dest="action", required=True)
     create = actions.add_parser(
@@ -280,6 +303,14 @@ def admin_parser(sub, default_data_dir: str) -> None:
     )
     share.add_argument("name")
     share.add_argument("state", choices=["on", "off"])
+    source = actions.add_parser(
+        "source",
+        parents=[common],
+        help="load a tenant's adapters by path from an object-store URI of its own "
+        "(s3://BUCKET/PREFIX); without one, from the server's --lora-source-root again",
+    )
+    source.add_argument("name")
+    source.add_argument("uri", nargs="?", default=None)
     actions.add_parser("list", parents=[common], help="list tenants")
     listing = actions.add_parser(
         "adapters", parents=[common], help="list a tenant's adapters (version, rank, source)"
@@ -287,14 +318,3 @@ def admin_parser(sub, default_data_dir: str) -> None:
     listing.add_argument("name")
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a tenant's keys")
     revoke.add_argument("name")
-    what.add_parser("status", parents=[common], help="runners, their load and the advice")
-    scale = what.add_parser("scale", help="add or drain runners (waits until done)")
-    direction = scale.add_subparsers(dest="direction", required=True)
-    up = direction.add_parser("up", parents=[common], help="start runners")
-    up.add_argument("--count", type=int, default=1)
-    down = direction.add_parser(
-        "down", parents=[common], help="drain runners (their requests move) and stop them"
-    )
-    pick = down.add_mutually_exclusive_group()
-    pick.add_argument("--runner", default=None, help="the runner to drain (id)")
-    pick.add_argument("--count", type=int, default=1, help="drain the N least loaded")

@@ -21,10 +21,10 @@ from frontend.tenancy.auth import hash_key, new_api_key
 from frontend.tenancy.cache_scope import cache_salt
 from frontend.tenancy.limits import Admission
 from frontend.tenancy.lora_on_request import load_on_request
-from frontend.tenancy.lora_sources import open_source
 from frontend.tenancy.records import AdapterRecord, Tenant
 from frontend.tenancy.store import Store
 from frontend.tenancy.tenant_adapters import TenantAdapters, adapter_key
+from frontend.tenancy.tenant_sources import TenantSources
 from punica_x.api import (
     ContextTooLong,
     EngineRequest,
@@ -85,8 +85,8 @@ class FrontendManager:
             config.limits.max_adapters_per_tenant,
             config.limits.max_pinned_per_tenant,
         )
-        # where adapters load from by path (--lora-source-root; None: off)
-        self.lora_source = open_source(config.lora_source_root, config.lora_source_timeout_s)
+        # where adapters load from by path: --lora-source-root (None: off), tenants' own
+        self.sources = TenantSources(config.lora_source_root, config.lora_source_timeout_s)
 
     # -- start-up -----------------------------------------------------------------------------
     async def restore_adapters(self) -> None:
@@ -109,10 +109,14 @@ class FrontendManager:
         return tenant, key
 
     def update_tenant(self, name: str, body: TenantUpdate) -> Tenant:
-        """Set what the body gives: the fair-share weight, the prefix-cache sharing."""
+        """Set what the body gives: the fair-share weight, the prefix-cache sharing, the
+        tenant's own adapter source (checked before anything is set)."""
         tenant = self.store.tenant_by_name(name)
         if tenant is None:
             raise not_found("tenant_not_found", f"tenant {name!r} does not exist")
+        if body.lora_source is not None:
+            source = self.sources.check(body.lora_source)
+            self.store.set_tenant_source(tenant.id, source)
         if body.weight is not None:
             self.store.set_tenant_weight(tenant.id, body.weight)
         if body.share_prefix_cache is not None:
@@ -153,12 +157,18 @@ class FrontendManager:
         adapters = [(a.name, a.created, a.source or a.name) for a in self.list_adapters(caller)]
         return [(self.model_id, 0.0, self.model_id)] + adapters
 
+    def source_for(self, caller: Caller):
+        """Where the caller's adapters load from by path: its tenant's own source, else the
+        server's --lora-source-root (None: loading by path is off for it)."""
+        return self.sources.for_tenant(caller.tenant)
+
     async def load_adapter(
         self, caller: Caller, name: str, lora_path: str, replace: bool
     ) -> AdapterRecord | None:
-        """TenantAdapters.load of `lora_path` from the caller's source (lora_source, which
+        """TenantAdapters.load of `lora_path` from the caller's source (source_for, which
         must be on): None when the caller has `name` and not `replace`."""
-        read = functools.partial(self.lora_source.read, caller.tenant.name, lora_path, self.limits)
+        source = self.source_for(caller)
+        read = functools.partial(source.read, caller.tenant.name, lora_path, self.limits)
         return await self.adapters.load(caller.tenant, name, read, replace)
 
     async def resolve_model(self, caller: Caller, model: str) -> str | None:
@@ -170,7 +180,7 @@ class FrontendManager:
             return None
         known = self.store.current_adapter(caller.tenant.id, model) is not None
         if not known and (
-            self.lora_source is None or not await load_on_request(self, caller, model)
+            self.source_for(caller) is None or not await load_on_request(self, caller, model)
         ):
             raise ApiError(404, "model_not_found", f"the model {model!r} does not exist", "model")
         return adapter_key(caller.tenant.id, model)

@@ -30,15 +30,18 @@ class TenantCreate(Strict):
 
 class TenantUpdate(Strict):
     """PATCH /admin/tenants/{name}: the tenant's fair-share weight, whether its base-model
-    requests share prefix-cached KV with other tenants, or both (at least one)."""
+    requests share prefix-cached KV with other tenants, its own adapter source (an
+    object-store URI, "" for the server's --lora-source-root: frontend/tenancy/
+    tenant_sources.py, which checks it), or several (at least one)."""
 
     weight: Weight | None = None
     share_prefix_cache: bool | None = None
+    lora_source: Annotated[str, Field(max_length=1024)] | None = None
 
     @model_validator(mode="after")
     def _something(self):
-        if self.weight is None and self.share_prefix_cache is None:
-            raise refuse("weight", "give weight, share_prefix_cache or both")
+        if self.weight is None and self.share_prefix_cache is None and self.lora_source is None:
+            raise refuse("weight", "give weight, share_prefix_cache, lora_source or several")
         return self
 
 

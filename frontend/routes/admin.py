@@ -3,8 +3,10 @@
 
     GET    /admin/tenants                 -> every tenant
     POST   /admin/tenants {"name", ...}   -> 201, the tenant and its API key (shown once)
-    PATCH  /admin/tenants/{name} {"weight", "share_prefix_cache"} -> its fair-share weight,
-                                      whether its base-model requests share prefix-cached KV
+    PATCH  /admin/tenants/{name} {"weight", "share_prefix_cache", "lora_source"} -> its
+                                      fair-share weight, whether its base-model requests
+                                      share prefix-cached KV, its own adapter source
+                                      (frontend/tenancy/tenant_sources.py)
     DELETE /admin/tenants/{name}          -> revoke the tenant and its keys
     GET    /admin/tenants/{name}/adapters -> its adapters (all, or ?limit=N&after=NAME pages)
     GET    /admin/runners                 -> {"runners": [...], "advice": ..., "queued": N}
@@ -95,7 +97,7 @@ ENDPOINTS = (
         "/admin/tenants/{name}",
         ("PATCH",),
         tenant,
-        "Set a tenant's fair-share weight or prefix-cache sharing",
+        "Set a tenant's fair-share weight, prefix-cache sharing or own adapter source",
         body=TenantUpdate,
         auth="admin",
     ),
@@ -159,6 +161,7 @@ def tenant_json(t: Tenant) -> dict:
         "tokens_per_minute": t.tokens_per_minute,
         "weight": t.weight,
         "share_prefix_cache": t.share_prefix_cache,
+        "lora_source": t.lora_source,
     }
 
 

@@ -9,7 +9,8 @@ A caller loads and unloads only its own tenant's adapters, from its own source f
 is (the same checks, versions and crash consistency), and lists with its `source`. Unloading
 deletes it: new requests naming it get 404 at once, requests already running finish on the
 version they started with, and its files go when the last of them ends. The routes answer
-404 unless the server runs with --lora-source-root."""
+404 unless the server runs with --lora-source-root or the caller's tenant has a source of
+its own (frontend/tenancy/tenant_sources.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ async def load_lora_adapter(request: Request):
     state = server(request)
     manager, who = state.caller(request)
     body = validate(LoadLoraAdapter, await read_json(request, BODY_LIMIT))
-    _source(manager)
+    _source(manager, who)
     name, path = body.lora_name, body.lora_path
     if await manager.load_adapter(who, name, path, replace=body.load_inplace) is None:
         raise bad_request(
@@ -41,7 +42,7 @@ async def unload_lora_adapter(request: Request):
     state = server(request)
     manager, who = state.caller(request)
     body = validate(UnloadLoraAdapter, await read_json(request, BODY_LIMIT))
-    _source(manager)
+    _source(manager, who)
     name = body.lora_name
     try:
         await manager.delete_adapter(who, name)
@@ -54,13 +55,14 @@ async def unload_lora_adapter(request: Request):
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _source(manager):
-    source = manager.lora_source
+def _source(manager, who):
+    source = manager.source_for(who)
     if source is None:
         raise not_found(
             "lora_loading_off",
             "loading adapters by path is off on this server (serve --lora-source-root DIR "
-            "turns it on); upload them with POST /v1/adapters",
+            "turns it on, or a source of your own the operator sets); upload them with "
+            "POST /v1/adapters",
         )
     return source
 

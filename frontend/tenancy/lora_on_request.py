@@ -29,7 +29,8 @@ async def load_on_request(manager, caller, model: str) -> bool:
     """True once `model` is the caller's adapter (loaded now, or by a racing request); False
     when its source holds no such folder (the load's first read says so: one look at the
     source). ApiError when the folder is refused, the store fails, or the wait runs out.
-    manager: the FrontendManager, its lora_source on (a LocalSource or an ObjectSource)."""
+    manager: the FrontendManager, a source on for the caller (source_for: a LocalSource or
+    an ObjectSource)."""
     if not isinstance(model, str) or not _NAME.fullmatch(model):
         return False
     load = asyncio.ensure_future(manager.load_adapter(caller, model, model, replace=False))

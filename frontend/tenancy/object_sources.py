@@ -92,16 +92,20 @@ def _bad_segments(key: str) -> str | None:
 class ObjectSource:
     """Tenants' adapters under an ObjectRoot (the module's docstring). fs: an fsspec
     filesystem of the root's scheme (default: s3fs's, built from the AWS environment, with
-    timeout_s for connecting and for each read)."""
+    timeout_s for connecting and for each read). own: the root is one tenant's own source
+    (tenant_sources.py): its keys are under the root itself, not under <root>/<tenant>/."""
 
-    def __init__(self, root: ObjectRoot, timeout_s: float = 15.0, fs=None) -> None:
-        self.root, self.timeout_s = root, timeout_s
-        self.fs = fs if fs is not None else _s3(timeout_s)
+    def __init__(self, root: ObjectRoot, timeout_s: float = 15.0, fs=None, own=False) -> None:
+        self.root, self.timeout_s, self.own = root, timeout_s, own
+        self.fs = fs if fs is not None else s3_filesystem(timeout_s)
 
     def describe(self, tenant: str) -> str:
-        return f"{self.root}/{tenant}/"
+        return f"{self.root}/" if self.own else f"{self.root}/{tenant}/"
 
     def tenant_prefix(self, tenant: str) -> str:
+        """The key prefix of the tenant's adapters ("" for a tenant's own whole bucket)."""
+        if self.own:
+            return self.root.prefix
         return f"{self.root.prefix}/{tenant}" if self.root.prefix else tenant
 
     def key(self, tenant: str, lora_path: str) -> str:
@@ -133,12 +137,13 @@ class ObjectSource:
                 "lora_path",
             )
         else:
-            key = f"{self.tenant_prefix(tenant)}/{lora_path}"
+            key = f"{prefix}/{lora_path}" if (prefix := self.tenant_prefix(tenant)) else lora_path
         key = key.removesuffix("/")
         why = _bad_segments(key)
         if why is not None:
             raise bad_request("invalid_lora_path", f"lora_path: {why}", "lora_path")
-        if not key.startswith(self.tenant_prefix(tenant) + "/"):
+        prefix = self.tenant_prefix(tenant)
+        if prefix and not key.startswith(prefix + "/"):
             raise self._outside(tenant)
         if len(f"{key}/{WEIGHTS}".encode()) > MAX_KEY_BYTES:
             raise bad_request(
@@ -236,7 +241,7 @@ class ObjectSource:
         )
 
 
-def _s3(timeout_s: float):
+def s3_filesystem(timeout_s: float):
     """s3fs's filesystem from the AWS environment: bounded connects and reads, no listings
     cache (a folder added to the store is seen at once)."""
     import s3fs

@@ -11,7 +11,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0, max_concurrent INTEGER, tokens_per_minute INTEGER,
-    weight REAL NOT NULL DEFAULT 1.0, share_prefix_cache INTEGER NOT NULL DEFAULT 0);
+    weight REAL NOT NULL DEFAULT 1.0, share_prefix_cache INTEGER NOT NULL DEFAULT 0,
+    lora_source TEXT);
 CREATE TABLE IF NOT EXISTS api_keys (
     id INTEGER PRIMARY KEY, tenant_id INTEGER NOT NULL REFERENCES tenants(id),
     key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, created REAL NOT NULL,
@@ -25,7 +26,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     UNIQUE (tenant_id, name, version));
 """
 TENANT_COLUMNS = (
-    "id, name, created, revoked, max_concurrent, tokens_per_minute, weight, share_prefix_cache"
+    "id, name, created, revoked, max_concurrent, tokens_per_minute, weight, share_prefix_cache, "
+    "lora_source"
 )
 ADAPTER_COLUMNS = (
     "id, tenant_id, name, version, rank, target_modules, sha256, size_bytes, path, created, "
@@ -48,6 +50,9 @@ class Tenant:
     # its base-model requests share prefix-cached KV with other tenants that allow it
     # (frontend/tenancy/cache_scope.py); adapter requests never do
     share_prefix_cache: bool = False
+    # its own adapter source, an object-store URI the operator set (tenant_sources.py); None:
+    # <tenant>/ under the server's --lora-source-root
+    lora_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,9 @@ class AdapterRecord:
 
 
 def tenant_from_row(row) -> Tenant:
-    return Tenant(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], bool(row[7]))
+    return Tenant(
+        row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], bool(row[7]), row[8]
+    )
 
 
 def adapter_from_row(row) -> AdapterRecord:

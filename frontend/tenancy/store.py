@@ -87,6 +87,8 @@ class Store:
             self._db.execute(
                 "ALTER TABLE tenants ADD COLUMN share_prefix_cache INTEGER NOT NULL DEFAULT 0"
             )
+        if "lora_source" not in tenant_columns:
+            self._db.execute("ALTER TABLE tenants ADD COLUMN lora_source TEXT")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(adapters)")}
         if "state" not in columns:
             self._db.execute("ALTER TABLE adapters ADD COLUMN state TEXT NOT NULL DEFAULT 'live'")
@@ -167,6 +169,13 @@ class Store:
             lambda db: db.execute(
                 "UPDATE tenants SET share_prefix_cache = ? WHERE id = ?",
                 (int(share_prefix_cache), tenant_id),
+            )
+        )
+
+    def set_tenant_source(self, tenant_id: int, uri: str | None) -> None:
+        self._transaction(
+            lambda db: db.execute(
+                "UPDATE tenants SET lora_source = ? WHERE id = ?", (uri, tenant_id)
             )
         )
 

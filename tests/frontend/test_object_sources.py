@@ -180,3 +180,36 @@ def test_roots_parse():
     assert parse_root("s3://my-bucket/a/b/") == ObjectRoot("s3", "my-bucket", "a/b")
     src = ObjectSource(parse_root("s3://my-bucket"), fs=object())
     assert src.key("t", "x") == "t/x" and src.describe("t") == "s3://my-bucket/t/"
+
+
+def test_a_tenants_own_root_holds_its_keys_itself():
+    own = ObjectSource(parse_root("s3://my-bucket/teams/own"), fs=object(), own=True)
+    assert (
+        own.key("anyone", "x") == "teams/own/x" and own.describe("t") == "s3://my-bucket/teams/own/"
+    )
+    assert own.key("t", "s3://my-bucket/teams/own/a/b/") == "teams/own/a/b"
+    for path in ("s3://my-bucket/teams/other/x", "s3://other-bucket/teams/own/x"):
+        assert _refused(lambda p=path: own.key("t", p)).code == "lora_path_forbidden"
+    assert _refused(lambda: own.key("t", "../other/x")).code == "invalid_lora_path"
+    whole = ObjectSource(parse_root("s3://my-bucket"), fs=object(), own=True)  # a bucket each
+    assert whole.key("t", "a/b") == "a/b" and whole.key("t", "s3://my-bucket/z") == "z"
+    assert _refused(lambda: whole.key("t", "s3://other-bucket/z")).code == "lora_path_forbidden"
+    assert _refused(lambda: whole.key("t", "./z")).code == "invalid_lora_path"
+
+
+def test_tenant_sources_check_what_the_operator_gives():
+    from frontend.tenancy.records import Tenant
+    from frontend.tenancy.tenant_sources import TenantSources
+
+    sources = TenantSources(None, 5.0)
+    assert sources.check("s3://my-bucket/teams/own/") == "s3://my-bucket/teams/own"
+    assert sources.check("") is None
+    for bad in (None, 7, "gs://b/x", "s3://B/x", "s3://my-bucket/a/../b", "s3://my-bucket/x?v=1",
+                "s3://my-bucket/x\x01", "s3://my-bucket/" + "x" * 1100):  # fmt: skip
+        err = _refused(lambda b=bad: sources.check(b))
+        assert (err.status, err.code) == (400, "invalid_lora_source"), bad
+    t = Tenant(1, "t", 0.0, False, None, None)
+    assert sources.for_tenant(t) is None  # no root, no source of its own: loading is off
+    own = Tenant(1, "t", 0.0, False, None, None, lora_source="s3://my-bucket/teams/own")
+    got = sources.for_tenant(own)
+    assert got.own and got.key("t", "x") == "teams/own/x" and sources.for_tenant(own) is got

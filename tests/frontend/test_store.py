@@ -204,7 +204,12 @@ def test_databases_from_before_stored_dtype_migrate(tmp_path):
     new = store.reserve_adapter(1, "new", 4, ("q_proj",), "s2", 9, "bfloat16", "lora/new")
     assert store.adapter_by_id(new.id).stored_dtype == "bfloat16"
     assert store.adapter_by_id(new.id).public("float32")["source"] == "lora/new"
-    Store(data)  # opening a migrated database again changes nothing
+    assert store.tenant_by_name("t").lora_source is None  # tenants from before: the root
+    store.set_tenant_source(1, "s3://adapters/teams/t")
+    again = Store(data)  # opening a migrated database again changes nothing else
+    assert again.tenant_by_name("t").lora_source == "s3://adapters/teams/t"
+    again.set_tenant_source(1, None)
+    assert [t.lora_source for t in again.tenants()] == [None]
 
 
 def test_admin_token_is_written_whole(tmp_path):
