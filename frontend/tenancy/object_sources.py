@@ -17,11 +17,11 @@ Each object is read with one ranged GET of its first cap + 1 bytes (two requests
 a HEAD before each GET doubled the round trips of a cold start and the store's work): the
 object's size, from the response's Content-Range, is checked before its body is read, so
 one over the upload limits is 413 and its body is never read. One response gives the bytes
-and their ETag, so they are one version of the object; a body shorter than the size it was
-sent with (an object replaced while it streamed, a cut connection) is 409 source_changed,
-and nothing is kept. The stored version names the object versions it was read at: its
-source is the URI and the two ETags, "s3://BUCKET/KEY#etag=CONFIG,WEIGHTS" (listed in
-/v1/adapters and as `root` in /v1/models).
+and their ETag, so they are one version of the object; a body shorter than the size the
+store announced with it is 409 source_changed (a connection cut mid-body is the client's
+error: 502 source_unavailable), and nothing is kept. The stored version names the object
+versions it was read at: its source is the URI and the two ETags,
+"s3://BUCKET/KEY#etag=CONFIG,WEIGHTS" (listed in /v1/adapters and as `root` in /v1/models).
 
 The store's faults are the request's, never the server's: no such object is 404 (the
 folder) or 400 missing_file (its weights), a denied read 403 source_forbidden, a store that
@@ -110,6 +110,7 @@ class ObjectSource:
 
     def key(self, tenant: str, lora_path: str) -> str:
         """The key of the adapter folder `lora_path` names for `tenant`; ApiError refusing it."""
+        prefix = self.tenant_prefix(tenant)
         if "://" in lora_path:
             try:
                 parts = urlsplit(lora_path)
@@ -137,12 +138,11 @@ class ObjectSource:
                 "lora_path",
             )
         else:
-            key = f"{prefix}/{lora_path}" if (prefix := self.tenant_prefix(tenant)) else lora_path
+            key = f"{prefix}/{lora_path}" if prefix else lora_path
         key = key.removesuffix("/")
         why = _bad_segments(key)
         if why is not None:
             raise bad_request("invalid_lora_path", f"lora_path: {why}", "lora_path")
-        prefix = self.tenant_prefix(tenant)
         if prefix and not key.startswith(prefix + "/"):
             raise self._outside(tenant)
         if len(f"{key}/{WEIGHTS}".encode()) > MAX_KEY_BYTES:
